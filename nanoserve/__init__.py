@@ -1,0 +1,15 @@
+"""nanoserve: a compact, readable LLM serving engine.
+
+    from nanoserve import LLM, SamplingParams
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].text)
+"""
+from nanoserve.llm import LLM
+from nanoserve.model.gguf import default_model
+from nanoserve.outputs import RequestMetrics, RequestOutput
+from nanoserve.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "default_model"]
+__version__ = "0.1.0"

@@ -1,0 +1,188 @@
+"""The engine behind the server: one background thread runs `Engine.step()` in a loop, and
+asyncio handlers talk to it through queues.
+
+    handler ──generate()──► inbox ──► engine thread: add/abort, step(), ──► per-request queue
+       ▲                                                                        │
+       └───────────────────────── async for output in stream ◄──────────────────┘
+
+Only the engine thread touches the engine's mutable state. Handlers validate and tokenize in
+their own task (pure functions of the config and tokenizer), so a bad request is refused before
+anything is queued. A stream that is closed early (the client went away) aborts its request,
+which frees its KV blocks at the next step. If a step raises, every request in flight fails
+with that error and is aborted; the loop then carries on serving new requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from nanoserve.engine import Engine, EngineStats
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingParams
+
+log = logging.getLogger("nanoserve.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request (not the request's fault)."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+        self.last_error: str | None = None
+
+    # -- facts handlers need -------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after its latest step."""
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self.is_running:
+            return
+        self._thread = threading.Thread(target=self._loop, name="nanoserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._inbox.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+
+    # -- the handler side ----------------------------------------------------------------
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and validate; raises ValueError with a client-facing message."""
+        token_ids = self.engine.tokenize(prompt)
+        self.engine.validate(len(token_ids), params)
+        return token_ids
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes. Raises ValueError before streaming
+        for a request that can never be served, EngineError if the engine fails mid-way."""
+        token_ids = self.prepare(prompt, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        sink: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(request_id, token_ids, prompt if isinstance(prompt, str) else None,
+                             params, sink, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer stopped early: the client is gone
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._sinks[request_id]
+        q, loop = sink
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the handler's event loop has closed
+            pass
+
+    def _handle(self, message: _Add | _Abort) -> None:
+        if isinstance(message, _Abort):
+            out = self.engine.abort_request(message.request_id)
+            if out is not None:
+                self._deliver(message.request_id, out)
+            return
+        self._sinks[message.request_id] = (message.sink, message.loop)
+        try:
+            self.engine.add_request(message.token_ids, message.params, message.request_id,
+                                    prompt_text=message.prompt)
+        except Exception as exc:  # e.g. a duplicate id: the request's own problem
+            self._deliver(message.request_id, exc)
+
+    def _loop(self) -> None:
+        while True:
+            # Block for work when idle; otherwise drain whatever arrived during the last step.
+            block = not self.engine.has_unfinished_requests()
+            try:
+                while True:
+                    message = self._inbox.get(block=block, timeout=0.5 if block else None)
+                    if message is None:
+                        self._fail_all(EngineError("the server is shutting down"))
+                        return
+                    self._handle(message)
+                    block = False
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.stats()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._fail_all(EngineError(f"the engine failed while serving this request: {self.last_error}"))
+                outputs = []
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._stats = self.engine.stats()
+
+    def _fail_all(self, error: EngineError) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, error)
+        for request_id in list(self._sinks):
+            self._deliver(request_id, error)

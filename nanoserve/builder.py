@@ -1,0 +1,84 @@
+"""Turn user-facing arguments into a running `Engine`: load the model, size the KV cache, pick
+the policy and the attention backend. `LLM` and the server both build through here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
+from nanoserve.engine import Engine
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.model.attention import get_attention_backend
+from nanoserve.model.loader import load_model, resolve_model_path
+from nanoserve.model.runner import ModelRunner
+from nanoserve.sched import make_scheduler
+from nanoserve.tokenizer import Tokenizer
+
+CPU_KV_BYTES = 2 << 30  # default KV budget on a CPU
+CPU_KV_MAX_TOKENS = 65536  # ...capped in tokens so tiny test models do not allocate gigabytes
+GPU_ACTIVATION_RESERVE = 1 << 30  # headroom kept free for activations and logits
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = None  # directory or cached hub id; None means the embedded SmolLM2
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    policy: str = "fcfs"
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: str | None = None  # None: "triton" on CUDA (once it exists), else "torch"
+    gpu_memory_utilization: float = 0.9
+
+
+def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """How many KV blocks fit the user's token or byte budget, or the device's free memory."""
+    block_bytes = cfg.kv_bytes_per_token(dtype) * args.block_size
+    if args.kv_cache_tokens is not None:
+        if args.kv_cache_tokens < args.block_size:
+            raise ValueError(f"kv_cache_tokens must be at least block_size ({args.block_size})")
+        return args.kv_cache_tokens // args.block_size
+    if args.kv_cache_bytes is not None:
+        budget = args.kv_cache_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - int(total * (1 - args.gpu_memory_utilization)) - GPU_ACTIVATION_RESERVE
+    else:
+        budget = min(CPU_KV_BYTES, CPU_KV_MAX_TOKENS * block_bytes // args.block_size)
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes")
+    return blocks
+
+
+def build_engine(args: EngineArgs) -> Engine:
+    if args.model is None:
+        from nanoserve.model.gguf import default_model
+
+        path = Path(default_model())
+    else:
+        path = resolve_model_path(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model, cfg = load_model(path, device, dtype)
+    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+
+    num_blocks = kv_cache_blocks(args, cfg, device, dtype)
+    capacity = num_blocks * args.block_size
+    max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, capacity)
+    sched_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len, policy=args.policy,
+    )
+    pool = BlockPool(num_blocks, args.block_size)
+    backend = get_attention_backend(args.attention_backend or "torch")
+    runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed)
+    eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
+    return Engine(make_scheduler(sched_config, pool), runner, tokenizer, eos, model_name=str(args.model or path.name))

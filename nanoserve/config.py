@@ -1,0 +1,120 @@
+"""Frozen configuration objects.
+
+Each config is immutable once the engine is built: a component that needs a value reads it
+from its config rather than keeping a mutable copy, so two components can never disagree.
+
+`ModelConfig` is the architecture, parsed from an HF `config.json` by `model/loader.py`.
+`CacheConfig` and `SchedulerConfig` are the serving knobs a user sets through `LLM(...)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of an HF config.json the model code needs, normalised across architectures."""
+
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "opt"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # OPT: ffn_dim
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2: True)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    # OPT-only
+    do_layer_norm_before: bool = True
+    word_embed_proj_dim: int | None = None
+    remove_final_layer_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry. `num_blocks` is fixed once the runner has sized the cache."""
+
+    block_size: int = 16
+    num_blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.block_size * self.num_blocks
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits shared by every policy.
+
+    `max_num_batched_tokens` is the token budget of one step: decode tokens and prefill chunks
+    together. `max_model_len` bounds prompt + generated tokens of any single request.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    device: str
+    dtype: torch.dtype
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int = 0
+    attention_backend: str = "torch"
+    served_model_name: str = ""
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exact parity with HF), bf16 on CUDA, unless the caller names one."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPE_NAMES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}") from None

@@ -1,0 +1,225 @@
+"""The engine loop: schedule → execute → postprocess, one step at a time.
+
+    add_request ─► Scheduler.waiting
+    step():  batch = scheduler.schedule()        which requests advance, by how many tokens
+             result = executor.execute(batch)    real model (ModelRunner) or simulator
+             postprocess(batch, result)          append tokens, detokenize, stop, free KV
+
+The engine is single-threaded and synchronous. The server drives it from one background
+thread (`async_engine.py`); `LLM.generate` drives it in a plain loop.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from nanoserve.config import SchedulerConfig
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.model.runner import Executor, ExecutorOutput
+from nanoserve.outputs import RequestMetrics, RequestOutput
+from nanoserve.request import Request, RequestStatus
+from nanoserve.sampling import SamplingParams
+from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests_finished_total: int
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer | None,
+                 eos_token_ids: frozenset[int] = frozenset(), model_name: str = "model"):
+        self.model_name = model_name
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, int] = {}  # characters of output text already handed out
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_finished_total = 0
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.scheduler.pool
+
+    # -- requests --------------------------------------------------------------------------
+    def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError if a request could never be served. The message is client-facing."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt must contain at least one token")
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the prompt or max_tokens."
+            )
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
+        if any(not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab) for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None, prompt_text: str | None = None) -> Request:
+        """Queue a request. `prompt_text` names the text behind pre-tokenized prompts."""
+        token_ids = self.tokenize(prompt)
+        self.validate(len(token_ids), params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
+            prompt=prompt if isinstance(prompt, str) else prompt_text,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self._emitted[request_id] = 0
+        self.prompt_tokens_total += len(token_ids)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its KV. Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED, time.monotonic())
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.pool.num_used_blocks, kv_blocks_total=self.pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            requests_finished_total=self.requests_finished_total,
+        )
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Advance every scheduled request by one step; return outputs of those that changed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        result = self.executor.execute(batch)
+        self.scheduler.update_after_step(batch)
+        return self._postprocess(batch, result, time.monotonic())
+
+    def _postprocess(self, batch: SchedulerOutput, result: ExecutorOutput, now: float) -> list[RequestOutput]:
+        outputs = []
+        for chunk in batch.chunks:
+            request = chunk.request
+            token = result.sampled.get(request.request_id)
+            if token is None or request.is_finished:
+                continue
+            request.append_token(token, now)
+            self.generation_tokens_total += 1
+            if request.logprobs is not None:
+                request.logprobs.append(result.logprobs[request.request_id])
+            status = self._stop_status(request, token)
+            if status is not None:
+                self._finish(request, status, now)
+            outputs.append(self._output(request, new_tokens=1))
+        return outputs
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None:
+            before = len(detok.text)
+            detok.append(token)
+            text = detok.text
+            # A stop string this token completed must end in the new text: search only there.
+            for stop in params.stop_strings:
+                at = text.find(stop, max(0, before - len(stop) + 1))
+                if at >= 0:
+                    request.output_text = text[:at]
+                    request.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
+            request.output_text = text
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        if request.is_finished:
+            return
+        self.scheduler.finish_request(request, status)
+        request.finished_time = now
+        self.requests_finished_total += 1
+
+    def _output(self, request: Request, new_tokens: int = 0) -> RequestOutput:
+        rid = request.request_id
+        # While a stop string may still be forming, hold back the characters that could begin it.
+        hold = 0 if request.is_finished else max((len(s) - 1 for s in request.params.stop_strings), default=0)
+        visible = len(request.output_text) - hold
+        start = self._emitted[rid]
+        new_text = request.output_text[start:visible] if visible > start else ""
+        self._emitted[rid] = max(start, visible)
+        output = RequestOutput(
+            request_id=rid,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=request.output_text,
+            token_ids=request.output_token_ids,
+            finish_reason=request.finish_reason,
+            logprobs=request.logprobs,
+            metrics=self._metrics(request),
+            new_text=new_text,
+            new_token_ids=request.token_ids[len(request.token_ids) - new_tokens:] if new_tokens else [],
+            stop_reason=request.stop_reason,
+        )
+        if request.is_finished:
+            self.requests.pop(rid, None)
+            self._detokenizers.pop(rid, None)
+            self._emitted.pop(rid, None)
+        return output
+
+    @staticmethod
+    def _metrics(request: Request) -> RequestMetrics:
+        first, done = request.first_token_time, request.finished_time
+        n_out = request.num_output_tokens
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            ttft=None if first is None else first - request.arrival_time,
+            tpot=None if first is None or done is None or n_out < 2 else (done - first) / (n_out - 1),
+            e2e=None if done is None else done - request.arrival_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=n_out,
+            num_preemptions=request.num_preemptions,
+        )

@@ -1,0 +1,80 @@
+"""The offline API: hand over all prompts, get all completions back, with a progress bar."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from nanoserve.builder import EngineArgs, build_engine
+from nanoserve.engine import Engine
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """`LLM(model).generate(prompts, params)`, vLLM-style. `model=None` is the embedded SmolLM2."""
+
+    def __init__(self, model: str | None = None, *, device: str | None = None,
+                 dtype: str | torch.dtype | None = None, policy: str = "fcfs",
+                 kv_cache_tokens: int | None = None, block_size: int = 16,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 128, seed: int = 0,
+                 **engine_kwargs: Any):
+        self.engine: Engine = build_engine(EngineArgs(
+            model=model, device=device, dtype=dtype, policy=policy, kv_cache_tokens=kv_cache_tokens,
+            block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, seed=seed, **engine_kwargs,
+        ))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt (a string or a list of token ids); outputs come in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return self._run(prompts, list(params), use_tqdm)
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and complete it."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                                         add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        token_ids = [engine.tokenize(p) for p in prompts]
+        for ids, p in zip(token_ids, params):  # reject the whole call before any work starts
+            engine.validate(len(ids), p)
+        ids = []
+        try:
+            for prompt, tokens, p in zip(prompts, token_ids, params):
+                text = prompt if isinstance(prompt, str) else None
+                ids.append(engine.add_request(tokens, p, prompt_text=text).request_id)
+            results: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+            return [results[i] for i in ids]
+        finally:
+            for request_id in ids:  # on an exception (or Ctrl-C) leave no request behind
+                engine.abort_request(request_id)

@@ -1,0 +1,102 @@
+"""The paged KV block pool (vLLM's PagedAttention memory manager, §4 of Kwon et al., 2023).
+
+The KV cache is cut into `num_blocks` blocks of `block_size` token slots. A sequence owns a
+block table, a list of block ids; its token at position p lives at slot
+`table[p // block_size] * block_size + p % block_size` of the flattened cache. Blocks are
+handed out one at a time as a sequence grows, so no sequence reserves memory it has not used
+beyond its last, partly filled block.
+
+Invariants (checked by `check_invariants`):
+  1. Every block id in [0, num_blocks) is either free or in exactly one table, never both:
+     free + owned == total, and no id appears twice.
+  2. A sequence reserving n token slots owns exactly ceil(n / block_size) blocks.
+  3. `slot_mapping` is consistent with the tables: position p maps into block table[p // B].
+  4. With no sequences, every block is free.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # A stack: the most recently freed block is reused first.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[Hashable, list[int]] = {}
+        self._reserved: dict[Hashable, int] = {}  # token slots each sequence has reserved
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Blocks `seq_id` must still get to hold `num_tokens` tokens in total."""
+        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
+
+    def can_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The live table (not a copy): callers must not modify it."""
+        return self._tables.get(seq_id, [])
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._tables
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Flat cache slots of positions [start, end) of `seq_id`."""
+        table, size = self._tables[seq_id], self.block_size
+        if end > self._reserved[seq_id]:
+            raise IndexError(f"positions up to {end} exceed the {self._reserved[seq_id]} reserved slots")
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
+    # -- mutations -----------------------------------------------------------------------
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Grow `seq_id`'s reservation to `num_tokens` slots; returns the blocks added.
+
+        All or nothing: if the pool cannot cover the growth, nothing changes.
+        """
+        need = self.blocks_needed(seq_id, num_tokens)
+        if need > len(self._free):
+            raise NoFreeBlocksError(f"need {need} blocks, {len(self._free)} free")
+        new = [self._free.pop() for _ in range(need)]
+        self._tables.setdefault(seq_id, []).extend(new)
+        self._reserved[seq_id] = max(self._reserved.get(seq_id, 0), num_tokens)
+        return new
+
+    def free(self, seq_id: Hashable) -> int:
+        """Return all of `seq_id`'s blocks to the pool. Freeing an unknown id is a no-op."""
+        table = self._tables.pop(seq_id, [])
+        self._reserved.pop(seq_id, None)
+        self._free.extend(reversed(table))
+        return len(table)
+
+    # -- invariants ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        owned = [b for table in self._tables.values() for b in table]
+        assert len(set(owned)) == len(owned), "a block appears in two tables (or twice in one)"
+        assert len(set(self._free)) == len(self._free), "a block is on the free list twice"
+        assert not set(owned) & set(self._free), "a block is both owned and free"
+        assert len(owned) + len(self._free) == self.num_blocks, "blocks were lost or invented"
+        assert all(0 <= b < self.num_blocks for b in owned + self._free), "block id out of range"
+        assert self._tables.keys() == self._reserved.keys()
+        for seq_id, table in self._tables.items():
+            assert len(table) == self.blocks_for(self._reserved[seq_id]), f"{seq_id}: table size != reservation"
+        if not self._tables:
+            assert len(self._free) == self.num_blocks

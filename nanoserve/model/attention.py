@@ -1,0 +1,72 @@
+"""Paged attention as the model sees it.
+
+The model code is written for one flat batch of tokens from many sequences. Everything about
+where those tokens' K/V live (block tables, slots, directions) arrives in a `ForwardContext`
+built by the runner; the model never knows which policy or allocator produced it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+import torch
+from torch import nn
+
+import kernels.reference
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+
+
+def _backend_from_module(name: str, module: ModuleType) -> AttentionBackend:
+    return AttentionBackend(name, module.store_kv, module.paged_attention)
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return _backend_from_module("torch", kernels.reference)
+    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Where this step's tokens read and write K/V. See kernels/reference.py for the layout."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length after this step
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    backend: AttentionBackend
+    directions: torch.Tensor | None = None
+
+
+class PagedAttention(nn.Module):
+    """Stores this step's K/V into layer `layer_idx`'s cache, then attends over the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim]. Returns q's shape."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        ctx.backend.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        out = ctx.backend.paged_attention(
+            q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+            ctx.directions, self.scale,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,142 @@
+"""Building blocks shared by the model files: norms, rotary embeddings, fused linears and the
+weight-loading loop that maps Hugging Face parameter names onto them.
+
+Numerics follow `transformers` exactly (RMSNorm in fp32, RoPE angles in fp32) so that fp32
+logits match the HF implementation to rounding error.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies of rotate-half RoPE, with Llama-3 or linear scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    assert scaling is not None
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes cos/sin once per forward for all layers: [num_tokens, head_dim // 2] each.
+
+    The frequencies are a plain fp32 attribute, not a buffer: models are built on the meta
+    device and materialised empty, which would wipe a buffer computed at construction.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] in HF's rotate-half layout."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class MergedLinear(nn.Linear):
+    """Several HF projections that read the same input (q/k/v, gate/up), run as one matmul.
+
+    The output is the parts concatenated in order; `load_part` copies one HF tensor into its rows.
+    """
+
+    def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool):
+        super().__init__(in_features, sum(part_sizes), bias=bias)
+        self.part_sizes = list(part_sizes)
+        self.part_offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
+
+    def load_part(self, part: int, param_name: str, tensor: torch.Tensor) -> None:
+        start, size = self.part_offsets[part], self.part_sizes[part]
+        getattr(self, param_name).data[start : start + size].copy_(tensor)
+
+
+# (HF module name, fused module name, part index) used by Llama-family models.
+LLAMA_STACKED = [
+    ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
+    ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
+]
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Sequence[tuple[str, str, int]] = (),
+    skip: Sequence[str] = (),
+) -> None:
+    """Copy HF-named tensors into `model`, routing stacked names into their MergedLinear part.
+
+    Raises if a model parameter is left unloaded or a tensor has no home, so a wrong mapping
+    fails loudly at load time rather than as silently wrong logits.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    # Every part of a MergedLinear must arrive on its own, so parts are tracked as "name#i".
+    pending = set()
+    for module_name, module in modules.items():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            parts = len(module.part_sizes) if isinstance(module, MergedLinear) else 0
+            pending.update([f"{full}#{i}" for i in range(parts)] if parts else [full])
+    for name, tensor in weights:
+        if any(pattern in name for pattern in skip):
+            continue
+        for hf_part, fused, index in stacked:
+            key = f".{hf_part}."
+            if key in name:
+                module_name, param_name = name.replace(key, f".{fused}.").rsplit(".", 1)
+                module = modules.get(module_name)
+                if not isinstance(module, MergedLinear):
+                    raise KeyError(f"checkpoint tensor {name} has no fused target {module_name}")
+                module.load_part(index, param_name, tensor)
+                pending.discard(f"{module_name}.{param_name}#{index}")
+                break
+        else:
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name} does not match any model parameter")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            pending.discard(name)
+    if pending:
+        raise KeyError(f"parameters missing from the checkpoint: {sorted(pending)[:8]}")

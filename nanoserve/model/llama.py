@@ -1,0 +1,111 @@
+"""Llama (Llama-2, Llama-3 with its RoPE scaling, SmolLM2) over a paged KV cache.
+
+The layer structure and arithmetic mirror `transformers`' LlamaForCausalLM; two differences
+are only in layout: q/k/v run as one fused matmul and gate/up as another (the HF tensors are
+copied into the fused weights at load time), and attention reads K/V from the paged cache.
+
+Qwen2 and Qwen3 differ from Llama in a flag or a hook and subclass these classes.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.config import ModelConfig
+from nanoserve.model.attention import ForwardContext, PagedAttention
+from nanoserve.model.layers import (
+    LLAMA_STACKED, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, layer_idx)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook for per-head q/k normalisation before RoPE (Qwen3). Llama has none."""
+        return q, k
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.normalize_qk(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v.contiguous(), ctx)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_cls(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_cls: type[LlamaDecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], ctx) -> hidden [T, H]; compute_logits picks rows."""
+
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, self.layer_cls)
+        # Tied models reuse the embedding matrix as the LM head and own no separate weight.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.lm_head is None else [])
+        load_named_weights(self, weights, LLAMA_STACKED, skip)

@@ -1,0 +1,150 @@
+"""Load a Hugging Face checkpoint: resolve the directory, parse config.json, stream the weights.
+
+A model is named by a local directory or a hub id. Hub ids resolve through `huggingface_hub`
+with `local_files_only=True`: nanoserve never downloads at run time, it only finds what a
+previous `huggingface-cli download` left in the cache.
+
+Weights come from `*.safetensors` (sharded with `model.safetensors.index.json`, or not) or,
+failing that, `pytorch_model*.bin` through `torch.load(weights_only=True)`. The model is built
+on the meta device and materialised empty on the target, so no memory is spent on a random
+initialisation that the checkpoint would overwrite.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from nanoserve.config import ModelConfig
+from nanoserve.model.llama import LlamaForCausalLM
+from nanoserve.model.opt import OPTForCausalLM
+from nanoserve.model.qwen2 import Qwen2ForCausalLM
+from nanoserve.model.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, tuple[str, type[nn.Module]]] = {
+    "LlamaForCausalLM": ("llama", LlamaForCausalLM),
+    "Qwen2ForCausalLM": ("qwen2", Qwen2ForCausalLM),
+    "Qwen3ForCausalLM": ("qwen3", Qwen3ForCausalLM),
+    "OPTForCausalLM": ("opt", OPTForCausalLM),
+}
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local directory as is, or a hub id found in the local HF cache (never downloaded)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except Exception as exc:  # the hub raises several types for "not cached" and bad ids
+        raise FileNotFoundError(
+            f"model {str(model)!r} is neither a directory nor a hub id in the local Hugging Face "
+            f"cache (nanoserve does not download weights): {exc}"
+        ) from None
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers v5 writes `rope_parameters`; v4 wrote `rope_theta` and `rope_scaling`.
+    params = raw.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return theta, scaling
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    arch_name = (raw.get("architectures") or [""])[0]
+    if arch_name not in MODEL_CLASSES:
+        raise ValueError(f"unsupported architecture {arch_name!r}; nanoserve supports {sorted(MODEL_CLASSES)}")
+    arch = MODEL_CLASSES[arch_name][0]
+    common = dict(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=raw["num_attention_heads"],
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        raw=raw,
+    )
+    if arch == "opt":
+        bias = raw.get("enable_bias", True)
+        return ModelConfig(
+            **common,
+            intermediate_size=raw["ffn_dim"],
+            num_kv_heads=raw["num_attention_heads"],
+            head_dim=raw["hidden_size"] // raw["num_attention_heads"],
+            tie_word_embeddings=raw.get("tie_word_embeddings", True),
+            attention_bias=bias, o_proj_bias=bias, mlp_bias=bias,
+            do_layer_norm_before=raw.get("do_layer_norm_before", True),
+            word_embed_proj_dim=raw.get("word_embed_proj_dim"),
+            remove_final_layer_norm=raw.get("_remove_final_layer_norm", False),
+        )
+    if raw.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    theta, scaling = _rope(raw)
+    attention_bias = True if arch == "qwen2" else raw.get("attention_bias", False)
+    return ModelConfig(
+        **common,
+        intermediate_size=raw["intermediate_size"],
+        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=attention_bias,
+        o_proj_bias=False if arch == "qwen2" else attention_bias,
+        mlp_bias=raw.get("mlp_bias", False),
+    )
+
+
+def load_config(path: Path) -> ModelConfig:
+    return parse_config(json.loads((path / "config.json").read_text()))
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) from every weight file of a checkpoint, one tensor at a time."""
+    from safetensors import safe_open
+
+    safetensor_files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        safetensor_files = [path / shard for shard in shards]
+    if safetensor_files:
+        for file in safetensor_files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bin_files = sorted(path.glob("pytorch_model*.bin"))
+    if not bin_files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    for file in bin_files:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig]:
+    config = load_config(path)
+    model_cls = MODEL_CLASSES[config.raw["architectures"][0]][1]
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    with torch.no_grad():
+        model.load_weights(iter_weights(path))
+    return model.eval().requires_grad_(False), config

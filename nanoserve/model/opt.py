@@ -1,0 +1,115 @@
+"""OPT (Meta's 2022 decoder family) over a paged KV cache.
+
+How it differs from Llama, following `transformers`' OPTForCausalLM:
+- learned absolute position embeddings, looked up at `position + 2` (a fairseq legacy offset);
+- LayerNorm with biases instead of RMSNorm, ReLU MLP (fc1/fc2) instead of gated SiLU;
+- biases on every projection; no RoPE;
+- `do_layer_norm_before=False` (OPT-350m) normalises after each residual add instead of before;
+- `word_embed_proj_dim != hidden_size` (OPT-350m) adds project_in/project_out around the stack.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.config import ModelConfig
+from nanoserve.model.attention import ForwardContext, PagedAttention
+from nanoserve.model.layers import MergedLinear, load_named_weights
+
+POSITION_OFFSET = 2
+OPT_STACKED = [("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2)]
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.qkv_proj = MergedLinear(h, [h, h, h], bias=cfg.attention_bias)
+        self.out_proj = nn.Linear(h, h, bias=cfg.attention_bias)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5, layer_idx)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        return self.out_proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous(), ctx))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = cfg.do_layer_norm_before
+        affine = cfg.raw.get("layer_norm_elementwise_affine", True)
+        self.self_attn = OPTAttention(cfg, layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
+        self.act = ACTIVATIONS[cfg.raw.get("activation_function", "relu")]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.self_attn_layer_norm(x) if self.pre_norm else x
+        x = x + self.self_attn(h, ctx)
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre_norm else x
+        x = x + self.fc2(self.act(self.fc1(h)))
+        return x if self.pre_norm else self.final_layer_norm(x)
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        embed_dim = cfg.word_embed_proj_dim or cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size)
+        projected = embed_dim != cfg.hidden_size
+        self.project_in = nn.Linear(embed_dim, cfg.hidden_size, bias=False) if projected else None
+        self.project_out = nn.Linear(cfg.hidden_size, embed_dim, bias=False) if projected else None
+        has_final_norm = cfg.do_layer_norm_before and not cfg.remove_final_layer_norm
+        affine = cfg.raw.get("layer_norm_elementwise_affine", True)
+        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine) if has_final_norm else None
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        x = x + self.embed_positions(positions + POSITION_OFFSET)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return x
+
+
+class OPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.decoder = OPTDecoder(cfg)
+
+
+class OPTForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = OPTModel(cfg)
+        embed_dim = cfg.word_embed_proj_dim or cfg.hidden_size
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(embed_dim, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.decoder.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # Early OPT checkpoints name tensors "decoder.*" rather than "model.decoder.*".
+        renamed = ((f"model.{n}" if n.startswith("decoder.") else n, t) for n, t in weights)
+        skip = ["lm_head."] if self.lm_head is None else []
+        load_named_weights(self, renamed, OPT_STACKED, skip)

@@ -1,0 +1,124 @@
+"""The real executor: turns a scheduled batch into one model forward and one sampling pass.
+
+For a batch of chunks the runner builds flat tensors:
+
+    input_ids, positions   [num_tokens]      every chunk's new tokens, back to back
+    slot_mapping           [num_tokens]      where each new token's K/V is written
+    block_tables           [num_seqs, max_blocks]  (padded; padding is never read unmasked)
+    seq_lens               [num_seqs]        context length after the step
+    query_start_loc        [num_seqs + 1]    where each chunk's tokens start in the flat batch
+
+then runs the model, takes the hidden state of the last token of every chunk that samples,
+and samples. The simulator's executor has the same `execute` signature and returns the same
+`ExecutorOutput`, so the engine cannot tell them apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from nanoserve.config import ModelConfig
+from nanoserve.model.attention import AttentionBackend, ForwardContext
+from nanoserve.sampling import sample
+from nanoserve.sched.base import SchedulerOutput
+
+
+@dataclass
+class ExecutorOutput:
+    """The token each sampling request drew this step, keyed by request id."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput: ...
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: ForwardContext
+    sample_rows: list[int]  # flat-batch rows whose logits are sampled, one per sampling chunk
+
+
+def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                       dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in range(cfg.num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0):
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, device, dtype)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
+        size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in batch.chunks:
+            table = chunk.block_table
+            input_ids.extend(chunk.request.token_ids[chunk.start : chunk.end])
+            positions.extend(range(chunk.start, chunk.end))
+            slots.extend(table[p // size] * size + p % size for p in range(chunk.start, chunk.end))
+            query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
+            seq_lens.append(chunk.end)
+            if chunk.samples:
+                sample_rows.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(c.block_table) for c in batch.chunks)
+        tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in batch.chunks]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        ctx = ForwardContext(
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(tables, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_start_loc=tensor(query_start_loc, torch.int32),
+            kv_caches=self.kv_caches,
+            backend=self.backend,
+        )
+        return PreparedBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), ctx, sample_rows)
+
+    @torch.inference_mode()
+    def run_model(self, prepared: PreparedBatch) -> torch.Tensor:
+        """Hidden states for every token of the batch (and K/V written to the cache)."""
+        return self.model(prepared.input_ids, prepared.positions, prepared.ctx)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        if batch.is_empty:
+            return ExecutorOutput()
+        prepared = self.prepare(batch)
+        hidden = self.run_model(prepared)
+        sampling = [c.request for c in batch.chunks if c.samples]
+        if not sampling:
+            return ExecutorOutput()
+        logits = self.model.compute_logits(hidden[prepared.sample_rows])
+        for request in sampling:
+            if request.params.seed is not None and request.generator is None:
+                request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+        result = sample(logits, [r.params for r in sampling], [r.generator for r in sampling], self.generator)
+        out = ExecutorOutput()
+        for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
+            out.sampled[request.request_id] = token
+            if logprobs is not None:
+                out.logprobs[request.request_id] = logprobs
+        return out

@@ -1,0 +1,90 @@
+"""A request's state as it moves through the engine.
+
+    WAITING ──schedule──► RUNNING ──finish──► FINISHED_{STOPPED,LENGTH,ABORTED}
+       ▲                     │
+       └──────preempt────────┘   (KV freed; the tokens are kept and recomputed on resume)
+
+The scheduler owns the transitions between WAITING and RUNNING; the engine owns the finish.
+`num_computed_tokens` counts the tokens whose K/V sit in the cache. Each step schedules some
+of the rest; a request samples a new token only when a step brings it level with
+`num_tokens`, so a prompt chunked over several steps samples once, at its last chunk.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(init=False)  # prompt followed by generated tokens
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # only for requests with their own seed
+    # Text state, filled by the engine's detokenizer.
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now

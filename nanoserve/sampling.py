@@ -1,0 +1,136 @@
+"""Sampling parameters and the batched sampler.
+
+The sampler turns one row of logits per request into one token per request. It works on the
+whole batch at once (greedy rows by argmax, random rows by the exponential-race trick, which
+is multinomial sampling without a cumulative sum) and only falls back to per-row work for
+requests that carry their own seed, so that a seeded request draws the same tokens whatever
+else shares its batch.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits), as vLLM
+and the OpenAI API report them, not of the temperature/top-k/top-p-adjusted one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 20  # the OpenAI API's limit for top_logprobs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) means the whole vocabulary
+    seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives per generated token
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Each message names the field and the accepted range; the server forwards it verbatim.
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop_strings", stop)
+        if self.stop_token_ids is not None:
+            if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+                raise ValueError("stop_token_ids must be a list of non-negative integers")
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k in (0, -1) else self.top_k
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} with the top-n tokens plus the sampled one, or None.
+    logprobs: list[dict[int, float] | None]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. top_k == 0: no limit."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    drop = ranks >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # A token is dropped when the mass strictly before it already reaches top_p; the first token
+    # is always kept, so no row is left empty.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> SampleResult:
+    """Sample one token per row. `generators[i]` is row i's own generator (seeded requests)."""
+    logits = logits.float()
+    n = logits.shape[0]
+    tokens = logits.argmax(dim=-1)
+
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        rows = logits[idx] / torch.tensor([params[i].temperature for i in random_rows],
+                                          device=logits.device).unsqueeze(1)
+        if any(params[i].effective_top_k or params[i].top_p < 1 for i in random_rows):
+            top_k = torch.tensor([params[i].effective_top_k for i in random_rows], device=logits.device)
+            top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
+            rows = _apply_top_k_top_p(rows, top_k, top_p)
+        probs = rows.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Seeded rows get their
+        # noise from their own generator so their draws do not depend on the batch.
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(random_rows) if generators[i] is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=default_generator)
+        for j, i in enumerate(random_rows):
+            if generators[i] is not None:
+                noise[j].exponential_(generator=generators[i])
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+
+    token_list = tokens.tolist()
+    logprob_rows: list[dict[int, float] | None] = [None] * n
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        idx = torch.tensor(wanted, device=logits.device)
+        logprobs = logits[idx].log_softmax(dim=-1)
+        k = max(params[i].logprobs or 0 for i in wanted)
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        chosen = logprobs.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(wanted):
+            m = params[i].logprobs or 0
+            row = dict(zip(top_ids[j][:m], top_vals[j][:m]))
+            row[token_list[i]] = chosen[j]
+            logprob_rows[i] = row
+    return SampleResult(token_list, logprob_rows)

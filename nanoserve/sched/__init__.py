@@ -1,0 +1,20 @@
+"""Scheduling policies. Each is one file; `make_scheduler` picks one by name."""
+from __future__ import annotations
+
+from nanoserve.config import SchedulerConfig
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.sched.base import Scheduler, ScheduledChunk, SchedulerOutput
+from nanoserve.sched.fcfs import FCFSScheduler
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"fcfs": FCFSScheduler}
+
+
+def make_scheduler(config: SchedulerConfig, pool: BlockPool) -> Scheduler:
+    try:
+        cls = SCHEDULERS[config.policy]
+    except KeyError:
+        raise ValueError(f"unknown policy {config.policy!r}; available: {sorted(SCHEDULERS)}") from None
+    return cls(config, pool)
+
+
+__all__ = ["SCHEDULERS", "Scheduler", "ScheduledChunk", "SchedulerOutput", "make_scheduler"]

@@ -1,0 +1,56 @@
+"""The baseline policy: vLLM v1's first-come-first-served scheduler with chunked prefill.
+
+There is no "prefill phase" and "decode phase". Every request simply has tokens whose K/V are
+not yet computed (a whole prompt, the rest of a chunked prompt, one new token, or everything
+again after a preemption), and each step lets requests catch up under one token budget:
+
+1. Running requests, oldest first, each take as many tokens as they lack (a decode takes 1, a
+   prompt chunk takes what is left of the budget). If the pool has no blocks for them, the
+   newest running request is preempted by recompute, repeatedly, possibly the request itself.
+2. If nothing was preempted, waiting requests are admitted in arrival order while budget,
+   blocks and `max_num_seqs` allow. The last one admitted may get only a chunk of its prompt.
+
+Decode tokens and prefill chunks therefore share one batch (Sarathi-Serve's stall-free
+batching, Agrawal et al., OSDI'24), and a long prompt never blocks running decodes for more
+than its chunk.
+"""
+from __future__ import annotations
+
+from nanoserve.sched.base import Scheduler, SchedulerOutput
+
+
+class FCFSScheduler(Scheduler):
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Make room by preempting the newest running request until this one fits.
+            while not self.pool.can_allocate(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(self.chunk(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it remains
+
+        # Admitting new work in a step that had to preempt would only thrash.
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.pool.can_allocate(request.request_id, num_new):
+                break
+            self.waiting.popleft()
+            self.admit(request)
+            out.chunks.append(self.chunk(request, num_new))
+            budget -= num_new
+        return out

@@ -1,0 +1,71 @@
+"""Shared fixtures: small random-weight HF checkpoints (built with transformers, the oracle)
+and the embedded SmolLM2 directory."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_VOCAB = 512
+
+
+def _tiny_config(arch: str):
+    import transformers
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=512, initializer_range=0.1)
+    if arch == "llama":
+        # Llama-3 style RoPE scaling, untied head, GQA.
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+            **common, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    if arch == "opt":
+        # OPT-350m's quirks: post-norm and project_in/out around a smaller embedding.
+        return transformers.OPTForCausalLM, transformers.OPTConfig(
+            **common, ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=False, init_std=0.1)
+    if arch == "opt-prenorm":
+        return transformers.OPTForCausalLM, transformers.OPTConfig(**common, ffn_dim=128, init_std=0.1)
+    raise ValueError(arch)
+
+
+TINY_ARCHS = ["llama", "qwen2", "qwen3", "opt", "opt-prenorm"]
+
+
+def build_tiny_model(arch: str, directory: Path, **save_kwargs):
+    """A random-weight HF model saved to `directory`; norms and biases perturbed so that a
+    wrongly loaded norm or bias cannot hide behind an initial value of 1 or 0."""
+    model_cls, config = _tiny_config(arch)
+    torch.manual_seed(1234)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.generation_config.eos_token_id = None  # greedy runs go the full length
+    model.save_pretrained(directory, **save_kwargs)
+    return model.eval()
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHS)
+def tiny_model(request, tmp_path_factory):
+    """(arch, HF model, checkpoint directory) for each supported architecture."""
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return request.param, build_tiny_model(request.param, directory), directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from nanoserve import default_model
+
+    return Path(default_model())
