@@ -7,9 +7,18 @@
     print(out[0].text)
 """
 from nanoserve.llm import LLM
-from nanoserve.model.gguf import default_model
 from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.sampling import SamplingParams
+
+
+
+def default_model() -> str:
+    """The embedded SmolLM2-135M-Instruct as an HF directory, converted from its GGUF on first use."""
+    # Imported here so that `python -m nanoserve.model.gguf` does not import itself twice.
+    from nanoserve.model.gguf import default_model as convert_default
+
+    return convert_default()
+
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "default_model"]
 __version__ = "0.1.0"

@@ -69,3 +69,14 @@ def smollm2_dir() -> Path:
     from nanoserve import default_model
 
     return Path(default_model())
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(smollm2_dir):
+    """transformers reading the embedded GGUF itself (`gguf_file=`): the real-weight oracle."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve.model.gguf import find_embedded_gguf
+
+    path = find_embedded_gguf()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
