@@ -8,9 +8,10 @@ The batch is flat: q holds every sequence's new tokens back to back, sequence s 
 `query_start_loc[s]:query_start_loc[s+1]`; its new tokens are the last ones of its
 `seq_lens[s]` context tokens. Each new token attends causally to every position up to its own.
 
-Decode-only rows (one new token) are batched into a single padded matmul; prefill chunks run
-one sequence at a time through SDPA. Both compute the same thing; the split only keeps the CPU
-path fast for the common continuous-batching step (many decodes, a few chunks).
+Decode rows (one new token) are batched into one SDPA call over their gathered, padded
+contexts; prefill chunks run one sequence at a time. Both compute the same thing; the split
+only keeps the CPU path fast for the common continuous-batching step (many decodes, a few
+chunks).
 """
 from __future__ import annotations
 
@@ -40,12 +41,12 @@ def gather_kv(
     directions: torch.Tensor | None,
 ) -> torch.Tensor:
     """[num_seqs, max_blocks * block_size, num_kv_heads, head_dim] in position order."""
-    blocks = cache[block_tables.long()]  # [S, M, B, H, D]
+    s, m = block_tables.shape
+    blocks = cache.index_select(0, block_tables.reshape(-1).long()).view(s, m, *cache.shape[1:])
     if directions is not None and bool(directions.any()):
         flip = directions.bool().view(-1, 1, 1, 1, 1)
         blocks = torch.where(flip, blocks.flip(2), blocks)
-    s, m, b = blocks.shape[:3]
-    return blocks.reshape(s, m * b, *blocks.shape[3:])
+    return blocks.view(s, m * cache.shape[1], *cache.shape[2:])
 
 
 def paged_attention(
@@ -58,48 +59,39 @@ def paged_attention(
     directions: torch.Tensor | None,  # bool [num_seqs] or None
     scale: float,
 ) -> torch.Tensor:
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
 
+    def attend(rows: torch.Tensor, seqs: list[int], q_len: int, mask: torch.Tensor) -> None:
+        """SDPA over the gathered context of `seqs`, each with `q_len` queries; GQA in SDPA."""
+        idx = torch.tensor(seqs, device=q.device)
+        n_blocks = -(-max(lens[i] for i in seqs) // block_size)
+        dirs = directions[idx] if directions is not None else None
+        # [S, L, Hkv, D] -> [S, Hkv, L, D] as a view: SDPA reads the strides, no extra copy.
+        keys = gather_kv(k_cache, block_tables[idx, :n_blocks], dirs).transpose(1, 2)
+        values = gather_kv(v_cache, block_tables[idx, :n_blocks], dirs).transpose(1, 2)
+        queries = q[rows].view(len(seqs), q_len, *q.shape[1:]).transpose(1, 2)  # [S, H, n, D]
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = attn.transpose(1, 2).reshape(-1, *q.shape[1:])
+
+    # Decodes: one query each, batched; key positions at or beyond a sequence's length are masked.
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
-        idx = torch.tensor(decode, device=q.device)
-        max_len = max(lens[i] for i in decode)
-        n_blocks = -(-max_len // k_cache.shape[1])
-        tables = block_tables[idx, :n_blocks]
-        dirs = directions[idx] if directions is not None else None
-        keys = gather_kv(k_cache, tables, dirs)[:, :max_len]  # [S, L, Hkv, D]
-        values = gather_kv(v_cache, tables, dirs)[:, :max_len]
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        qd = q[rows].view(len(decode), num_kv_heads, group, head_dim)
-        # scores: [S, Hkv, G, L]
-        scores = torch.einsum("shgd,slhd->shgl", qd.float(), keys.float()) * scale
-        valid = torch.arange(max_len, device=q.device) < seq_lens[idx].unsqueeze(1)
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        attn = torch.einsum("shgl,slhd->shgd", probs, values.float())
-        out[rows] = attn.reshape(len(decode), num_heads, head_dim).to(q.dtype)
+        n_keys = -(-max(lens[i] for i in decode) // block_size) * block_size
+        valid = torch.arange(n_keys, device=q.device) < seq_lens[rows.new_tensor(decode)].unsqueeze(1)
+        attend(rows, decode, 1, valid[:, None, None, :])
 
+    # Prefill chunks, one sequence at a time: new token j sits at position length - n + j.
     for i, n in enumerate(q_lens):
         if n <= 1:
             continue
         length = lens[i]
-        n_blocks = -(-length // k_cache.shape[1])
-        tables = block_tables[i : i + 1, :n_blocks]
-        dirs = directions[i : i + 1] if directions is not None else None
-        keys = gather_kv(k_cache, tables, dirs)[0, :length]  # [L, Hkv, D]
-        values = gather_kv(v_cache, tables, dirs)[0, :length]
-        # New token j (0-based within the chunk) sits at position length - n + j.
+        n_keys = -(-length // block_size) * block_size
         positions = torch.arange(length - n, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
-        qs = q[starts[i] : starts[i + 1]].transpose(0, 1).float()  # [H, n, D]
-        ks = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-        vs = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        attn = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        out[starts[i] : starts[i + 1]] = attn.transpose(0, 1).to(q.dtype)
+        causal = torch.arange(n_keys, device=q.device)[None, :] <= positions[:, None]  # [n, keys]
+        attend(torch.arange(starts[i], starts[i + 1], device=q.device), [i], n, causal[None, None])
     return out

@@ -105,6 +105,8 @@ class AsyncEngine:
         """Stream a request's outputs until it finishes. Raises ValueError before streaming
         for a request that can never be served, EngineError if the engine fails mid-way."""
         token_ids = self.prepare(prompt, params)
+        if not self.is_running:  # a queued request would wait forever
+            raise EngineError("the engine is not running")
         request_id = request_id or f"req-{next(self._ids)}"
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(request_id, token_ids, prompt if isinstance(prompt, str) else None,

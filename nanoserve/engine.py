@@ -198,7 +198,7 @@ class Engine:
             text=request.output_text,
             token_ids=request.output_token_ids,
             finish_reason=request.finish_reason,
-            logprobs=request.logprobs,
+            logprobs=list(request.logprobs) if request.logprobs is not None else None,
             metrics=self._metrics(request),
             new_text=new_text,
             new_token_ids=request.token_ids[len(request.token_ids) - new_tokens:] if new_tokens else [],

@@ -78,6 +78,8 @@ def test_logprobs_are_those_of_the_raw_distribution():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(seed=2**64), "seed"),
     (dict(top_p=0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),

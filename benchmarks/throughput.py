@@ -1,0 +1,119 @@
+"""Offline throughput: nanoserve's LLM.generate against HF transformers' batched generate.
+
+Both run in this process on the same 64 requests (SmolLM2-135M-Instruct by default; inputs
+16-256 tokens, outputs 16-128 tokens, greedy, EOS ignored, fixed seed) and the script prints
+generated tokens per second for each and their ratio.
+
+HF's `generate` runs a static batch: every row decodes until the longest request is done, so
+it computes max(output) tokens per row. Only the tokens each request asked for count as
+useful output, for both engines; HF's raw rate (all rows, all steps) is printed too.
+
+    python benchmarks/throughput.py [--num-prompts 64] [--device cpu] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from nanoserve import LLM, SamplingParams, default_model
+
+
+def make_requests(num: int, seed: int, vocab: int, special: set[int]) -> list[tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(seed)
+    requests = []
+    for _ in range(num):
+        n_in = int(torch.randint(16, 257, (1,), generator=g))
+        n_out = int(torch.randint(16, 129, (1,), generator=g))
+        ids = torch.randint(len(special), vocab, (n_in,), generator=g).tolist()
+        requests.append(([t for t in ids if t not in special] or [len(special)], n_out))
+    return requests
+
+
+def run_nanoserve(model: str, requests, args) -> tuple[float, int, LLM]:
+    llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    llm.generate([ids for ids, _ in requests[:2]], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([ids for ids, _ in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for o in outputs)
+    assert produced == sum(n for _, n in requests)
+    return elapsed, produced, llm
+
+
+def run_hf(model: str, requests, args) -> tuple[float, int, int]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(args.device).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    width = max(len(ids) for ids, _ in requests)
+    input_ids = torch.full((len(requests), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, (ids, _) in enumerate(requests):  # left padding, as HF generation expects
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    longest = max(n for _, n in requests)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=pad)
+    with torch.no_grad():
+        hf.generate(input_ids[:2].to(args.device), attention_mask=mask[:2].to(args.device), max_new_tokens=4, **kwargs)
+        start = time.perf_counter()
+        out = hf.generate(input_ids.to(args.device), attention_mask=mask.to(args.device),
+                          max_new_tokens=longest, min_new_tokens=longest, **kwargs)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] - width == longest
+    return elapsed, sum(n for _, n in requests), len(requests) * longest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-tokens", type=int, default=32768)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    model = args.model or default_model()
+    from nanoserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model)
+    special = set(range(17))  # SmolLM2's control tokens are ids 0-16
+    requests = make_requests(args.num_prompts, args.seed, tokenizer.vocab_size, special)
+    print(f"{len(requests)} requests: {sum(len(i) for i, _ in requests)} prompt tokens, "
+          f"{sum(n for _, n in requests)} output tokens; device {args.device}, {args.dtype}, "
+          f"torch threads {torch.get_num_threads()}")
+
+    ns_time, ns_tokens, llm = run_nanoserve(model, requests, args)
+    result = {"nanoserve_tok_s": ns_tokens / ns_time, "nanoserve_s": ns_time,
+              "preemptions": llm.engine.stats().num_preemptions}
+    print(f"nanoserve   : {ns_tokens} tokens in {ns_time:6.2f} s = {ns_tokens / ns_time:7.1f} tok/s")
+    del llm
+    if not args.skip_hf:
+        hf_time, hf_useful, hf_raw = run_hf(model, requests, args)
+        result.update(hf_tok_s=hf_useful / hf_time, hf_raw_tok_s=hf_raw / hf_time, hf_s=hf_time,
+                      ratio=(ns_tokens / ns_time) / (hf_useful / hf_time))
+        print(f"HF generate : {hf_useful} useful tokens in {hf_time:6.2f} s = {hf_useful / hf_time:7.1f} tok/s "
+              f"(raw, incl. static-batch padding: {hf_raw / hf_time:.1f} tok/s)")
+        print(f"ratio nanoserve / HF = {result['ratio']:.2f}x")
+    result.update(machine=platform.machine(), processor=platform.processor() or platform.platform(),
+                  device=args.device, dtype=args.dtype, num_prompts=args.num_prompts, seed=args.seed)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

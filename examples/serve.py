@@ -1,0 +1,72 @@
+"""Serve a model over the OpenAI API.
+
+    python examples/serve.py                       # the embedded SmolLM2-135M-Instruct on :8000
+    python examples/serve.py --model /path/to/hf/model --port 9000 --policy fcfs
+
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+
+Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import uvicorn  # noqa: E402
+
+from nanoserve.async_engine import AsyncEngine  # noqa: E402
+from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
+from nanoserve.server import create_app  # noqa: E402
+
+log = logging.getLogger("nanoserve.serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", default="fcfs", help="scheduling policy (see nanoserve.sched)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(EngineArgs(
+        model=args.model, device=args.device, dtype=args.dtype, policy=args.policy,
+        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, seed=args.seed,
+    ))
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, served_model_name=args.served_model_name)
+    name = args.served_model_name or async_engine.model_name
+    stats = async_engine.stats()
+    log.info("model %s: max_model_len %d, KV cache %d blocks of %d tokens", name, async_engine.max_model_len,
+             stats.kv_blocks_total, args.block_size)
+    log.info("serving on http://%s:%d/v1  (health: /health, metrics: /metrics)", args.host, args.port)
+    async_engine.start()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.shutdown()  # also when uvicorn exits on Ctrl-C or fails to bind
+
+
+if __name__ == "__main__":
+    main()

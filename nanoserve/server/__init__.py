@@ -1,0 +1,14 @@
+"""nanoserve's OpenAI-compatible HTTP server.
+
+    from nanoserve.builder import EngineArgs, build_engine
+    from nanoserve.async_engine import AsyncEngine
+    from nanoserve.server import create_app
+
+    app = create_app(AsyncEngine(build_engine(EngineArgs())))   # then: uvicorn.run(app)
+
+`examples/serve.py` does exactly this from the command line.
+"""
+from nanoserve.server.app import create_app
+from nanoserve.server.errors import APIError
+
+__all__ = ["create_app", "APIError"]

@@ -1,0 +1,300 @@
+"""The OpenAI-compatible HTTP API: `create_app(async_engine)` returns a FastAPI app.
+
+    POST /v1/completions, /v1/chat/completions   (stream false: one JSON; true: SSE chunks)
+    GET  /v1/models, /health, /metrics
+
+A request's life: validate the body (pydantic, strict) -> check the model name -> tokenize and
+check the context length -> fan out one engine request per choice (n per prompt) -> merge their
+outputs, as one JSON body or as a stream of `data: {...}` events ending in `data: [DONE]`.
+Everything that can be refused is refused *before* anything reaches the engine, so a bad request
+costs no KV memory and never disturbs the batch others are in.
+
+No leaks: each choice is consumed by its own task; whenever a response ends early (the client
+disconnects, a sibling choice fails, the server shuts down) the tasks are cancelled, which
+closes `AsyncEngine.generate` and aborts the request, freeing its KV blocks at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from nanoserve.async_engine import AsyncEngine, EngineError
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.server import protocol as P
+from nanoserve.server.errors import APIError, install_error_handlers, model_not_found
+from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One engine request: choice `index` of the response (n per prompt, prompts in order)."""
+
+    index: int
+    token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that notices a client disconnect even while waiting for the next token,
+    and always closes its body iterator, so the generation behind it is aborted promptly."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        # no-cache and no proxy buffering: each token must reach the client when it is made
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def run_then_cancel(func: Any) -> None:
+                    try:
+                        await func()
+                    except OSError:  # the socket died mid-send: same as a disconnect
+                        pass
+                    finally:
+                        group.cancel_scope.cancel()
+
+                group.start_soon(run_then_cancel, partial(self.stream_response, send))
+                await run_then_cancel(partial(self.listen_for_disconnect, receive))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client goes away first (a non-streaming response
+    would otherwise keep generating for nobody)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        # 499 is nginx's "client closed request"; nobody reads it, but logs and metrics do.
+        raise APIError("The client disconnected before the response was ready.", 499, type="client_closed_request")
+    finally:
+        task.cancel()
+        watcher.cancel()
+
+
+class OpenAIServer:
+    """The routes' logic, kept off the FastAPI objects so it reads top to bottom."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.metrics = ServerMetrics()
+        self.created = P.now()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer or P.IdTokenizer()
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit(self, req: P._SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise model_not_found(req.model)
+        req.check_supported()
+        if not self.engine.is_running:
+            raise APIError(f"The engine is not running ({self.engine.last_error or 'stopped'}).", 503)
+
+    def plan(self, req: P._SamplingRequest, prompts: list[str | list[int]], max_tokens: int | None,
+             logprobs: int | None, prefix: str, prompt_field: str, max_tokens_field: str = "max_tokens",
+             ) -> list[Choice]:
+        """Validate each prompt against the context window and make n choices per prompt.
+        Without max_tokens a choice may use the rest of the context, as in vLLM."""
+        choices: list[Choice] = []
+        n = req.n or 1
+        for ids in prompts:
+            budget = max_tokens if max_tokens is not None else max(1, self.engine.max_model_len - len(ids))
+            for j in range(n):
+                params = req.sampling_params(budget, logprobs, j)
+                if j == 0:
+                    try:
+                        ids = self.engine.prepare(ids, params)
+                    except ValueError as exc:
+                        long = "context length" in str(exc)
+                        raise APIError(str(exc), param=max_tokens_field if long and max_tokens is not None
+                                       else prompt_field) from exc
+                choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}"))
+        return choices
+
+    # -- running -----------------------------------------------------------------------------
+    async def outputs(self, choices: list[Choice]) -> P.Outputs:
+        """Merge the output streams of all choices, in arrival order, until every one finishes."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for out in self.engine.generate(choice.token_ids, choice.params, choice.request_id):
+                    queue.put_nowait((choice.index, out))
+            except Exception as exc:  # CancelledError passes: it means we are being torn down
+                queue.put_nowait((choice.index, exc))
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        remaining = len(choices)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise self._as_api_error(item)
+                if item.finished:
+                    remaining -= 1
+                    self.metrics.observe_finished(item)
+                yield index, item
+        finally:
+            for task in tasks:  # a no-op for finished ones; aborts the rest
+                task.cancel()
+            self.metrics.observe_aborted(remaining)
+
+    @staticmethod
+    def _as_api_error(exc: BaseException) -> APIError:
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, ValueError):
+            return APIError(str(exc))
+        if isinstance(exc, EngineError):
+            return APIError(str(exc), 500)
+        return APIError(f"Internal error: {type(exc).__name__}: {exc}", 500)
+
+    async def final_outputs(self, choices: list[Choice]) -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(self.outputs(choices)) as outputs:
+            async for index, out in outputs:
+                if out.finished:
+                    finals[index] = out
+        return [finals[c.index] for c in choices]
+
+    async def stream(self, choices: list[Choice], events: Callable[[P.Outputs], AsyncIterator[str]]
+                     ) -> AsyncIterator[str]:
+        """Run `events(outputs)`, reporting a mid-stream failure as an error event, then [DONE].
+        Both generators are closed explicitly: when the client leaves, the response closes only
+        the outermost one, and an unclosed inner one would keep its requests running."""
+        try:
+            async with contextlib.aclosing(self.outputs(choices)) as outputs, \
+                    contextlib.aclosing(events(outputs)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except APIError as exc:
+            self.metrics.observe_error(exc.type)
+            yield P.sse(exc.body())
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/completions ---------------------------------------------------------------------
+    async def completions(self, req: P.CompletionRequest, raw: Request) -> Any:
+        self.admit(req)
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(p) if isinstance(p, str) and tok is not None else p for p in req.prompt]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices = self.plan(req, prompts, req.max_tokens, req.logprobs, rid, "prompt")
+        prompt_tokens = sum(len(choices[i].token_ids) for i in range(0, len(choices), req.n or 1))
+        head = {"id": rid, "object": "text_completion", "created": P.now(), "model": self.model_name}
+        if req.stream:
+            return EventStream(self.stream(choices, partial(
+                P.completion_events, head=head, n=len(choices), tokenizer=self.tokenizer, logprobs=req.logprobs,
+                include_usage=req.include_usage, prompt_tokens=prompt_tokens)))
+        finals = await _unless_disconnected(raw, self.final_outputs(choices))
+        return P.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens)
+
+    # -- /v1/chat/completions ----------------------------------------------------------------
+    async def chat(self, req: P.ChatCompletionRequest, raw: Request) -> Any:
+        self.admit(req)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError("This model has no tokenizer, so chat is unavailable; use /v1/completions "
+                           "with token ids.")
+        try:
+            text = tok.apply_chat_template(req.chat_messages(), add_generation_prompt=req.add_generation_prompt
+                                           is not False)
+        except ValueError as exc:
+            raise APIError(str(exc), param="messages") from exc
+        ids = tok.encode(text, add_special_tokens=False)
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = self.plan(req, [ids], req.requested_max_tokens, top_n, rid, "messages",
+                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": self.model_name}
+        if req.stream:
+            return EventStream(self.stream(choices, partial(
+                P.chat_events, head={**head, "object": "chat.completion.chunk"}, n=len(choices),
+                tokenizer=self.tokenizer, top_n=top_n, include_usage=req.include_usage, prompt_tokens=len(ids))))
+        finals = await _unless_disconnected(raw, self.final_outputs(choices))
+        return P.chat_response(head, finals, self.tokenizer, top_n, len(ids))
+
+    # -- the rest ----------------------------------------------------------------------------
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "nanoserve",
+                "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+
+
+def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> FastAPI:
+    """Build the app around an AsyncEngine. The app starts the engine thread if it is not
+    running yet, and then also stops it when the app shuts down."""
+    server = OpenAIServer(engine, served_model_name or engine.model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = not engine.is_running
+        engine.start()
+        try:
+            yield
+        finally:
+            if owned:
+                await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="nanoserve", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
+    app.state.server = server
+    install_error_handlers(app, on_error=server.metrics.observe_error)
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, raw: Request) -> Any:
+        return await server.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatCompletionRequest, raw: Request) -> Any:
+        return await server.chat(body, raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return server.models()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        if model != server.model_name:
+            raise model_not_found(model)
+        return server.model_card()
+
+    @app.get("/health")
+    async def health() -> Any:
+        if engine.is_running:
+            return {"status": "ok"}
+        return APIError(f"The engine is not running ({engine.last_error or 'stopped'}).", 503).response()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = render(engine.stats(), server.metrics, server.model_name, engine.is_running)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
+
+    return app
+

@@ -1,0 +1,153 @@
+"""Prometheus metrics, rendered by hand in the text exposition format (version 0.0.4).
+
+The format is small enough that a dependency (prometheus_client) would cost more than it saves:
+
+    # HELP nanoserve_kv_blocks_used KV cache blocks held by requests.
+    # TYPE nanoserve_kv_blocks_used gauge
+    nanoserve_kv_blocks_used 12
+
+Two sources feed it. Engine-wide gauges and counters come from the `EngineStats` snapshot the
+engine thread publishes after every step, so a scrape never touches engine state from the
+event loop. Per-request latencies (TTFT, TPOT, end-to-end) are observed by the server as each
+request finishes and kept here as histograms, because that is the only place that sees them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from nanoserve.engine import EngineStats
+from nanoserve.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds. Wide on purpose: a CPU serves a token in tens of ms, a busy queue takes minutes.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+
+    def escape(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
+
+
+@dataclass
+class Histogram:
+    """Cumulative buckets, as Prometheus expects: bucket `le=x` counts observations <= x."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def lines(self, name: str, labels: dict[str, str] | None = None) -> Iterable[str]:
+        labels = labels or {}
+        for bound, n in zip(self.buckets, self.counts):
+            yield f"{name}_bucket{_labels({**labels, 'le': _number(bound)})} {n}"
+        yield f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {self.count}"
+        yield f"{name}_sum{_labels(labels)} {_number(self.total)}"
+        yield f"{name}_count{_labels(labels)} {self.count}"
+
+
+class ServerMetrics:
+    """Request-level metrics the server observes; rendered together with the engine's stats."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.tpot = Histogram(LATENCY_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.prompt_len = Histogram(TOKEN_BUCKETS)
+        self.output_len = Histogram(TOKEN_BUCKETS)
+        self.finished: dict[str, int] = {}  # by finish reason
+        self.errors: dict[str, int] = {}  # by OpenAI error type, for requests refused or failed
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        reason = output.finish_reason or "unknown"
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)
+        self.prompt_len.observe(m.num_prompt_tokens)
+        self.output_len.observe(m.num_output_tokens)
+
+    def observe_aborted(self, count: int) -> None:
+        """Requests cut short by the server (client gone, a sibling choice failed)."""
+        if count:
+            self.finished["abort"] = self.finished.get("abort", 0) + count
+
+    def observe_error(self, error_type: str) -> None:
+        self.errors[error_type] = self.errors.get(error_type, 0) + 1
+
+
+def _metric(name: str, kind: str, help_text: str, samples: Iterable[str]) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+
+
+def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_alive: bool) -> str:
+    """The whole /metrics page."""
+    model = {"model_name": model_name}
+
+    def simple(name: str, kind: str, help_text: str, value: float) -> list[str]:
+        return _metric(name, kind, help_text, [f"{name}{_labels(model)} {_number(value)}"])
+
+    usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+    lines = [
+        *simple("nanoserve_engine_alive", "gauge", "1 while the engine thread runs, else 0.", int(engine_alive)),
+        *simple("nanoserve_requests_running", "gauge", "Requests scheduled in the running batch.", stats.num_running),
+        *simple("nanoserve_requests_waiting", "gauge", "Requests queued, waiting for KV memory or a slot.",
+                stats.num_waiting),
+        *simple("nanoserve_kv_blocks_used", "gauge", "KV cache blocks held by requests.", stats.kv_blocks_used),
+        *simple("nanoserve_kv_blocks_total", "gauge", "KV cache blocks in the pool.", stats.kv_blocks_total),
+        *simple("nanoserve_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0..1).", usage),
+        *simple("nanoserve_prompt_tokens_total", "counter", "Prompt tokens of all requests admitted.",
+                stats.prompt_tokens_total),
+        *simple("nanoserve_generation_tokens_total", "counter", "Tokens generated.",
+                stats.generation_tokens_total),
+        *simple("nanoserve_requests_finished_total", "counter", "Requests finished (any reason, aborts included).",
+                stats.requests_finished_total),
+        *simple("nanoserve_preemptions_total", "counter", "Times a running request was preempted.",
+                stats.num_preemptions),
+        *_metric("nanoserve_request_success_total", "counter", "Requests finished, by finish reason.",
+                 [f"nanoserve_request_success_total{_labels({**model, 'finished_reason': r})} {n}"
+                  for r, n in sorted(server.finished.items())]),
+        *_metric("nanoserve_request_errors_total", "counter", "Requests refused or failed, by error type.",
+                 [f"nanoserve_request_errors_total{_labels({**model, 'type': t})} {n}"
+                  for t, n in sorted(server.errors.items())]),
+    ]
+    for name, hist, help_text in (
+        ("nanoserve_time_to_first_token_seconds", server.ttft, "Time from arrival to the first token."),
+        ("nanoserve_time_per_output_token_seconds", server.tpot, "Mean gap between output tokens."),
+        ("nanoserve_e2e_request_latency_seconds", server.e2e, "Time from arrival to the last token."),
+        ("nanoserve_request_prompt_tokens", server.prompt_len, "Prompt length of finished requests."),
+        ("nanoserve_request_generation_tokens", server.output_len, "Output length of finished requests."),
+    ):
+        lines += _metric(name, "histogram", help_text, hist.lines(name, model))
+    return "\n".join(lines) + "\n"
