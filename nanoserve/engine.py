@@ -11,6 +11,7 @@ thread (`async_engine.py`); `LLM.generate` drives it in a plain loop.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_finished_total = 0
+        # Debug aid (the test suite turns it on): check the allocator's invariants every step.
+        self.check_invariants = os.environ.get("NANOSERVE_CHECK_INVARIANTS") == "1"
 
     @property
     def config(self) -> SchedulerConfig:
@@ -133,7 +136,10 @@ class Engine:
             return []
         result = self.executor.execute(batch)
         self.scheduler.update_after_step(batch)
-        return self._postprocess(batch, result, time.monotonic())
+        outputs = self._postprocess(batch, result, time.monotonic())
+        if self.check_invariants:
+            self.pool.check_invariants()
+        return outputs
 
     def _postprocess(self, batch: SchedulerOutput, result: ExecutorOutput, now: float) -> list[RequestOutput]:
         outputs = []

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("NANOSERVE_CHECK_INVARIANTS", "1")  # every engine step checks its allocator
 
 TINY_VOCAB = 512
 
