@@ -22,14 +22,14 @@ import torch
 from nanoserve import LLM, SamplingParams, default_model
 
 
-def make_requests(num: int, seed: int, vocab: int, special: set[int]) -> list[tuple[list[int], int]]:
+def make_requests(num: int, seed: int, vocab: int, first_id: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids drawn from [first_id, vocab), output length) per request."""
     g = torch.Generator().manual_seed(seed)
     requests = []
     for _ in range(num):
         n_in = int(torch.randint(16, 257, (1,), generator=g))
         n_out = int(torch.randint(16, 129, (1,), generator=g))
-        ids = torch.randint(len(special), vocab, (n_in,), generator=g).tolist()
-        requests.append(([t for t in ids if t not in special] or [len(special)], n_out))
+        requests.append((torch.randint(first_id, vocab, (n_in,), generator=g).tolist(), n_out))
     return requests
 
 
@@ -90,8 +90,8 @@ def main() -> None:
     from nanoserve.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model)
-    special = set(range(17))  # SmolLM2's control tokens are ids 0-16
-    requests = make_requests(args.num_prompts, args.seed, tokenizer.vocab_size, special)
+    # SmolLM2's control tokens are ids 0-16; prompts use only ordinary tokens.
+    requests = make_requests(args.num_prompts, args.seed, tokenizer.vocab_size, first_id=17)
     print(f"{len(requests)} requests: {sum(len(i) for i, _ in requests)} prompt tokens, "
           f"{sum(n for _, n in requests)} output tokens; device {args.device}, {args.dtype}, "
           f"torch threads {torch.get_num_threads()}")

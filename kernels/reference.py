@@ -65,33 +65,33 @@ def paged_attention(
     lens = seq_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
 
-    def attend(rows: torch.Tensor, seqs: list[int], q_len: int, mask: torch.Tensor) -> None:
-        """SDPA over the gathered context of `seqs`, each with `q_len` queries; GQA in SDPA."""
+    def attend(rows: torch.Tensor, seqs: list[int], q_len: int) -> None:
+        """SDPA for `seqs`, each with `q_len` new tokens, over their gathered contexts.
+
+        Query j of a sequence of length L sits at position L - q_len + j and sees keys at
+        positions up to its own; that one rule is the causal mask of a chunk and, for a decode,
+        masks the padding past the sequence's end.
+        """
         idx = torch.tensor(seqs, device=q.device)
         n_blocks = -(-max(lens[i] for i in seqs) // block_size)
         dirs = directions[idx] if directions is not None else None
         # [S, L, Hkv, D] -> [S, Hkv, L, D] as a view: SDPA reads the strides, no extra copy.
         keys = gather_kv(k_cache, block_tables[idx, :n_blocks], dirs).transpose(1, 2)
         values = gather_kv(v_cache, block_tables[idx, :n_blocks], dirs).transpose(1, 2)
+        positions = seq_lens[idx].unsqueeze(1) - q_len + torch.arange(q_len, device=q.device)  # [S, n]
+        mask = torch.arange(keys.shape[2], device=q.device) <= positions.unsqueeze(2)  # [S, n, keys]
         queries = q[rows].view(len(seqs), q_len, *q.shape[1:]).transpose(1, 2)  # [S, H, n, D]
-        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.unsqueeze(1), scale=scale,
+                                              enable_gqa=True)
         out[rows] = attn.transpose(1, 2).reshape(-1, *q.shape[1:])
 
-    # Decodes: one query each, batched; key positions at or beyond a sequence's length are masked.
+    # Decodes: one query each, batched into one call.
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
-        rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        n_keys = -(-max(lens[i] for i in decode) // block_size) * block_size
-        valid = torch.arange(n_keys, device=q.device) < seq_lens[rows.new_tensor(decode)].unsqueeze(1)
-        attend(rows, decode, 1, valid[:, None, None, :])
+        attend(torch.tensor([starts[i] for i in decode], device=q.device), decode, 1)
 
-    # Prefill chunks, one sequence at a time: new token j sits at position length - n + j.
+    # Prefill chunks, one sequence at a time.
     for i, n in enumerate(q_lens):
-        if n <= 1:
-            continue
-        length = lens[i]
-        n_keys = -(-length // block_size) * block_size
-        positions = torch.arange(length - n, length, device=q.device)
-        causal = torch.arange(n_keys, device=q.device)[None, :] <= positions[:, None]  # [n, keys]
-        attend(torch.arange(starts[i], starts[i + 1], device=q.device), [i], n, causal[None, None])
+        if n > 1:
+            attend(torch.arange(starts[i], starts[i + 1], device=q.device), [i], n)
     return out

@@ -11,7 +11,6 @@ from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.sampling import SamplingParams
 
 
-
 def default_model() -> str:
     """The embedded SmolLM2-135M-Instruct as an HF directory, converted from its GGUF on first use."""
     # Imported here so that `python -m nanoserve.model.gguf` does not import itself twice.
