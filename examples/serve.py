@@ -21,6 +21,7 @@ import uvicorn  # noqa: E402
 
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
+from nanoserve.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from nanoserve.server import create_app  # noqa: E402
 
 log = logging.getLogger("nanoserve.serve")
@@ -41,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="attention kernels (default: triton on CUDA, torch on CPU)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model, device=args.device, dtype=args.dtype, policy=args.policy,
         kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, seed=args.seed,
+        max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
     ))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, served_model_name=args.served_model_name)

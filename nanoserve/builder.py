@@ -10,7 +10,7 @@ import torch
 from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
-from nanoserve.model.attention import get_attention_backend
+from nanoserve.model.attention import default_attention_backend, get_attention_backend
 from nanoserve.model.loader import load_model, resolve_model_path
 from nanoserve.model.runner import ModelRunner
 from nanoserve.sched import make_scheduler
@@ -34,7 +34,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_model_len: int | None = None
     seed: int = 0
-    attention_backend: str | None = None  # None: "triton" on CUDA (once it exists), else "torch"
+    attention_backend: str | None = None  # None: "triton" on CUDA, else "torch"
     gpu_memory_utilization: float = 0.9
 
 
@@ -78,7 +78,7 @@ def build_engine(args: EngineArgs) -> Engine:
         max_model_len=max_model_len, policy=args.policy,
     )
     pool = BlockPool(num_blocks, args.block_size)
-    backend = get_attention_backend(args.attention_backend or "torch")
+    backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
     runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed)
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     return Engine(make_scheduler(sched_config, pool), runner, tokenizer, eos, model_name=str(args.model or path.name))

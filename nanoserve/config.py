@@ -4,7 +4,8 @@ Each config is immutable once the engine is built: a component that needs a valu
 from its config rather than keeping a mutable copy, so two components can never disagree.
 
 `ModelConfig` is the architecture, parsed from an HF `config.json` by `model/loader.py`.
-`CacheConfig` and `SchedulerConfig` are the serving knobs a user sets through `LLM(...)`.
+`SchedulerConfig` holds the per-step limits a user sets through `LLM(...)`; the rest of the
+user's arguments live in `builder.EngineArgs`.
 """
 from __future__ import annotations
 
@@ -50,18 +51,6 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    """Paged KV cache geometry. `num_blocks` is fixed once the runner has sized the cache."""
-
-    block_size: int = 16
-    num_blocks: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.block_size * self.num_blocks
-
-
-@dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits shared by every policy.
 
@@ -81,18 +70,6 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_path: str
-    device: str
-    dtype: torch.dtype
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    seed: int = 0
-    attention_backend: str = "torch"
-    served_model_name: str = ""
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -10,6 +10,10 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("NANOSERVE_CHECK_INVARIANTS", "1")  # every engine step checks its allocator
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through Triton's interpreter. It is read when a kernel is
+    # decorated, so it must be set before any kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 512
 

@@ -6,8 +6,8 @@ built by the runner; the model never knows which policy or allocator produced it
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Callable
 
 import torch
@@ -23,14 +23,28 @@ class AttentionBackend:
     paged_attention: Callable[..., torch.Tensor]
 
 
-def _backend_from_module(name: str, module: ModuleType) -> AttentionBackend:
-    return AttentionBackend(name, module.store_kv, module.paged_attention)
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def default_attention_backend(device: torch.device) -> str:
+    """Triton's compiled kernels on CUDA; the PyTorch reference elsewhere."""
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def get_attention_backend(name: str, device: torch.device | None = None) -> AttentionBackend:
+    """The kernels for `name`. Triton off CUDA runs only through its interpreter
+    (TRITON_INTERPRET=1): correct and slow, which is how CI tests the kernels."""
     if name == "torch":
-        return _backend_from_module("torch", kernels.reference)
-    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")
+        return AttentionBackend("torch", kernels.reference.store_kv, kernels.reference.paged_attention)
+    if name == "triton":
+        if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton attention backend needs a CUDA device (got {device.type!r}); "
+                             "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU")
+        from kernels.paged_attention import paged_attention
+        from kernels.store_kv import store_kv
+
+        return AttentionBackend("triton", store_kv, paged_attention)
+    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")
 
 
 @dataclass(frozen=True)

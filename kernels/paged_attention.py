@@ -1,0 +1,199 @@
+"""Paged attention in Triton: one kernel for prefill chunks, decodes and mixed batches.
+
+Semantics are exactly `kernels/reference.paged_attention` (same signature): q holds every
+sequence's new tokens back to back, `query_start_loc` marks where each sequence's rows start,
+`seq_lens` is each context length after this step, and the new token at position p attends
+causally to positions <= p. K/V live in pages of B slots; position p of sequence s is in page
+`block_tables[s, p // B]` at slot `p % B`, or at slot `B - 1 - p % B` when `directions[s]` is
+set: BROS's bidirectional blocks (bros.txt §5.1, §6), where a real-time sequence fills a page
+from the left while a best-effort sequence fills the same page from the right.
+
+Tiling
+------
+One program computes one *query tile* of one sequence for one KV head:
+
+    rows of the tile   BLOCK_M = BLOCK_Q new tokens x GROUP query heads that share the KV head
+    columns            the sequence's context, TILE_N positions at a time (flash attention's
+                       online softmax keeps a running max and sum per row, so the whole context
+                       is never materialised)
+
+Packing the GQA group into the rows means each K/V tile is loaded once and used by all the
+query heads that read it: that is what decode (memory bound) needs. A decode step has one new
+token per sequence, so its tile holds one real token and a small BLOCK_M (16); a prefill chunk
+is cut into tiles of BLOCK_Q = BLOCK_M // GROUP tokens with BLOCK_M = 64. `tl.dot` wants at
+least 16 rows, and GROUP need not divide BLOCK_M (SmolLM2 has 9 heads over 3 KV heads), so
+rows past BLOCK_Q x GROUP or past the chunk's end are masked out.
+
+Columns are *logical* positions. Each column looks up its page in the block table and its slot
+from the direction, so a K/V tile may span several pages of any size (B = 8..64 and beyond) and
+the bidirectional layout costs one `where` on the slot index, not a different kernel.
+
+A tile only loops over the columns its last query can see: a chunk's early tiles skip the
+chunk's later keys. The causal mask is `column <= position of the row's query`; the same rule
+hides the padding past a decode's context, because `seq_len` bounds the loop.
+
+The grid is (number of query tiles, number of KV heads). Sequence s's tiles are numbered from
+`query_start_loc[s] // BLOCK_Q + s`, an upper bound on the tiles of all earlier sequences that
+needs no host synchronisation; each program binary-searches `query_start_loc` for its
+sequence, and programs past the end of their sequence's tiles exit at once (vLLM's unified
+Triton attention uses the same numbering).
+
+No split-K (flash-decoding) path: the issue asks for one only with a measured gain, and no GPU
+was available to measure it (benchmarks/RESULTS.md).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_sequence(query_start_loc, num_seqs, tile_idx, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first tile is at or before `tile_idx` (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if first_tile <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, directions,
+    scale_log2, num_seqs,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_k_block, stride_k_slot, stride_k_head,
+    stride_v_block, stride_v_slot, stride_v_head,
+    stride_table,
+    HAS_DIRECTIONS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc, num_seqs, tile_idx, BLOCK_Q)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    q_tile = tile_idx - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    prefix_len = seq_len - q_len
+
+    # Row r of the tile is new token q_tile * BLOCK_Q + r // GROUP, query head r % GROUP of the group.
+    rows = tl.arange(0, BLOCK_M)
+    token = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    query_pos = prefix_len + token
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    q_rows = (q_start + token).to(tl.int64)
+    queries = tl.load(q + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                      mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_IN_FP32:
+        queries = queries.to(tl.float32)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    if HAS_DIRECTIONS:
+        right_to_left = tl.load(directions + seq) != 0
+
+    # Keys after the tile's last query are masked for every row, so the loop stops there.
+    kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_Q)
+    table = block_tables + seq.to(tl.int64) * stride_table
+    for col_start in range(0, kv_end, TILE_N):
+        cols = col_start + tl.arange(0, TILE_N)
+        col_valid = cols < kv_end
+        page = tl.load(table + cols // BLOCK_SIZE, mask=col_valid, other=0).to(tl.int64)
+        slot = cols % BLOCK_SIZE
+        if HAS_DIRECTIONS:
+            slot = tl.where(right_to_left, BLOCK_SIZE - 1 - slot, slot)
+
+        kv_mask = col_valid[None, :] & dim_valid[:, None]
+        k_offsets = page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
+        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=kv_mask, other=0.0)  # [HEAD_DIM_PAD, TILE_N]
+        if DOT_IN_FP32:
+            keys = keys.to(tl.float32)
+        scores = tl.dot(queries, keys, input_precision=DOT_PRECISION) * scale_log2
+        visible = (cols[None, :] <= query_pos[:, None]) & col_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        # Online softmax in base 2. Column 0 is visible to every row, so after the first tile
+        # each row's max is finite and exp2(-inf - max) cleanly gives 0 for masked columns.
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        v_offsets = page[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
+        values = tl.load(v_cache + v_offsets + dims[None, :], mask=tl.trans(kv_mask), other=0.0)  # [TILE_N, D]
+        if DOT_IN_FP32:
+            values = values.to(tl.float32)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    acc = acc / tl.where(row_valid, row_sum, 1.0)[:, None]
+    tl.store(out + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+             acc.to(out.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+def _tile_shape(num_tokens: int, num_seqs: int, group: int, head_dim_pad: int) -> tuple[int, int]:
+    """(BLOCK_M, TILE_N): a small row tile when every sequence decodes, a large one otherwise."""
+    decode_only = num_tokens == num_seqs
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
+    tile_n = 64 if head_dim_pad <= 64 else 32  # keeps K and V tiles at 8 KiB of fp16 each
+    return block_m, tile_n
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    directions: torch.Tensor | None,  # bool/int8 [num_seqs] or None
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_seqs = block_tables.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("the KV cache's head_dim must be contiguous")
+    if directions is not None and directions.dtype == torch.bool:
+        directions = directions.view(torch.int8)
+
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m, tile_n = _tile_shape(num_tokens, num_seqs, group, head_dim_pad)
+    block_q = block_m // group
+    # Triton 3.9's interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot; on the
+    # CPU those dots run in fp32 instead (compiled kernels use the tensor cores' bf16 path).
+    dot_in_fp32 = q.dtype == torch.bfloat16 and triton.knobs.runtime.interpret
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        directions if directions is not None else seq_lens,  # any pointer; never read without directions
+        scale * 1.4426950408889634, num_seqs,  # scale * log2(e): the softmax runs in base 2
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        HAS_DIRECTIONS=directions is not None, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_in_fp32 else "tf32", DOT_IN_FP32=dot_in_fp32,
+    )
+    return out
