@@ -9,6 +9,7 @@ it computes max(output) tokens per row. Only the tokens each request asked for c
 useful output, for both engines; HF's raw rate (all rows, all steps) is printed too.
 
     python benchmarks/throughput.py [--num-prompts 64] [--device cpu] [--dtype float32]
+    python benchmarks/throughput.py --device cuda --dtype bfloat16   # Triton attention on the GPU
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def make_requests(num: int, seed: int, vocab: int, first_id: int) -> list[tuple[
 
 def run_nanoserve(model: str, requests, args) -> tuple[float, int, LLM]:
     llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
+              attention_backend=args.attention_backend)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate([ids for ids, _ in requests[:2]], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-tokens", type=int, default=32768)
+    parser.add_argument("--attention-backend", default=None, help="torch | triton (default: per device)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -100,6 +103,8 @@ def main() -> None:
     result = {"nanoserve_tok_s": ns_tokens / ns_time, "nanoserve_s": ns_time,
               "preemptions": llm.engine.stats().num_preemptions}
     print(f"nanoserve   : {ns_tokens} tokens in {ns_time:6.2f} s = {ns_tokens / ns_time:7.1f} tok/s")
+    llm_backend = llm.engine.executor.backend.name
+    print(f"nanoserve attention backend: {llm_backend}")
     del llm
     if not args.skip_hf:
         hf_time, hf_useful, hf_raw = run_hf(model, requests, args)
@@ -109,7 +114,8 @@ def main() -> None:
               f"(raw, incl. static-batch padding: {hf_raw / hf_time:.1f} tok/s)")
         print(f"ratio nanoserve / HF = {result['ratio']:.2f}x")
     result.update(machine=platform.machine(), processor=platform.processor() or platform.platform(),
-                  device=args.device, dtype=args.dtype, num_prompts=args.num_prompts, seed=args.seed)
+                  device=args.device, dtype=args.dtype, attention_backend=llm_backend,
+                  num_prompts=args.num_prompts, seed=args.seed)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

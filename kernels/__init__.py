@@ -1,2 +1,2 @@
 """Attention kernels: a PyTorch reference (`reference.py`) that runs anywhere, and Triton
-kernels that must match it."""
+kernels (`paged_attention.py`, `store_kv.py`) that must match it."""

@@ -118,9 +118,8 @@ def _paged_attention_kernel(
         if HAS_DIRECTIONS:
             slot = tl.where(right_to_left, BLOCK_SIZE - 1 - slot, slot)
 
-        kv_mask = col_valid[None, :] & dim_valid[:, None]
         k_offsets = page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
-        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=kv_mask, other=0.0)  # [HEAD_DIM_PAD, TILE_N]
+        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=dim_valid[:, None] & col_valid[None, :], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
         if DOT_IN_FP32:
             keys = keys.to(tl.float32)
         scores = tl.dot(queries, keys, input_precision=DOT_PRECISION) * scale_log2
@@ -134,7 +133,8 @@ def _paged_attention_kernel(
         rescale = tl.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, 1)
         v_offsets = page[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
-        values = tl.load(v_cache + v_offsets + dims[None, :], mask=tl.trans(kv_mask), other=0.0)  # [TILE_N, D]
+        values = tl.load(v_cache + v_offsets + dims[None, :], mask=col_valid[:, None] & dim_valid[None, :],
+                         other=0.0)  # [TILE_N, HEAD_DIM_PAD]
         if DOT_IN_FP32:
             values = values.to(tl.float32)
         acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)

@@ -58,6 +58,8 @@ def test_rt_and_be_share_a_page_and_each_reads_only_its_own_tokens(dtype):
     case = build_case(spec, seed=7, device=DEVICE)
     assert case.block_tables[0, 1] == case.block_tables[1, 0]
     assert_matches(case, *run_both(case))
+    case.directions = case.directions.to(torch.int8)  # the issue allows bool or int8 flags
+    assert_matches(case, *run_both(case))
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 32, 8), (64, 4, 4)])

@@ -1,0 +1,18 @@
+"""The benchmark scripts keep running: their CPU smoke modes, in a subprocess as a user runs them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_attention_benchmark_smoke():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/attention.py", "--smoke"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| decode | 2 | 40 | 1 |" in proc.stdout and "| prefill | 1 | 48 | 16 |" in proc.stdout
+    assert "largest difference from SDPA" in proc.stdout
