@@ -76,7 +76,8 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(**engine_kwargs) -> Iterator[LiveServer]:
     """Build the engine, serve it on a free port, and stop everything on exit."""
-    args = EngineArgs(**{"kv_cache_tokens": KV_CACHE_TOKENS, "max_model_len": MAX_MODEL_LEN, **engine_kwargs})
+    args = EngineArgs(**{"device": "cpu", "kv_cache_tokens": KV_CACHE_TOKENS, "max_model_len": MAX_MODEL_LEN,
+                         **engine_kwargs})
     engine = AsyncEngine(build_engine(args))
     app = create_app(engine)  # its lifespan starts and stops the engine thread
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -10,7 +10,7 @@ from nanoserve.async_engine import AsyncEngine
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(str(smollm2_dir), kv_cache_tokens=4096, max_model_len=512)
+    return LLM(str(smollm2_dir), device="cpu", kv_cache_tokens=4096, max_model_len=512)
 
 
 def stream(engine, prompt, params):

@@ -33,7 +33,7 @@ def assert_close_greedy(ref: RequestOutput, out: RequestOutput, label: str, max_
 
 @pytest.fixture(scope="module")
 def alone_outputs(smollm2_dir):
-    llm = LLM(str(smollm2_dir), kv_cache_tokens=4096)
+    llm = LLM(str(smollm2_dir), device="cpu", kv_cache_tokens=4096)
     return [llm.generate(p, PARAMS, use_tqdm=False)[0] for p in PROMPTS]
 
 
@@ -48,7 +48,7 @@ def test_prompts_have_different_lengths(alone_outputs):
     ("preempted", dict(kv_cache_tokens=400, block_size=8)),
 ])
 def test_greedy_output_is_invariant(smollm2_dir, alone_outputs, setting, engine_kwargs):
-    llm = LLM(str(smollm2_dir), **engine_kwargs)
+    llm = LLM(str(smollm2_dir), device="cpu", **engine_kwargs)
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     for ref, out in zip(alone_outputs, outputs):
         assert_close_greedy(ref, out, f"{setting}: {out.prompt[:30]!r}")

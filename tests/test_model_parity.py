@@ -53,7 +53,7 @@ def test_prompt_logits_match_hf(tiny_model):
 
 def test_greedy_tokens_match_hf_generate(tiny_model):
     arch, hf, directory = tiny_model
-    llm = LLM(str(directory), kv_cache_tokens=4096, block_size=8)
+    llm = LLM(str(directory), device="cpu", kv_cache_tokens=4096, block_size=8)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(prompts(), params, use_tqdm=False)
     for ids, out in zip(prompts(), outputs):

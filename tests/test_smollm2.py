@@ -19,7 +19,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(str(smollm2_dir), kv_cache_tokens=8192)
+    return LLM(str(smollm2_dir), device="cpu", kv_cache_tokens=8192)
 
 
 def test_prompt_logits_match_transformers_gguf(smollm2_dir, hf_gguf_model):

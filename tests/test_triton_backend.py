@@ -14,6 +14,9 @@ from nanoserve.model.attention import default_attention_backend, get_attention_b
 from test_invariance import assert_close_greedy
 from test_model_parity import prompts
 
+# The Triton kernels run compiled on a GPU, interpreted on the CPU; fp32 either way, so that
+# greedy tokens can be compared exactly with HF on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
@@ -43,8 +46,8 @@ def test_triton_greedy_tokens_match_hf_generate(tiny_model):
     """A token budget of 24 splits the 40-token prompt into chunks that share steps with the
     other prompts' decodes: the mixed-batch path of the kernel."""
     arch, hf, directory = tiny_model
-    llm = LLM(str(directory), kv_cache_tokens=4096, block_size=8, max_num_batched_tokens=24,
-              attention_backend="triton")
+    llm = LLM(str(directory), device=DEVICE, dtype="float32", kv_cache_tokens=4096, block_size=8,
+              max_num_batched_tokens=24, attention_backend="triton")
     assert llm.engine.executor.backend.name == "triton"
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for ids, out in zip(prompts(), llm.generate(prompts(), params, use_tqdm=False)):
@@ -60,7 +63,8 @@ def test_triton_serves_smollm2_like_torch(smollm2_dir):
     texts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     outputs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(smollm2_dir), kv_cache_tokens=1024, max_num_batched_tokens=16, attention_backend=backend)
+        llm = LLM(str(smollm2_dir), device=DEVICE, dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=16,
+                  attention_backend=backend)
         outputs[backend] = llm.generate(texts, params, use_tqdm=False)
     for text, ref, out in zip(texts, outputs["torch"], outputs["triton"]):
         assert_close_greedy(ref, out, text, max_tokens=8)
