@@ -7,6 +7,10 @@ For a batch of chunks the runner builds flat tensors:
     block_tables           [num_seqs, max_blocks]  (padded; padding is never read unmasked)
     seq_lens               [num_seqs]        context length after the step
     query_start_loc        [num_seqs + 1]    where each chunk's tokens start in the flat batch
+    directions             [num_seqs] or None  BROS: which sequences fill blocks right to left
+
+Before the forward pass it runs the batch's KV copies (checkpoints, swaps, restores) through
+the host store, so every slot the step reads holds the right K/V.
 
 then runs the model, takes the hidden state of the last token of every chunk that samples,
 and samples. The simulator's executor has the same `execute` signature and returns the same
@@ -21,6 +25,7 @@ import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
 from nanoserve.sampling import sample
 from nanoserve.sched.base import SchedulerOutput
@@ -55,8 +60,10 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, devic
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0):
+                 device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
+                 host_store: HostKVStore | None = None):
         self.model = model
+        self.host_store = host_store  # where the memory manager's KV copies go to and come from
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
@@ -76,7 +83,10 @@ class ModelRunner:
             table = chunk.block_table
             input_ids.extend(chunk.request.token_ids[chunk.start : chunk.end])
             positions.extend(range(chunk.start, chunk.end))
-            slots.extend(table[p // size] * size + p % size for p in range(chunk.start, chunk.end))
+            if chunk.right_to_left:
+                slots.extend(table[p // size] * size + size - 1 - p % size for p in range(chunk.start, chunk.end))
+            else:
+                slots.extend(table[p // size] * size + p % size for p in range(chunk.start, chunk.end))
             query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
             seq_lens.append(chunk.end)
             if chunk.samples:
@@ -94,6 +104,9 @@ class ModelRunner:
             query_start_loc=tensor(query_start_loc, torch.int32),
             kv_caches=self.kv_caches,
             backend=self.backend,
+            # Only a batch with a right-to-left sequence pays for the direction flags.
+            directions=(tensor([c.right_to_left for c in batch.chunks], torch.bool)
+                        if any(c.right_to_left for c in batch.chunks) else None),
         )
         return PreparedBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), ctx, sample_rows)
 
@@ -104,7 +117,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        if batch.is_empty:
+        if batch.copies:
+            if self.host_store is None:
+                raise RuntimeError("the batch carries KV copies but the runner has no host store")
+            self.host_store.execute(batch.copies, self.kv_caches)
+            self.host_store.fence()
+        if not batch.chunks:
             return ExecutorOutput()
         prepared = self.prepare(batch)
         hidden = self.run_model(prepared)

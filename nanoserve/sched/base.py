@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.host import KVCopy
 from nanoserve.request import Request, RequestStatus
 
 
@@ -25,6 +26,7 @@ class ScheduledChunk:
     start: int  # position of the first new token == the request's computed tokens before the step
     num_tokens: int
     block_table: list[int]  # the request's live block table, read-only for the executor
+    right_to_left: bool = False  # BROS: this sequence fills each block from its last slot
 
     @property
     def end(self) -> int:
@@ -40,6 +42,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # KV moves between device and host that must happen before this step's forward pass
+    # (checkpoints, restores, swaps), decided by the memory manager and run by the executor.
+    copies: list[KVCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +52,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.copies
 
 
 class Scheduler(ABC):
