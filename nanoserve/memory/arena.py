@@ -1,0 +1,321 @@
+"""One memory arena per device for weights and KV cache (KunServe §3, §4.1, §4.4).
+
+KunServe answers memory throttling by dropping replicated parameters: the layers a pipeline
+peer also holds are dropped and their bytes become KV cache (§3); the paper remaps freed
+physical memory onto the tail of the KV range with CUDA VMM (§4.1). PyTorch has no VMM, so
+the arena gets the same effect from one flat uint8 tensor that holds both: each parameter is a
+view into it, and KV blocks are carved from whatever bytes no live weight holds. Dropped
+layers are restored from a host copy or a peer once pressure fades (§4.4).
+
+Layout. The arena is cut into pages of `block_size x num_kv_heads x head_dim` KV elements, so
+a page is the K (or the V) of one layer for one block of tokens. Each weight group (shared
+weights: embeddings, final norm, head; then each decoder layer) fills whole pages starting at
+its home page and never moves. A KV block is a run of 2 x R contiguous pages (R = resident
+layers), anywhere in the free pages; its id is its first page:
+
+    page 0                                                               num_pages
+         | shared | layer0 | layer1 | layer2 | layer3 | KV blocks, free pages |
+    after drop_layers([1, 2])  (R: 4 -> 2, so a block shrinks from 8 pages to 4):
+         | shared | layer0 | KV blocks, free   | layer3 | KV blocks, free pages |
+    one block, id b:   page b     b+1      b+2      b+3
+                       K(r=0)     V(r=0)   K(r=1)   V(r=1)    r = rank among resident layers
+
+`kv_caches()` gives resident layer r the views pages[2r : 2r + span] (K) and
+pages[2r + 1 : 2r + 1 + span] (V), each [span, block_size, kv_heads, head_dim] and contiguous,
+so `k_cache[b]` is page b + 2r: the runner's slot formula `block * block_size + offset` and
+its kernels work unchanged. The views span the whole arena (like a VMM reservation); only
+blocks a sequence owns are ever addressed, and those never overlap a live weight.
+
+Drop: the surviving layers' KV inside every live block moves down to its new rank (KV moves,
+weights never do), each block's tail pages are freed, then the dropped layers' pages. The
+dropped layers' KV is discarded: §4.2 ships it to the peer first (read it via `kv_caches()`).
+Restore: a live block would have to grow by the restored layers' KV, which this device never
+computed (the peer did), so `restore_layers` refuses with `BlocksInUseError` while any KV
+block is owned; with none owned, the home pages are free and the weights are copied back.
+
+Allocation: the arena is its own block allocator with `BlockPool`'s interface (allocate,
+free, block_table, slot_mapping, ...), since drop must compact exactly the blocks it hands out.
+Block ids are page numbers, not [0, num_blocks): the scheduler must not assume that.
+`capacity_tokens` counts non-weight bytes as if unfragmented (the paper's accounting);
+`num_free_blocks` is exact: a block must fit in one free run, and each run wastes < 1 block.
+
+Invariants (checked by `check_invariants`):
+  1. Conservation: resident weight pages, owned KV blocks and free runs tile the arena exactly,
+     so free + owned + weight bytes == total and no KV block overlaps a live weight or another.
+  2. Every block is in exactly one block table, and each table holds ceil(reserved / B) blocks.
+  3. Each resident parameter is a view at its home bytes, and those bytes still hold what was
+     loaded (fingerprint); dropped parameters are empty tensors, so nothing reads freed bytes.
+  4. Capacity: capacity_tokens == (total - weight bytes) // block bytes * B, and
+     block bytes == kv_bytes_per_token(resident layers) * B.
+  5. Nothing leaked: free runs are maximal, and with no blocks owned every non-weight page is free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from nanoserve.memory.arena_layout import SHARED, ArenaConfig, PageRuns, WeightSlot, assert_tiles, plan_weights
+from nanoserve.memory.blocks import NoFreeBlocksError
+
+__all__ = ["ArenaConfig", "BlocksInUseError", "CapacityChange", "MemoryArena", "NoFreeBlocksError"]
+
+
+class BlocksInUseError(RuntimeError):
+    """`restore_layers` refused: KV blocks are still owned by sequences."""
+
+
+@dataclass(frozen=True)
+class CapacityChange:
+    """What a drop or a restore did to KV capacity (token counts are whole blocks)."""
+
+    layers: tuple[int, ...]
+    weight_bytes: int  # page bytes handed to KV (drop) or taken back from it (restore)
+    kv_bytes_per_token: int  # for the resident layers after the change
+    tokens: int  # KV tokens `weight_bytes` hold at the new geometry
+    capacity_before: int
+    capacity_after: int
+
+
+def _fingerprint(region: torch.Tensor, chunk: int = 1 << 24) -> tuple[int, int]:
+    """Byte sum and position-weighted byte sum: changing any one byte changes the pair."""
+    total = weighted = 0
+    for start in range(0, region.numel(), chunk):
+        piece = region[start : start + chunk].to(torch.int64)
+        position = torch.arange(start + 1, start + 1 + piece.numel(), device=piece.device)
+        total += int(piece.sum())
+        weighted += int((piece * position).sum())
+    return total, weighted
+
+
+class MemoryArena:
+    """Weights and KV blocks of one device in one buffer; see the module docstring."""
+
+    def __init__(self, model: nn.Module, config: ArenaConfig, device: torch.device | str | None = None):
+        self.config = config
+        self._params = dict(model.named_parameters())  # tied weights appear once
+        if not self._params:
+            raise ValueError("model has no parameters")
+        device = torch.device(device) if device is not None else next(iter(self._params.values())).device
+        layout = plan_weights(self._params, config)
+        self.layer_ids: tuple[int, ...] = layout.layer_ids
+        self._home, self._slots = layout.home, layout.slots
+        self._resident: tuple[int, ...] = self.layer_ids
+        self.num_pages = layout.num_pages + config.kv_blocks * self.block_pages
+        self._arena = torch.zeros(self.num_pages * config.page_bytes, dtype=torch.uint8, device=device)
+        self._pages = self._arena.view(config.kv_dtype).view(
+            self.num_pages, config.block_size, config.num_kv_heads, config.head_dim)
+        self._fingerprints: dict[int, tuple[int, int]] = {}
+        for group in self._home:
+            self._load(group, {s.name: self._params[s.name].detach() for s in self._slots[group]})
+        self._free = PageRuns()
+        self._free.release(layout.num_pages, self.num_pages - layout.num_pages)
+        self._tables: dict[Hashable, list[int]] = {}
+        self._reserved: dict[Hashable, int] = {}
+
+    # -- geometry and accounting ---------------------------------------------------------
+    @property
+    def resident_layers(self) -> tuple[int, ...]:
+        return self._resident
+
+    @property
+    def block_pages(self) -> int:
+        """Pages of one KV block: K and V of every resident layer."""
+        return 2 * len(self._resident)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self._arena.numel()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the pages holding live weights (shared + resident layers)."""
+        return sum(self._home[g][1] for g in (SHARED, *self._resident) if g in self._home) * self.config.page_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token for the resident layers only: dropped layers run on a peer."""
+        return self.block_pages * self.config.page_bytes // self.config.block_size
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks the non-weight bytes would hold if unfragmented."""
+        return (self.total_bytes - self.weight_bytes) // (self.block_pages * self.config.page_bytes)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity_blocks * self.config.block_size
+
+    def kv_caches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Resident layer -> (k_cache, v_cache), each [span, B, kv_heads, head_dim], indexed
+        by block id. Views change with the geometry: fetch them again after a drop or restore."""
+        span = self.num_pages - self.block_pages + 1
+        return {layer: (self._pages[2 * r : 2 * r + span], self._pages[2 * r + 1 : 2 * r + 1 + span])
+                for r, layer in enumerate(self._resident)}
+
+    # -- drop and restore (§4.1, §4.4) ---------------------------------------------------
+    def drop_layers(self, layer_ids: Iterable[int]) -> CapacityChange:
+        """Give the pages of `layer_ids`' weights to the KV cache; no surviving weight moves."""
+        layers = tuple(sorted(set(layer_ids)))
+        if not set(layers) <= set(self._resident):
+            raise ValueError(f"layers {sorted(set(layers) - set(self._resident))} are not resident")
+        if len(layers) == len(self._resident):
+            raise ValueError("cannot drop every resident layer")
+        before, old_ranks = self.capacity_tokens, {layer: r for r, layer in enumerate(self._resident)}
+        old_block_pages = self.block_pages
+        self._resident = tuple(layer for layer in self._resident if layer not in layers)
+        for block in self._owned_blocks():
+            # Ranks only move down, in order, so no pair is overwritten before it is moved.
+            for new_rank, layer in enumerate(self._resident):
+                src, dst = block + 2 * old_ranks[layer], block + 2 * new_rank
+                if src != dst:
+                    self._pages[dst : dst + 2].copy_(self._pages[src : src + 2])
+            self._free.release(block + self.block_pages, old_block_pages - self.block_pages)
+        for layer in layers:
+            for slot in self._slots[layer]:
+                # A view left here would read whatever KV is later written over these bytes.
+                self._params[slot.name].data = torch.empty(0, dtype=slot.dtype, device=self._arena.device)
+            self._free.release(*self._home[layer])
+            del self._fingerprints[layer]
+        return self._change(layers, sum(self._home[g][1] for g in layers), before)
+
+    def restore_layers(self, layer_ids: Iterable[int], source: Mapping[str, torch.Tensor]) -> CapacityChange:
+        """Load `layer_ids`' weights back to their home pages from `source` (parameter name ->
+        tensor: a host copy or a peer's weights). Refused while any KV block is owned."""
+        layers = tuple(sorted(set(layer_ids)))
+        dropped = set(self.layer_ids) - set(self._resident)
+        if not set(layers) <= dropped:
+            raise ValueError(f"layers {sorted(set(layers) - dropped)} are not dropped")
+        for slot in (s for layer in layers for s in self._slots[layer]):
+            if slot.name not in source:
+                raise KeyError(f"restore source has no {slot.name!r}")
+            if tuple(source[slot.name].shape) != slot.shape or source[slot.name].dtype != slot.dtype:
+                raise ValueError(f"{slot.name}: source is {tuple(source[slot.name].shape)} {source[slot.name].dtype}, "
+                                 f"expected {slot.shape} {slot.dtype}")
+        owners = [seq for seq, table in self._tables.items() if table]
+        if owners:
+            raise BlocksInUseError(
+                f"cannot restore layers {list(layers)}: {self.num_used_blocks} KV blocks are still owned by "
+                f"sequences {owners[:8]}{'...' if len(owners) > 8 else ''}; free them first (their blocks "
+                f"would need KV for the restored layers, which only the pipeline peer has)")
+        before = self.capacity_tokens
+        for layer in layers:
+            self._free.take(*self._home[layer])  # free: no block is owned, no weight is there
+            self._load(layer, source)
+        self._resident = tuple(sorted((*self._resident, *layers)))
+        return self._change(layers, sum(self._home[g][1] for g in layers), before)
+
+    def _load(self, group: int, source: Mapping[str, torch.Tensor]) -> None:
+        for slot in self._slots[group]:
+            view = self._view(slot)
+            view.copy_(source[slot.name])
+            self._params[slot.name].data = view
+        self._fingerprints[group] = _fingerprint(self._home_bytes(group))
+
+    def _view(self, slot: WeightSlot) -> torch.Tensor:
+        return self._arena[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+    def _home_bytes(self, group: int) -> torch.Tensor:
+        start, pages = self._home[group]
+        page = self.config.page_bytes
+        return self._arena[start * page : (start + pages) * page]
+
+    def _change(self, layers: tuple[int, ...], pages: int, before: int) -> CapacityChange:
+        weight_bytes = pages * self.config.page_bytes
+        block_bytes = self.block_pages * self.config.page_bytes
+        return CapacityChange(layers, weight_bytes, self.kv_bytes_per_token,
+                              weight_bytes // block_bytes * self.config.block_size, before, self.capacity_tokens)
+
+    # -- KV blocks (BlockPool's interface; ids are first pages) --------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be placed now: exact, fragmentation included."""
+        return self._free.fits(self.block_pages)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(len(table) for table in self._tables.values())
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
+
+    def can_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, num_tokens) <= self.num_free_blocks
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The live table (not a copy): callers must not modify it."""
+        return self._tables.get(seq_id, [])
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._tables
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        table, size = self._tables[seq_id], self.config.block_size
+        if end > self._reserved[seq_id]:
+            raise IndexError(f"positions up to {end} exceed the {self._reserved[seq_id]} reserved slots")
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Grow `seq_id`'s reservation to `num_tokens` slots; all or nothing."""
+        need = self.blocks_needed(seq_id, num_tokens)
+        if need > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {need} blocks, {self.num_free_blocks} free")
+        new = []
+        for _ in range(need):
+            block = self._free.first_fit(self.block_pages)
+            self._free.take(block, self.block_pages)
+            new.append(block)
+        self._tables.setdefault(seq_id, []).extend(new)
+        self._reserved[seq_id] = max(self._reserved.get(seq_id, 0), num_tokens)
+        return new
+
+    def free(self, seq_id: Hashable) -> int:
+        table = self._tables.pop(seq_id, [])
+        self._reserved.pop(seq_id, None)
+        for block in table:
+            self._free.release(block, self.block_pages)
+        return len(table)
+
+    def _owned_blocks(self) -> list[int]:
+        return [block for table in self._tables.values() for block in table]
+
+    # -- invariants ----------------------------------------------------------------------
+    def check_invariants(self, check_weight_bytes: bool = True) -> None:
+        """`check_weight_bytes` re-reads every live weight byte: off for cheap per-step checks."""
+        owned = self._owned_blocks()
+        assert len(set(owned)) == len(owned), "a block appears in two tables (or twice in one)"
+        live = (SHARED, *self._resident) if SHARED in self._home else self._resident
+        self._free.check()
+        assert_tiles([(*self._home[g], f"weights of group {g}") for g in live]
+                     + [(b, self.block_pages, f"KV block {b}") for b in owned]
+                     + [(start, n, "free run") for start, n in self._free], self.num_pages)
+        assert self._tables.keys() == self._reserved.keys()
+        for seq_id, table in self._tables.items():
+            assert len(table) == self.blocks_for(self._reserved[seq_id]), f"{seq_id}: table size != reservation"
+        base = self._arena.data_ptr()
+        for group in live:
+            for slot in self._slots[group]:
+                param = self._params[slot.name]
+                assert param.data_ptr() == base + slot.offset, f"{slot.name} no longer views its home bytes"
+                assert tuple(param.shape) == slot.shape and param.dtype == slot.dtype, f"{slot.name} changed shape"
+            if check_weight_bytes:
+                assert _fingerprint(self._home_bytes(group)) == self._fingerprints[group], \
+                    f"weights of group {group} were overwritten"
+        for layer in set(self.layer_ids) - set(self._resident):
+            assert all(self._params[s.name].numel() == 0 for s in self._slots[layer]), f"layer {layer} still viewed"
+        assert self._fingerprints.keys() == set(live)
+        block_bytes = self.block_pages * self.config.page_bytes
+        assert block_bytes == self.kv_bytes_per_token * self.config.block_size
+        assert self.capacity_tokens == (self.total_bytes - self.weight_bytes) // block_bytes * self.config.block_size
+        assert len(owned) + self.num_free_blocks <= self.capacity_blocks, "more blocks than bytes"
+        if not owned:
+            assert self._free.num_pages * self.config.page_bytes == self.total_bytes - self.weight_bytes

@@ -1,0 +1,180 @@
+"""Layout bookkeeping for `MemoryArena` (arena.py): its config, where each weight goes, free
+page runs, and a tiling check.
+
+Pages are planned and counted here, never touched: no byte of the arena is read or written in
+this module, so the page arithmetic can be read (and tested) apart from the tensor code.
+"""
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+from nanoserve.config import ModelConfig
+
+SHARED = -1  # group of weights outside every decoder layer (embeddings, norm, head); never dropped
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ArenaConfig:
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: torch.dtype
+    kv_blocks: int  # full-model KV blocks the arena holds besides the weights, before any drop
+    weight_align: int = 256  # byte alignment of each parameter (kernels like aligned loads)
+    layer_pattern: str = r"(?:^|\.)layers\.(\d+)\."  # the decoder-layer index in a parameter name
+
+    def __post_init__(self) -> None:
+        if min(self.block_size, self.num_kv_heads, self.head_dim, self.weight_align) < 1 or self.kv_blocks < 0:
+            raise ValueError("block_size, num_kv_heads, head_dim, weight_align must be positive")
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype, kv_blocks: int,
+                          **kwargs) -> ArenaConfig:
+        return cls(block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, kv_blocks, **kwargs)
+
+    @property
+    def page_bytes(self) -> int:
+        """K (or V) of one layer for one block of tokens."""
+        return self.block_size * self.num_kv_heads * self.head_dim * _element_size(self.kv_dtype)
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one parameter lives in the arena."""
+
+    name: str
+    offset: int  # bytes from the arena's start
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _element_size(self.dtype) * int(torch.Size(self.shape).numel())
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    layer_ids: tuple[int, ...]
+    home: dict[int, tuple[int, int]]  # group (SHARED or layer) -> (first page, pages)
+    slots: dict[int, list[WeightSlot]]
+    num_pages: int  # pages all weights take; KV pages follow
+
+
+def plan_weights(params: Mapping[str, torch.Tensor], config: ArenaConfig) -> WeightLayout:
+    """Give each weight group whole pages: SHARED first, then the layers in order, so dropping
+    a run of adjacent layers (KunServe drops a half) frees one contiguous stretch."""
+    pattern = re.compile(config.layer_pattern)
+    groups: dict[int, list[str]] = {}
+    for name in params:
+        match = pattern.search(name)
+        groups.setdefault(int(match.group(1)) if match else SHARED, []).append(name)
+    layer_ids = tuple(sorted(g for g in groups if g != SHARED))
+    if not layer_ids:
+        raise ValueError(f"no parameter name matches layer_pattern {config.layer_pattern!r}")
+    page = config.page_bytes
+    home: dict[int, tuple[int, int]] = {}
+    slots: dict[int, list[WeightSlot]] = {}
+    next_page = 0
+    for group in sorted(groups):
+        cursor, slots[group] = next_page * page, []
+        for name in groups[group]:
+            param = params[name]
+            align = max(config.weight_align, param.element_size())
+            cursor = -(-cursor // align) * align
+            slots[group].append(WeightSlot(name, cursor, tuple(param.shape), param.dtype))
+            cursor += param.numel() * param.element_size()
+        pages = -(-cursor // page) - next_page
+        home[group], next_page = (next_page, pages), next_page + pages
+    return WeightLayout(layer_ids, home, slots, next_page)
+
+
+class PageRuns:
+    """A set of free pages kept as maximal runs [start, start + length), sorted by start.
+
+    Runs are merged on release, so two runs never touch: a run's length is the longest
+    contiguous stretch a KV block could be carved from there.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._lengths: dict[int, int] = {}
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((start, self._lengths[start]) for start in self._starts)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(self._lengths.values())
+
+    def fits(self, length: int) -> int:
+        """How many `length`-page pieces can still be carved, each from a single run."""
+        return sum(run // length for run in self._lengths.values())
+
+    def first_fit(self, length: int) -> int | None:
+        # Lowest address first keeps blocks packed at the bottom of each free stretch.
+        return next((start for start in self._starts if self._lengths[start] >= length), None)
+
+    def take(self, start: int, length: int) -> None:
+        """Mark [start, start + length) used; every page of it must be free, in one run."""
+        if length == 0:
+            return
+        i = bisect.bisect_right(self._starts, start) - 1
+        run = self._starts[i] if i >= 0 else None
+        if run is None or start + length > run + self._lengths[run]:
+            raise ValueError(f"pages [{start}, {start + length}) are not all free")
+        run_end = run + self._lengths.pop(run)
+        self._starts.pop(i)
+        self._insert(run, start - run)
+        self._insert(start + length, run_end - start - length)
+
+    def release(self, start: int, length: int) -> None:
+        """Mark [start, start + length) free; none of it may be free already."""
+        if length == 0:
+            return
+        end = start + length
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] > start:
+            raise ValueError(f"pages [{start}, {end}) overlap a free run (double free)")
+        if i < len(self._starts) and self._starts[i] < end:
+            raise ValueError(f"pages [{start}, {end}) overlap a free run (double free)")
+        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == start:
+            start = self._starts.pop(i - 1)
+            del self._lengths[start]
+            i -= 1
+        if i < len(self._starts) and self._starts[i] == end:
+            end += self._lengths.pop(self._starts.pop(i))
+        self._insert(start, end - start)
+
+    def _insert(self, start: int, length: int) -> None:
+        if length > 0:
+            bisect.insort(self._starts, start)
+            self._lengths[start] = length
+
+    def check(self) -> None:
+        assert self._starts == sorted(self._lengths), "run index out of sync"
+        for a, b in zip(self._starts, self._starts[1:]):
+            assert a + self._lengths[a] < b, f"free runs at {a} and {b} touch or overlap (not merged)"
+        assert all(length > 0 for length in self._lengths.values()), "empty free run"
+
+
+def assert_tiles(pieces: Iterable[tuple[int, int, str]], num_pages: int) -> None:
+    """Assert the (start, length, what) pieces cover [0, num_pages) exactly once.
+
+    This is conservation and disjointness at once: a gap is a leaked page, an overlap is a
+    page two owners (say a KV block and a live weight) both believe is theirs.
+    """
+    end, last = 0, "start of arena"
+    for start, length, what in sorted(p for p in pieces if p[1] > 0):
+        assert start >= end, f"pages [{start}, {end}) held by both {last} and {what}"
+        assert start == end, f"pages [{end}, {start}) leaked: neither free nor owned (after {last})"
+        end, last = start + length, what
+    assert end == num_pages, f"pages [{end}, {num_pages}) leaked, or pieces run past the arena"

@@ -1,0 +1,231 @@
+"""Incremental KV checkpointing with adaptive rate and background prefetch (ConServe, conserve.txt §4.4).
+
+Swapping a victim's KV out at preemption time blocks the request that needed the memory. ConServe
+instead copies each sequence's newly *completed* blocks to host memory after every iteration, so
+the traffic is amortised over many steps and preempting a checkpointed sequence is only freeing
+its device blocks. A full block is never written again (decode appends), so its host copy stays
+valid until the sequence ends; the partly filled tail block is never saved and is recomputed.
+
+Per step (`plan_step`), once device KV usage reaches `threshold`, a share of the reported
+sequences that grows linearly from one sequence at the threshold to all of them at 100% usage is
+chosen, and their unsaved full blocks are saved, up to `max_blocks_per_step` blocks (so the copies
+fit under one iteration) and as long as the host has room (when it does not, less is saved; the
+planner never fails). Which sequences: the caller's `order` first (the policy knows priorities,
+e.g. offline before online), then sequences that already hold a checkpoint (keeping the chosen set
+stable so those stay cheap to preempt), then the ones with most unsaved full blocks.
+
+`preempt` frees the device blocks at once and keeps the host copy; `prefetch` allocates fresh
+device blocks and returns the loads, which the caller issues a step ahead (they run on the host
+store's side stream on CUDA) while other work computes. A resumed sequence keeps its host copy, so
+a second preemption is free again.
+
+Ordering contract: all ops returned for one step (saves from `plan_step`, loads from `prefetch`)
+are executed together before that step's forward pass. `HostKVStore.execute` runs saves before
+loads, so a block planned for saving and then freed by a preemption in the same step is read
+before anything refills it. Do not preempt a sequence whose prefetch loads have not run yet, nor
+`release` one whose saves have not (its host blocks could be handed out again in the same step).
+The checkpointer is the host store's only client (it owns host blocks under the sequence ids).
+
+Invariants (checked by `check_invariants`):
+  1. The host store's owners are exactly the tracked sequences, each holding exactly the host
+     blocks recorded for it (so free + owned == total on the host too).
+  2. A tracked sequence's saved blocks never exceed its full blocks (computed tokens // B).
+  3. Saved host block i holds device block i: a resident sequence has at least as many device
+     blocks as saved ones; a preempted one has none in the pool.
+  4. Both pools keep their own invariants (conservation, no block in two places).
+  5. With nothing tracked every host block is free; with no sequences every device block is.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Sequence
+
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.host import HostKVStore, KVCopy
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    # Device KV usage (used / total blocks) at which checkpointing starts.
+    threshold: float = 0.5
+    # Copy budget per step in blocks (each moves `bytes_per_block` bytes): size it so the saves
+    # fit under one iteration at the device-host bandwidth.
+    max_blocks_per_step: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError("threshold is a fraction of device KV blocks, in [0, 1]")
+        if self.max_blocks_per_step < 0:
+            raise ValueError("max_blocks_per_step must be >= 0")
+
+
+@dataclass
+class _Checkpoint:
+    host_blocks: list[int]  # host_blocks[i] holds the sequence's device block i
+    num_tokens: int  # computed tokens last reported (saved tokens while preempted)
+    resident: bool = True
+
+
+class IncrementalCheckpointer:
+    def __init__(self, pool: BlockPool, store: HostKVStore, config: CheckpointConfig = CheckpointConfig()):
+        if pool.block_size != store.block_size:
+            raise ValueError("device and host blocks must hold the same number of slots")
+        self.pool, self.store, self.config = pool, store, config
+        self._tracked: dict[Hashable, _Checkpoint] = {}
+        # Counters, so a caller (or test) can tell a mechanism actually ran.
+        self.blocks_checkpointed = 0
+        self.preemptions_with_checkpoint = 0
+        self.prefetches = 0
+        self.blocks_prefetched = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block copy moves: K and V of every layer for B slots."""
+        k = self.store.k
+        return 2 * k.shape[0] * self.store.block_size * k.shape[2] * k.shape[3] * k.element_size()
+
+    @property
+    def device_usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def share_to_checkpoint(self) -> float:
+        """Fraction of reported sequences to checkpoint now: 0 below the threshold, rising
+        linearly to 1 at full usage (`plan_step` always takes at least one once it is reached)."""
+        usage, threshold = self.device_usage, self.config.threshold
+        if usage < threshold:
+            return 0.0
+        if threshold >= 1.0:
+            return 1.0
+        return min(1.0, (usage - threshold) / (1.0 - threshold))
+
+    def saved_blocks(self, seq_id: Hashable) -> int:
+        entry = self._tracked.get(seq_id)
+        return len(entry.host_blocks) if entry else 0
+
+    def saved_tokens(self, seq_id: Hashable) -> int:
+        """Leading tokens of `seq_id` whose KV is (or, once this step's copies run, will be) on host."""
+        return self.saved_blocks(seq_id) * self.pool.block_size
+
+    def is_preempted(self, seq_id: Hashable) -> bool:
+        entry = self._tracked.get(seq_id)
+        return entry is not None and not entry.resident
+
+    # -- per-step planning ------------------------------------------------------------------
+    def plan_step(self, num_tokens_by_seq: Mapping[Hashable, int],
+                  order: Sequence[Hashable] | None = None) -> list[KVCopy]:
+        """Save ops for this step's newly completed blocks of the chosen sequences.
+
+        `num_tokens_by_seq` maps each sequence that ran to its tokens whose KV is computed on the
+        device (not merely reserved); `order` optionally ranks sequences, first = checkpoint first.
+        """
+        size = self.pool.block_size
+        resident: dict[Hashable, int] = {}
+        for seq_id, num_tokens in num_tokens_by_seq.items():
+            if not self.pool.has(seq_id) or self.is_preempted(seq_id):
+                continue
+            table = self.pool.block_table(seq_id)
+            if num_tokens > len(table) * size:
+                raise ValueError(f"{seq_id!r}: {num_tokens} computed tokens exceed its {len(table) * size} slots")
+            if num_tokens // size < self.saved_blocks(seq_id):
+                raise ValueError(f"{seq_id!r}: {num_tokens} computed tokens, fewer than already saved")
+            resident[seq_id] = num_tokens
+            if seq_id in self._tracked:
+                self._tracked[seq_id].num_tokens = num_tokens
+
+        if not resident or self.device_usage < self.config.threshold:
+            return []
+        num_chosen = max(1, math.ceil(self.share_to_checkpoint() * len(resident)))
+        rank = {seq_id: i for i, seq_id in enumerate(order or ())}
+        unsaved = {s: n // size - self.saved_blocks(s) for s, n in resident.items()}
+        chosen = sorted(resident, key=lambda s: (rank.get(s, len(rank)), s not in self._tracked, -unsaved[s]))
+        chosen = chosen[:num_chosen]
+
+        copies: list[KVCopy] = []
+        budget = self.config.max_blocks_per_step
+        for seq_id in chosen:
+            count = min(unsaved[seq_id], budget, self.store.num_free_blocks)
+            if count <= 0:
+                continue
+            copies.append(self._save(seq_id, resident[seq_id], count))
+            budget -= count
+        return copies
+
+    def _save(self, seq_id: Hashable, num_tokens: int, count: int) -> KVCopy:
+        size = self.pool.block_size
+        entry = self._tracked.setdefault(seq_id, _Checkpoint(host_blocks=[], num_tokens=num_tokens))
+        first = len(entry.host_blocks)
+        device_blocks = self.pool.block_table(seq_id)[first:first + count]
+        host_blocks = self.store.allocate(seq_id, count)
+        entry.host_blocks.extend(host_blocks)
+        self.blocks_checkpointed += count
+        src = tuple(b * size + i for b in device_blocks for i in range(size))
+        dst = tuple(s for b in host_blocks for s in self.store.slots(b))
+        return KVCopy("save", src, dst)
+
+    # -- preemption and resume --------------------------------------------------------------
+    def preempt(self, seq_id: Hashable) -> int:
+        """Free `seq_id`'s device blocks now, without copying; returns the tokens kept on host.
+
+        Tokens past the returned count (the unsaved tail) must be recomputed. With nothing saved
+        the sequence is forgotten entirely, as if it had never run.
+        """
+        if self.is_preempted(seq_id):
+            raise ValueError(f"{seq_id!r} is already preempted")
+        self.pool.free(seq_id)
+        entry = self._tracked.get(seq_id)
+        if entry is None:
+            return 0
+        entry.resident = False
+        entry.num_tokens = len(entry.host_blocks) * self.pool.block_size
+        self.preemptions_with_checkpoint += 1
+        return entry.num_tokens
+
+    def prefetch(self, seq_id: Hashable) -> list[KVCopy]:
+        """Give a preempted `seq_id` fresh device blocks and return the loads that refill them.
+
+        Afterwards the sequence is resident with `saved_tokens(seq_id)` computed tokens; the
+        caller issues the loads a step before it schedules the sequence. All or nothing: raises
+        NoFreeBlocksError (changing nothing) if the pool cannot hold the saved tokens; check with
+        `pool.can_allocate(seq_id, saved_tokens(seq_id))`.
+        """
+        entry = self._tracked.get(seq_id)
+        if entry is None or entry.resident:
+            raise ValueError(f"{seq_id!r} is not a preempted sequence with a checkpoint")
+        device_blocks = self.pool.allocate(seq_id, entry.num_tokens)
+        entry.resident = True
+        self.prefetches += 1
+        self.blocks_prefetched += len(device_blocks)
+        size = self.pool.block_size
+        src = tuple(s for b in entry.host_blocks for s in self.store.slots(b))
+        dst = tuple(b * size + i for b in device_blocks for i in range(size))
+        return [KVCopy("load", src, dst)]
+
+    def release(self, seq_id: Hashable) -> None:
+        """`seq_id` finished or was dropped: free its device blocks and its checkpoint."""
+        self.pool.free(seq_id)
+        if self._tracked.pop(seq_id, None) is not None:
+            self.store.free(seq_id)
+
+    # -- invariants --------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        self.store.check_invariants()
+        size = self.pool.block_size
+        host_owned = self.store.num_blocks - self.store.num_free_blocks
+        assert host_owned == sum(len(e.host_blocks) for e in self._tracked.values()), \
+            "host blocks held by someone the checkpointer does not track"
+        for seq_id, entry in self._tracked.items():
+            assert entry.host_blocks, f"{seq_id!r} tracked with nothing saved"
+            assert self.store.blocks_of(seq_id) == entry.host_blocks, f"{seq_id!r}: host blocks disagree with the store"
+            assert len(entry.host_blocks) <= entry.num_tokens // size, f"{seq_id!r}: saved more than its full blocks"
+            if entry.resident:
+                table = self.pool.block_table(seq_id)
+                assert self.pool.has(seq_id), f"{seq_id!r} resident but has no device blocks"
+                assert entry.num_tokens <= len(table) * size, f"{seq_id!r}: more computed tokens than slots"
+            else:
+                assert not self.pool.has(seq_id), f"{seq_id!r} preempted but still holds device blocks"
+                assert entry.num_tokens == len(entry.host_blocks) * size
+        if not self._tracked:
+            assert self.store.num_free_blocks == self.store.num_blocks, "host blocks leaked"

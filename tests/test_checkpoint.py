@@ -1,0 +1,341 @@
+"""IncrementalCheckpointer (ConServe §4.4): unit checks, plus a hypothesis state machine that
+writes a unique value for every (sequence, position) into small real KV caches and checks after
+every operation that each resident position and each checkpointed position reads back exactly."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
+from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
+from nanoserve.memory.host import HostKVStore, KVCopy
+
+B = 4
+LAYERS, HEADS, HEAD_DIM = 2, 1, 2
+SEQ_NAMES = [f"s{i}" for i in range(5)]
+
+
+def make_store(num_blocks: int) -> HostKVStore:
+    return HostKVStore(num_blocks, B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
+
+
+def make_caches(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.zeros(num_blocks, B, HEADS, HEAD_DIM), torch.zeros(num_blocks, B, HEADS, HEAD_DIM))
+            for _ in range(LAYERS)]
+
+
+def expected(seq: str, pos: int, layer: int, is_v: bool) -> torch.Tensor:
+    # Distinct per sequence, position, layer and K/V, and exact in float32.
+    base = 1 + SEQ_NAMES.index(seq) * 1000 + pos + layer * 100_000
+    base = -base if is_v else base
+    return torch.tensor([[base, base + 0.5]], dtype=torch.float32)
+
+
+def write_tokens(pool: BlockPool, caches, seq: str, start: int, end: int) -> None:
+    """Stand-in for the forward pass: store K/V of positions [start, end)."""
+    for pos, slot in zip(range(start, end), pool.slot_mapping(seq, start, end)):
+        for layer, (k, v) in enumerate(caches):
+            k.view(-1, HEADS, HEAD_DIM)[slot] = expected(seq, pos, layer, False)
+            v.view(-1, HEADS, HEAD_DIM)[slot] = expected(seq, pos, layer, True)
+
+
+def assert_device_holds(pool: BlockPool, caches, seq: str, num_tokens: int) -> None:
+    for pos, slot in zip(range(num_tokens), pool.slot_mapping(seq, 0, num_tokens)):
+        for layer, (k, v) in enumerate(caches):
+            assert torch.equal(k.view(-1, HEADS, HEAD_DIM)[slot], expected(seq, pos, layer, False)), (seq, pos)
+            assert torch.equal(v.view(-1, HEADS, HEAD_DIM)[slot], expected(seq, pos, layer, True)), (seq, pos)
+
+
+def assert_host_holds(store: HostKVStore, seq: str, num_tokens: int, host_blocks: list[int] | None = None) -> None:
+    """`host_blocks` defaults to the ones `store` says `seq` owns."""
+    blocks = store.blocks_of(seq) if host_blocks is None else host_blocks
+    slots = [s for b in blocks for s in store.slots(b)][:num_tokens]
+    assert len(slots) == num_tokens
+    for pos, slot in enumerate(slots):
+        for layer in range(LAYERS):
+            assert torch.equal(store.k[layer, slot], expected(seq, pos, layer, False)), (seq, pos)
+            assert torch.equal(store.v[layer, slot], expected(seq, pos, layer, True)), (seq, pos)
+
+
+def setup(device_blocks: int, host_blocks: int, **config):
+    pool, store = BlockPool(device_blocks, B), make_store(host_blocks)
+    return pool, store, make_caches(device_blocks), IncrementalCheckpointer(pool, store, CheckpointConfig(**config))
+
+
+def grow(pool, caches, seq, start, end):
+    pool.allocate(seq, end)
+    write_tokens(pool, caches, seq, start, end)
+
+
+def saved_seqs(copies: list[KVCopy]) -> int:
+    assert all(c.kind == "save" for c in copies)
+    return len(copies)  # one save op per chosen sequence
+
+
+# -- unit tests ---------------------------------------------------------------------------
+def test_nothing_checkpointed_below_threshold():
+    pool, store, caches, ckpt = setup(10, 10)
+    grow(pool, caches, "s0", 0, 16)  # 4 of 10 blocks: 40%
+    assert ckpt.plan_step({"s0": 16}) == []
+    assert ckpt.blocks_checkpointed == 0 and store.num_free_blocks == 10
+    grow(pool, caches, "s1", 0, 4)  # 50%: checkpointing starts
+    assert ckpt.plan_step({"s0": 16, "s1": 4})
+    assert ckpt.blocks_checkpointed > 0
+    ckpt.check_invariants()
+
+
+@pytest.mark.parametrize("blocks_each, chosen", [(2, 0), (3, 1), (4, 3), (5, 4)])
+def test_more_sequences_checkpointed_as_usage_climbs(blocks_each, chosen):
+    # 4 sequences in 20 blocks: 40%, 60%, 80%, 100% usage -> share 0, 0.2, 0.6, 1 of 4.
+    pool, store, caches, ckpt = setup(20, 40, max_blocks_per_step=100)
+    tokens = {s: blocks_each * B for s in SEQ_NAMES[:4]}
+    for seq, n in tokens.items():
+        grow(pool, caches, seq, 0, n)
+    assert saved_seqs(ckpt.plan_step(tokens)) == chosen
+    ckpt.check_invariants()
+
+
+def test_chosen_set_is_stable_and_caller_order_comes_first():
+    pool, store, caches, ckpt = setup(10, 10, max_blocks_per_step=100)
+    grow(pool, caches, "s0", 0, 12)
+    grow(pool, caches, "s1", 0, 8)  # 5 of 10 blocks: exactly one sequence is chosen
+    copies = ckpt.plan_step({"s0": 12, "s1": 8}, order=["s1"])
+    assert saved_seqs(copies) == 1 and ckpt.saved_blocks("s1") == 2 and ckpt.saved_blocks("s0") == 0
+    # Without an order, the sequence already checkpointed stays the one kept current.
+    grow(pool, caches, "s1", 8, 12)
+    copies = ckpt.plan_step({"s0": 12, "s1": 12})
+    assert saved_seqs(copies) == 1 and ckpt.saved_blocks("s1") == 3 and ckpt.saved_blocks("s0") == 0
+
+
+def test_only_full_computed_blocks_are_saved_and_per_step_cap_holds():
+    pool, store, caches, ckpt = setup(8, 16, threshold=0.0, max_blocks_per_step=2)
+    grow(pool, caches, "s0", 0, 22)  # 5 full blocks and a partial one
+    copies = ckpt.plan_step({"s0": 22})
+    assert sum(len(c.src) for c in copies) == 2 * B and ckpt.saved_blocks("s0") == 2
+    ckpt.plan_step({"s0": 22})
+    ckpt.plan_step({"s0": 22})
+    assert ckpt.saved_blocks("s0") == 5  # never the partial tail
+    assert ckpt.plan_step({"s0": 22}) == []
+    ckpt.check_invariants()
+
+
+def test_host_exhaustion_checkpoints_less_and_never_fails():
+    pool, store, caches, ckpt = setup(8, 2, threshold=0.0)
+    grow(pool, caches, "s0", 0, 16)
+    grow(pool, caches, "s1", 0, 16)
+    ckpt.plan_step({"s0": 16, "s1": 16})
+    assert store.num_free_blocks == 0 and ckpt.blocks_checkpointed == 2
+    assert ckpt.plan_step({"s0": 16, "s1": 16}) == []
+    ckpt.check_invariants()
+
+
+def test_preempt_fully_saved_frees_device_at_once_and_prefetch_is_bit_identical():
+    pool, store, caches, ckpt = setup(8, 8, threshold=0.0)
+    grow(pool, caches, "s0", 0, 12)
+    store.execute(ckpt.plan_step({"s0": 12}), caches)
+    assert ckpt.saved_tokens("s0") == 12
+    host_before = (store.k.clone(), store.v.clone())
+    saved_before = ckpt.blocks_checkpointed
+    assert ckpt.preempt("s0") == 12
+    # No copy at preemption: nothing new checkpointed, host untouched, device blocks back.
+    assert ckpt.blocks_checkpointed == saved_before and ckpt.preemptions_with_checkpoint == 1
+    assert torch.equal(store.k, host_before[0]) and torch.equal(store.v, host_before[1])
+    assert pool.num_free_blocks == 8 and not pool.has("s0") and ckpt.is_preempted("s0")
+    ckpt.check_invariants()
+    # Someone else dirties the freed blocks before the resume.
+    for k, v in caches:
+        k.fill_(7.0), v.fill_(7.0)
+    loads = ckpt.prefetch("s0")
+    assert [c.kind for c in loads] == ["load"] and ckpt.prefetches == 1 and ckpt.blocks_prefetched == 3
+    store.execute(loads, caches)
+    assert_device_holds(pool, caches, "s0", 12)
+    ckpt.check_invariants()
+
+
+def test_preempt_keeps_only_saved_prefix_and_tail_is_recomputed():
+    pool, store, caches, ckpt = setup(8, 8, threshold=0.0)
+    grow(pool, caches, "s0", 0, 10)
+    store.execute(ckpt.plan_step({"s0": 10}), caches)
+    assert ckpt.preempt("s0") == 8  # the partial third block is not on host
+    store.execute(ckpt.prefetch("s0"), caches)
+    grow(pool, caches, "s0", 8, 10)  # recompute the tail
+    assert_device_holds(pool, caches, "s0", 10)
+    assert ckpt.preempt("s0") == 8  # the host copy survived the resume: preempting again is free
+    ckpt.check_invariants()
+
+
+def test_preempt_without_checkpoint_forgets_the_sequence():
+    pool, store, caches, ckpt = setup(8, 8)
+    grow(pool, caches, "s0", 0, 10)
+    assert ckpt.preempt("s0") == 0 and not pool.has("s0") and not ckpt.is_preempted("s0")
+    assert ckpt.preemptions_with_checkpoint == 0
+    with pytest.raises(ValueError):
+        ckpt.prefetch("s0")
+
+
+def test_prefetch_is_all_or_nothing():
+    pool, store, caches, ckpt = setup(4, 8, threshold=0.0)
+    grow(pool, caches, "s0", 0, 8)
+    ckpt.plan_step({"s0": 8})
+    ckpt.preempt("s0")
+    grow(pool, caches, "s1", 0, 12)  # 3 of 4 blocks: no room for s0's 2
+    with pytest.raises(NoFreeBlocksError):
+        ckpt.prefetch("s0")
+    assert ckpt.is_preempted("s0") and not pool.has("s0")
+    ckpt.check_invariants()
+
+
+def test_saves_run_before_loads_so_one_step_can_checkpoint_preempt_and_resume():
+    pool, store, caches, ckpt = setup(4, 8, threshold=0.0)
+    grow(pool, caches, "s0", 0, 8)
+    step = ckpt.plan_step({"s0": 8})  # not executed yet
+    ckpt.preempt("s0")
+    step += ckpt.prefetch("s0")  # refills the very blocks the pending saves read
+    store.execute(step, caches)
+    assert_device_holds(pool, caches, "s0", 8)
+    assert_host_holds(store, "s0", 8)
+
+
+def test_release_frees_everything_in_both_pools():
+    pool, store, caches, ckpt = setup(8, 8, threshold=0.0)
+    grow(pool, caches, "s0", 0, 9)
+    grow(pool, caches, "s1", 0, 12)
+    store.execute(ckpt.plan_step({"s0": 9, "s1": 12}), caches)
+    ckpt.preempt("s1")
+    ckpt.release("s0")
+    ckpt.release("s1")
+    assert pool.num_free_blocks == 8 and store.num_free_blocks == 8
+    ckpt.check_invariants()
+
+
+def test_config_is_validated_and_frozen():
+    with pytest.raises(ValueError):
+        CheckpointConfig(threshold=1.5)
+    with pytest.raises(ValueError):
+        CheckpointConfig(max_blocks_per_step=-1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CheckpointConfig().threshold = 0.1  # type: ignore[misc]
+
+
+# -- state machine ------------------------------------------------------------------------
+SEQS = st.sampled_from(SEQ_NAMES)
+DEVICE_BLOCKS, HOST_BLOCKS = 12, 8
+
+
+class CheckpointMachine(RuleBasedStateMachine):
+    """Grow, checkpoint, preempt, prefetch and release in any order against real caches.
+
+    Copies accumulate in `pending` like one step's ops and run before the next forward (`grow`),
+    so saves planned and blocks freed or refilled in the same step are exercised too.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.pool, self.store = BlockPool(DEVICE_BLOCKS, B), make_store(HOST_BLOCKS)
+        self.caches = make_caches(DEVICE_BLOCKS)
+        config = CheckpointConfig(threshold=0.3, max_blocks_per_step=3)
+        self.ckpt = IncrementalCheckpointer(self.pool, self.store, config)
+        self.computed: dict[str, int] = {}  # resident sequences: tokens whose K/V is on device
+        self.preempted: dict[str, int] = {}  # tokens kept on host
+        self.loading: set[str] = set()  # prefetched this step, loads not yet run
+        self.pending: list[KVCopy] = []
+
+    def flush(self) -> None:
+        self.store.execute(self.pending, self.caches)
+        self.pending, self.loading = [], set()
+
+    @rule(seq=SEQS, extra=st.integers(1, 9))
+    def grow(self, seq, extra):
+        if seq in self.preempted:
+            return
+        self.flush()  # the forward runs after this step's copies
+        start = self.computed.get(seq, 0)
+        if not self.pool.can_allocate(seq, start + extra):
+            return
+        grow(self.pool, self.caches, seq, start, start + extra)
+        self.computed[seq] = start + extra
+
+    @precondition(lambda self: self.computed)
+    @rule(data=st.data(), use_order=st.booleans())
+    def plan(self, data, use_order):
+        reported = data.draw(st.lists(st.sampled_from(sorted(self.computed)), unique=True, min_size=1))
+        order = data.draw(st.permutations(reported)) if use_order else None
+        usage = self.pool.num_used_blocks / self.pool.num_blocks
+        before = self.ckpt.blocks_checkpointed
+        copies = self.ckpt.plan_step({s: self.computed[s] for s in reported}, order)
+        if usage < 0.3:
+            assert copies == []
+        saved = sum(len(c.src) for c in copies) // B
+        assert saved == self.ckpt.blocks_checkpointed - before <= 3
+        self.pending += copies
+
+    @precondition(lambda self: self.computed)
+    @rule(data=st.data())
+    def preempt(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.computed)))
+        if seq in self.loading:
+            self.flush()  # contract: loads land before their blocks can be freed
+        held = len(self.pool.block_table(seq))
+        free_before = self.pool.num_free_blocks
+        saved = self.ckpt.saved_tokens(seq)
+        kept = self.ckpt.preempt(seq)
+        assert kept == saved <= self.computed.pop(seq)
+        assert self.pool.num_free_blocks == free_before + held
+        if kept:
+            self.preempted[seq] = kept
+
+    @precondition(lambda self: self.preempted)
+    @rule(data=st.data())
+    def prefetch(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.preempted)))
+        kept = self.preempted[seq]
+        if not self.pool.can_allocate(seq, kept):
+            with pytest.raises(NoFreeBlocksError):
+                self.ckpt.prefetch(seq)
+            return
+        self.pending += self.ckpt.prefetch(seq)
+        self.computed[seq] = self.preempted.pop(seq)
+        self.loading.add(seq)
+
+    @precondition(lambda self: self.computed or self.preempted)
+    @rule(data=st.data())
+    def release(self, data):
+        seq = data.draw(st.sampled_from(sorted({*self.computed, *self.preempted})))
+        self.flush()  # contract: a sequence finishes after its step's copies ran
+        self.ckpt.release(seq)
+        self.computed.pop(seq, None)
+        self.preempted.pop(seq, None)
+
+    @invariant()
+    def checkpointer_invariants(self):
+        self.ckpt.check_invariants()
+        for seq, kept in self.preempted.items():
+            assert self.ckpt.is_preempted(seq) and self.ckpt.saved_tokens(seq) == kept
+
+    @invariant()
+    def every_resident_and_saved_position_reads_back(self):
+        # Run this step's pending copies on scratch copies of both caches, leaving state alone.
+        caches = [(k.clone(), v.clone()) for k, v in self.caches]
+        store = make_store(HOST_BLOCKS)
+        store.k.copy_(self.store.k), store.v.copy_(self.store.v)
+        store.execute(self.pending, caches)
+        for seq, n in self.computed.items():
+            assert_device_holds(self.pool, caches, seq, n)
+        for seq in [*self.computed, *self.preempted]:
+            assert_host_holds(store, seq, self.ckpt.saved_tokens(seq), self.store.blocks_of(seq))
+
+    def teardown(self):
+        self.flush()
+        for seq in [*self.computed, *self.preempted]:
+            self.ckpt.release(seq)
+        assert self.pool.num_free_blocks == DEVICE_BLOCKS and self.store.num_free_blocks == HOST_BLOCKS
+        self.ckpt.check_invariants()
+
+
+TestCheckpointMachine = CheckpointMachine.TestCase
+TestCheckpointMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)

@@ -1,0 +1,300 @@
+"""ExactAllocator (EcoServe): unit checks of each mechanism, plus a hypothesis state machine that
+writes a unique value into every KV slot it is given, runs every returned KVCopy on real tensors
+and checks, after every step, every invariant and that every resident position reads back its own
+value."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from nanoserve.memory.blocks import NoFreeBlocksError
+from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator, Preempted
+from nanoserve.memory.host import HostKVStore
+
+
+def _store(num_blocks: int, block_size: int) -> HostKVStore:
+    return HostKVStore(num_blocks, block_size, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, pin_memory=False)
+
+
+def test_reservation_is_prompt_plus_padded_prediction_up_front():
+    alloc = ExactAllocator(16, ExactAllocConfig(block_size=4, padding_ratio=0.15, reserved_fraction=0.125))
+    assert alloc.reservation_tokens(5, 20) == 5 + 20 + 3
+    assert alloc.reservation_tokens(0, 20) == 20 + 3
+    assert ExactAllocator(8, ExactAllocConfig(block_size=4, padding_ratio=0.1)).reservation_tokens(0, 20) == 22  # no float-noise token
+    assert alloc.admit("a", 5, 20, allow_hosting=False) is None
+    assert len(alloc.block_table("a")) == 7  # ceil(28 / 4)
+    assert alloc.num_free_blocks == 16 - 2 - 7 and alloc.num_reserved_pool_blocks == 2
+    assert alloc.grow("a", 5) == [] and alloc.grow("a", 23) == []  # growth inside the reservation never allocates
+    assert len(alloc.block_table("a")) == 7 and alloc.reserved_pool_draws == 0
+    table = alloc.block_table("a")
+    assert alloc.slot_mapping("a", 3, 6) == [table[0] * 4 + 3, table[1] * 4, table[1] * 4 + 1]
+    with pytest.raises(IndexError):
+        alloc.slot_mapping("a", 0, 29)  # past the write head
+    alloc.check_invariants()
+
+
+def test_admission_never_touches_the_reserved_pool():
+    alloc = ExactAllocator(8, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=0.25))
+    alloc.admit("a", 0, 24, allow_hosting=False)
+    with pytest.raises(NoFreeBlocksError):
+        alloc.admit("b", 0, 1, allow_hosting=False)
+    assert not alloc.has("b") and alloc.num_reserved_pool_blocks == 2
+    alloc.check_invariants()
+
+
+def test_growth_past_the_prediction_draws_on_the_reserved_pool_then_preempts():
+    alloc = ExactAllocator(8, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=0.125))
+    alloc.admit("a", 2, 10, allow_hosting=False)  # 12 tokens: 3 blocks
+    alloc.grow("a", 2)
+    alloc.grow("a", 10)
+    assert alloc.reserved_pool_draws == 0
+    alloc.grow("a", 4)  # 16 > 12: the one reserved block
+    assert alloc.reserved_pool_draws == 1 and alloc.num_reserved_pool_blocks == 0 and len(alloc.block_table("a")) == 4
+    alloc.check_invariants()
+    with pytest.raises(Preempted) as info:
+        alloc.grow("a", 1)  # the pool is dry: offload-free preemption
+    assert (info.value.seq_id, info.value.prompt_len, info.value.generated) == ("a", 2, 14)
+    assert info.value.new_predicted_len == 1  # predicted - generated < 1: clamped
+    assert not alloc.has("a") and alloc.preemptions == 1
+    assert alloc.num_reserved_pool_blocks == 1 and alloc.num_free_blocks == 7  # the pool is refilled first
+    alloc.check_invariants()
+
+
+def test_preemption_re_predicts_predicted_minus_generated():
+    alloc = ExactAllocator(8, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=0.0))
+    alloc.admit("a", 2, 10, allow_hosting=False)
+    alloc.grow("a", 2)
+    alloc.grow("a", 6)
+    with pytest.raises(Preempted) as info:
+        alloc.grow("a", 5)  # a 5-token chunk past the 12 reserved slots, no reserved pool at all
+    assert info.value.generated == 6 and info.value.new_predicted_len == 10 - 6
+    assert alloc.num_free_blocks == 8
+    alloc.check_invariants()
+
+
+def test_hosted_placement_nests_and_eviction_saves_then_restore_loads():
+    store = _store(16, 2)
+    alloc = ExactAllocator(40, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.1), store)
+    alloc.admit("h", 2, 30)  # 32 tokens, 16 blocks, nothing to host it
+    assert alloc.host_of("h") is None and alloc.hosted_placements == 0
+    assert alloc.admit("g", 2, 14) == "h"  # 16 tokens: the second half of h, as in Fig. 9a
+    assert alloc.block_table("g") == alloc.block_table("h")[8:16]
+    free_before = alloc.num_free_blocks
+    alloc.grow("h", 2)  # h's gap now [2, 16): its second half is too small for 8 tokens
+    assert alloc.admit("n", 2, 6) == "g"  # nested: inside g's second half, in h's last quarter
+    assert alloc.host_of(alloc.host_of("n")) == "h" and alloc.block_table("n") == alloc.block_table("h")[12:16]
+    assert alloc.num_free_blocks == free_before and alloc.hosted_placements == 2
+    alloc.grow("g", 3)
+    alloc.grow("n", 2)
+    alloc.check_invariants()
+
+    copies = alloc.grow("h", 14)  # h's writes reach g's region at token 16
+    assert copies == [] and alloc.is_resident("g")
+    copies = alloc.grow("h", 1)
+    assert sorted(c.kind for c in copies) == ["save", "save"]  # g and n, which lived inside g
+    assert not alloc.is_resident("g") and not alloc.is_resident("n") and alloc.hosted_by("h") == []
+    assert alloc.hosted_evictions == 2 and alloc.hosted_drops == 0
+    assert len(store.blocks_of("g")) == 2 and len(store.blocks_of("n")) == 1
+    alloc.check_invariants()
+    with pytest.raises(RuntimeError):
+        alloc.grow("g", 1)  # must be restored first
+
+    (load,) = alloc.ensure_resident("g")
+    assert load.kind == "load" and load.dst == tuple(alloc.slot_mapping("g", 0, 3))
+    assert alloc.host_of("g") is None and alloc.restores == 1
+    alloc.check_invariants()
+    for seq in ("h", "g", "n"):
+        alloc.free(seq)
+    assert store.num_free_blocks == 16 and alloc.num_free_blocks + alloc.num_reserved_pool_blocks == 40
+    alloc.check_invariants()
+
+
+def test_eviction_without_host_room_drops_for_recompute():
+    alloc = ExactAllocator(20, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.0), _store(0, 2))
+    alloc.admit("h", 0, 16)
+    assert alloc.admit("g", 1, 3) == "h"
+    alloc.grow("g", 3)
+    assert alloc.grow("h", 9) == []  # no host space: nothing to save, the KV is dropped
+    assert not alloc.is_resident("g") and alloc.num_written("g") == 0 and alloc.hosted_drops == 1
+    assert alloc.ensure_resident("g") == [] and alloc.num_written("g") == 0  # recompute from scratch
+    alloc.check_invariants()
+
+
+def test_a_departing_host_leaves_its_guests_in_place():
+    alloc = ExactAllocator(40, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.0))
+    alloc.admit("h", 0, 32)
+    alloc.admit("g", 0, 16)
+    alloc.grow("h", 1)
+    alloc.admit("n", 0, 8)  # nested in g
+    assert alloc.host_of("n") == "g"
+    g_table, n_table = alloc.block_table("g"), alloc.block_table("n")
+    assert alloc.free("g") == 0  # g owned nothing: the region was h's
+    assert alloc.host_of("n") == "h" and alloc.block_table("n") == n_table  # re-lent by h, no copy
+    alloc.check_invariants()
+    alloc.grow("n", 3)
+    with pytest.raises(Preempted):
+        alloc.grow("h", 64)  # no reserved pool: h is preempted, n keeps its blocks
+    assert alloc.host_of("n") is None and alloc.block_table("n") == n_table
+    assert alloc.num_free_blocks == 40 - len(n_table) and set(n_table) < set(g_table)
+    alloc.check_invariants()
+    alloc.free("n")
+    assert alloc.num_free_blocks == 40
+    alloc.check_invariants()
+
+
+NUM_BLOCKS, BLOCK, HOST_BLOCKS = 48, 2, 8
+
+
+def _value(seq_no: int, pos: int, layer: int) -> float:
+    return float(seq_no * 1000 + pos + 1 + layer * 100_000)
+
+
+class ExactAllocMachine(RuleBasedStateMachine):
+    """Random admit/grow/finish/restore sequences on real tensors; all copies are executed."""
+
+    def __init__(self):
+        super().__init__()
+        config = ExactAllocConfig(block_size=BLOCK, padding_ratio=0.25, reserved_fraction=0.125, pipeline_buffer=1)
+        self.store = _store(HOST_BLOCKS, BLOCK)
+        self.alloc = ExactAllocator(NUM_BLOCKS, config, self.store)
+        self.caches = [(torch.zeros(NUM_BLOCKS, BLOCK, 1, 2), torch.zeros(NUM_BLOCKS, BLOCK, 1, 2)) for _ in range(2)]
+        self.written: dict[str, int] = {}
+        self.spec: dict[str, tuple[int, int, int]] = {}  # seq -> (number, prompt_len, predicted_len)
+        self.next_no = 0
+
+    def _live(self, resident: bool) -> list[str]:
+        return sorted(s for s in self.written if self.alloc.is_resident(s) == resident)
+
+    def _write(self, seq: str, start: int, end: int) -> None:
+        no = self.spec[seq][0]
+        for pos, slot in zip(range(start, end), self.alloc.slot_mapping(seq, start, end)):
+            for layer, (k, v) in enumerate(self.caches):
+                val = _value(no, pos, layer)
+                k.view(-1, 1, 2)[slot] = torch.tensor([val, -val])
+                v.view(-1, 1, 2)[slot] = torch.tensor([val + 0.5, 2 * val])
+
+    def _sync_evicted(self) -> None:
+        for seq in self._live(resident=False):
+            assert self.alloc.num_written(seq) in (self.written[seq], 0)  # saved whole, or dropped
+            self.written[seq] = self.alloc.num_written(seq)
+
+    @rule(prompt_len=st.integers(0, 4), predicted=st.one_of(st.integers(1, 6), st.integers(7, 30)), allow_hosting=st.booleans())
+    def admit(self, prompt_len, predicted, allow_hosting):
+        seq, free_before = f"r{self.next_no}", self.alloc.num_free_blocks
+        self.next_no += 1
+        try:
+            host = self.alloc.admit(seq, prompt_len, predicted, allow_hosting=allow_hosting)
+        except NoFreeBlocksError:
+            assert not self.alloc.has(seq) and self.alloc.num_free_blocks == free_before
+            return
+        event("fresh admission" if host is None else "nested admission" if self.alloc.host_of(host) else "hosted admission")
+        if host is None:
+            need = self.alloc.reservation_tokens(prompt_len, predicted)
+            assert len(self.alloc.block_table(seq)) == self.alloc.blocks_for(need)
+            assert self.alloc.num_free_blocks == free_before - self.alloc.blocks_for(need)
+        else:
+            assert self.alloc.num_free_blocks == free_before  # a guest costs no free blocks
+        self.spec[seq], self.written[seq] = (self.next_no - 1, prompt_len, predicted), 0
+        draws = self.alloc.reserved_pool_draws
+        assert self.alloc.grow(seq, prompt_len) == []  # the prefill fits and nobody is hosted yet
+        assert self.alloc.reserved_pool_draws == draws
+        self._write(seq, 0, prompt_len)
+        self.written[seq] = prompt_len
+
+    @precondition(lambda self: self._live(resident=True))
+    @rule(data=st.data(), num_tokens=st.integers(1, 5))
+    def grow(self, data, num_tokens):
+        self._grow(data.draw(st.sampled_from(self._live(resident=True))), num_tokens)
+
+    @precondition(lambda self: self._hosts())
+    @rule(data=st.data(), num_tokens=st.integers(1, 12))
+    def grow_a_host(self, data, num_tokens):
+        """Hosts racing ahead of their guests is what forces evictions; make it common."""
+        self._grow(data.draw(st.sampled_from(self._hosts())), num_tokens)
+
+    def _hosts(self) -> list[str]:
+        return [s for s in self._live(resident=True) if self.alloc.hosted_by(s)]
+
+    def _grow(self, seq: str, num_tokens: int) -> None:
+        _, prompt_len, predicted = self.spec[seq]
+        old, capacity = self.written[seq], len(self.alloc.block_table(seq)) * BLOCK
+        draws, evictions = self.alloc.reserved_pool_draws, self.alloc.hosted_evictions
+        try:
+            copies = self.alloc.grow(seq, num_tokens)
+        except Preempted as p:
+            event("preempted")
+            generated = max(0, old - prompt_len)
+            assert old + num_tokens > capacity  # only a request past its blocks is preempted
+            assert (p.seq_id, p.generated, p.new_predicted_len) == (seq, generated, max(1, predicted - generated))
+            del self.written[seq]
+            self._sync_evicted()
+            return
+        if old + num_tokens <= capacity:
+            assert self.alloc.reserved_pool_draws == draws  # growth within the reservation never allocates
+        else:
+            event("reserved pool draw")
+        if self.alloc.hosted_evictions > evictions:
+            event("hosted eviction" if self.alloc.hosted_evictions == evictions + 1 else "nested eviction")
+        self.store.execute(copies, self.caches)  # before the forward writes, as the runner does
+        self._write(seq, old, old + num_tokens)
+        self.written[seq] = old + num_tokens
+        self._sync_evicted()
+
+    @precondition(lambda self: self.written)
+    @rule(data=st.data())
+    def finish(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.written)))
+        self.alloc.free(seq)
+        del self.written[seq]
+        assert not self.alloc.has(seq) and self.store.blocks_of(seq) == []
+
+    @precondition(lambda self: self._live(resident=False))
+    @rule(data=st.data())
+    def restore(self, data):
+        seq = data.draw(st.sampled_from(self._live(resident=False)))
+        try:
+            copies = self.alloc.ensure_resident(seq)
+        except NoFreeBlocksError:
+            assert not self.alloc.is_resident(seq)
+            return
+        event("restored" if copies else "restored for recompute")
+        assert len(copies) == (1 if self.written[seq] else 0)
+        self.store.execute(copies, self.caches)
+
+    @invariant()
+    def allocator_invariants(self):
+        self.alloc.check_invariants()
+        self.store.check_invariants()
+        held = sum(len(self.store.blocks_of(s)) for s in self.written)
+        assert held + self.store.num_free_blocks == HOST_BLOCKS  # no host block outlives its request
+        assert all(self.alloc.has(s) for s in self.written)
+
+    @invariant()
+    def every_resident_position_reads_back_its_own_value(self):
+        for seq in self._live(resident=True):
+            assert self.alloc.num_written(seq) == self.written[seq]
+            no, slots = self.spec[seq][0], self.alloc.slot_mapping(seq, 0, self.written[seq])
+            if not slots:
+                continue
+            index = torch.tensor(slots)
+            expected = torch.arange(self.written[seq], dtype=torch.float32) + no * 1000 + 1
+            for layer, (k, v) in enumerate(self.caches):
+                got_k, got_v = k.view(-1, 1, 2)[index, 0], v.view(-1, 1, 2)[index, 0]
+                val = expected + layer * 100_000
+                assert torch.equal(got_k, torch.stack([val, -val], dim=1)), f"{seq}: K clobbered"
+                assert torch.equal(got_v, torch.stack([val + 0.5, 2 * val], dim=1)), f"{seq}: V clobbered"
+
+    def teardown(self):
+        for seq in list(self.written):
+            self.alloc.free(seq)
+        self.written.clear()
+        self.alloc.check_invariants()  # with no requests: nothing leaked
+        assert self.alloc.num_free_blocks + self.alloc.num_reserved_pool_blocks == NUM_BLOCKS
+        assert self.store.num_free_blocks == HOST_BLOCKS
+
+
+TestExactAllocMachine = ExactAllocMachine.TestCase
+TestExactAllocMachine.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
