@@ -9,7 +9,8 @@ import torch
 
 from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
 from nanoserve.engine import Engine
-from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
+from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import default_attention_backend, get_attention_backend
 from nanoserve.model.loader import load_model, resolve_model_path
 from nanoserve.model.runner import ModelRunner
@@ -36,6 +37,9 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str | None = None  # None: "triton" on CUDA, else "torch"
     gpu_memory_utilization: float = 0.9
+    kv_manager: str = "paged"  # see nanoserve/memory/__init__.py
+    kv_manager_options: dict | None = None  # knobs of the chosen manager
+    host_kv_tokens: int | None = None  # host KV store size; default: as many as the device holds
 
 
 def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
@@ -77,8 +81,14 @@ def build_engine(args: EngineArgs) -> Engine:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, policy=args.policy,
     )
-    pool = BlockPool(num_blocks, args.block_size)
+    host_store = None
+    if args.kv_manager in NEEDS_HOST_STORE:
+        host_tokens = args.host_kv_tokens if args.host_kv_tokens is not None else capacity
+        host_store = HostKVStore(host_tokens // args.block_size, args.block_size, cfg.num_layers,
+                                 cfg.num_kv_heads, cfg.head_dim, dtype)
+    kv = make_kv_manager(args.kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, host_store,
+                                                         args.kv_manager_options or {}))
     backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
-    runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed)
+    runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed, host_store)
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
-    return Engine(make_scheduler(sched_config, pool), runner, tokenizer, eos, model_name=str(args.model or path.name))
+    return Engine(make_scheduler(sched_config, kv), runner, tokenizer, eos, model_name=str(args.model or path.name))

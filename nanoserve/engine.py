@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from nanoserve.config import SchedulerConfig
-from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.manager import KVManager
 from nanoserve.model.runner import Executor, ExecutorOutput
 from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.request import Request, RequestStatus
@@ -60,8 +60,8 @@ class Engine:
         return self.scheduler.config
 
     @property
-    def pool(self) -> BlockPool:
-        return self.scheduler.pool
+    def kv(self) -> KVManager:
+        return self.scheduler.kv
 
     # -- requests --------------------------------------------------------------------------
     def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -87,8 +87,10 @@ class Engine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, prompt_text: str | None = None) -> Request:
-        """Queue a request. `prompt_text` names the text behind pre-tokenized prompts."""
+                    arrival_time: float | None = None, prompt_text: str | None = None,
+                    priority: str = "online") -> Request:
+        """Queue a request. `prompt_text` names the text behind pre-tokenized prompts;
+        `priority` is "online" or "offline"."""
         token_ids = self.tokenize(prompt)
         self.validate(len(token_ids), params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -98,6 +100,7 @@ class Engine:
             request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
             prompt=prompt if isinstance(prompt, str) else prompt_text,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
         )
         self.requests[request_id] = request
         if self.tokenizer is not None:
@@ -121,7 +124,7 @@ class Engine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_blocks_used=self.pool.num_used_blocks, kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
@@ -138,7 +141,7 @@ class Engine:
         self.scheduler.update_after_step(batch)
         outputs = self._postprocess(batch, result, time.monotonic())
         if self.check_invariants:
-            self.pool.check_invariants()
+            self.kv.check_invariants()
         return outputs
 
     def _postprocess(self, batch: SchedulerOutput, result: ExecutorOutput, now: float) -> list[RequestOutput]:

@@ -20,6 +20,9 @@ import torch
 from nanoserve.sampling import SamplingParams
 
 
+PRIORITIES = ("online", "offline")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,6 +43,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # "online" (latency-critical: BROS's real-time, ConServe's online) or "offline" (BROS's
+    # best-effort, batch work). Policies and memory managers read it; nothing else does.
+    priority: str = "online"
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by generated tokens
@@ -56,6 +62,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []

@@ -75,12 +75,12 @@ def test_abort_frees_blocks(llm):
     request = engine.add_request("A long story begins", SamplingParams(max_tokens=200, ignore_eos=True))
     engine.add_request("Another one", SamplingParams(max_tokens=200, ignore_eos=True), request_id="queued")
     engine.step()
-    assert engine.pool.num_used_blocks > 0
+    assert engine.kv.num_used_blocks > 0
     out = engine.abort_request(request.request_id)
     assert out.finish_reason == "abort" and out.finished
     engine.abort_request("queued")
     assert engine.abort_request("no-such-request") is None
-    assert engine.pool.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("prompt, params, message", [
@@ -92,7 +92,7 @@ def test_abort_frees_blocks(llm):
 def test_requests_that_cannot_be_served_are_refused(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], params, use_tqdm=False)
-    assert llm.engine.pool.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
 
 
 def test_generate_checks_the_number_of_params(llm):

@@ -68,7 +68,7 @@ def test_preemption_recomputes_and_finishes_everything():
         # The echo executor's tokens depend only on positions: preemption must not change them.
         assert out.token_ids == [p % 100 for p in range(6, 16)]
         assert out.finish_reason == "length"
-    assert engine.pool.num_used_blocks == 0
+    assert engine.kv.num_used_blocks == 0
 
 
 class FCFSMachine(RuleBasedStateMachine):
@@ -104,7 +104,7 @@ class FCFSMachine(RuleBasedStateMachine):
 
     @invariant()
     def pool_is_consistent(self):
-        self.engine.pool.check_invariants()
+        self.engine.kv.check_invariants()
 
     @invariant()
     def queues_are_disjoint_and_complete(self):
@@ -120,7 +120,7 @@ class FCFSMachine(RuleBasedStateMachine):
 
     @invariant()
     def kv_is_owned_only_by_live_requests(self):
-        pool, sched = self.engine.pool, self.engine.scheduler
+        pool, sched = self.engine.kv.pool, self.engine.scheduler
         for r in sched.running:
             assert len(pool.block_table(r.request_id)) * pool.block_size >= r.num_computed_tokens
         for r in sched.waiting:  # waiting requests were never admitted or were preempted
@@ -138,8 +138,8 @@ class FCFSMachine(RuleBasedStateMachine):
 
     def teardown(self):
         run_to_completion(self.engine)
-        assert self.engine.pool.num_used_blocks == 0
-        self.engine.pool.check_invariants()
+        assert self.engine.kv.num_used_blocks == 0
+        self.engine.kv.check_invariants()
 
 
 TestFCFSMachine = FCFSMachine.TestCase

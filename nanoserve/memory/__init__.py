@@ -1,0 +1,44 @@
+"""KV memory: the allocators of the four papers, the host store they copy through, and the
+`KVManager` adapters a scheduler drives them with. `make_kv_manager` picks one by name.
+
+    paged          vLLM's block pool, recompute on preemption (memory/blocks.py)
+    exact          EcoServe's exact allocation from predicted lengths (memory/exact.py)
+    bidirectional  BROS's shared RT/BE blocks with lazy checkpointing (memory/bidirectional.py)
+    checkpoint     ConServe's incremental checkpointing (memory/checkpoint.py)
+    arena          KunServe's weights-and-KV arena (memory/arena.py); built with the model
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from nanoserve.config import ModelConfig
+from nanoserve.memory.host import HostKVStore
+from nanoserve.memory.manager import KVManager
+
+# name -> "module:function"; each function takes a KVBuildContext and returns a KVManager.
+KV_MANAGERS: dict[str, str] = {
+    "paged": "nanoserve.memory.manager:build_paged",
+    "exact": "nanoserve.memory.exact_kv:build",
+    "bidirectional": "nanoserve.memory.bidirectional_kv:build",
+    "checkpoint": "nanoserve.memory.checkpoint_kv:build",
+}
+NEEDS_HOST_STORE = frozenset({"exact", "bidirectional", "checkpoint"})
+
+
+@dataclass(frozen=True)
+class KVBuildContext:
+    num_blocks: int  # device KV blocks
+    block_size: int
+    model_config: ModelConfig
+    host_store: HostKVStore | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)  # manager-specific knobs
+
+
+def make_kv_manager(name: str, ctx: KVBuildContext) -> KVManager:
+    try:
+        module_name, function = KV_MANAGERS[name].split(":")
+    except KeyError:
+        raise ValueError(f"unknown KV manager {name!r}; available: {', '.join(sorted(KV_MANAGERS))}") from None
+    return getattr(importlib.import_module(module_name), function)(ctx)

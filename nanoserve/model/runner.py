@@ -117,10 +117,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        if batch.copies:
+        if batch.kv_copies:
             if self.host_store is None:
                 raise RuntimeError("the batch carries KV copies but the runner has no host store")
-            self.host_store.execute(batch.copies, self.kv_caches)
+            for group in batch.kv_copies:  # in order: a later group may save what an earlier one filled
+                self.host_store.execute(group, self.kv_caches)
             self.host_store.fence()
         if not batch.chunks:
             return ExecutorOutput()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import KVCopy
+from nanoserve.memory.manager import KVManager, PagedKV
 from nanoserve.request import Request, RequestStatus
 
 
@@ -42,9 +43,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # KV moves between device and host that must happen before this step's forward pass
-    # (checkpoints, restores, swaps), decided by the memory manager and run by the executor.
-    copies: list[KVCopy] = field(default_factory=list)
+    # K/V moves that must happen before this step's forward pass (checkpoints, swaps,
+    # restores): one group per memory-manager call, run by the executor in this order.
+    kv_copies: list[list[KVCopy]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -52,21 +53,33 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.copies
+        return not self.chunks and not self.kv_copies
 
 
 class Scheduler(ABC):
-    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+    def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool):
         self.config = config
-        self.pool = pool
+        self.kv = PagedKV(kv) if isinstance(kv, BlockPool) else kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._copies: list[list[KVCopy]] = []  # this step's copy groups, in call order
 
     # -- what a policy implements --------------------------------------------------------
     @abstractmethod
+    def plan(self) -> SchedulerOutput:
+        """Pick this step's chunks with `chunk` (which reserves their KV) and `preempt`."""
+
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's chunks, allocating their KV slots (and preempting if it must)."""
+        self._copies = []
+        self._add_copies(self.kv.step_copies(self.running))
+        out = self.plan()
+        out.kv_copies = self._copies
+        return out
+
+    def _add_copies(self, copies: list[KVCopy]) -> None:
+        if copies:
+            self._copies.append(copies)
 
     # -- shared bookkeeping --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,12 +99,15 @@ class Scheduler(ABC):
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.pool.free(request.request_id)
+        self.kv.release(request)
 
     def preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop the KV, keep the tokens, wait at the head of the queue."""
-        self.pool.free(request.request_id)
-        request.num_computed_tokens = 0
+        """Take the request's KV off the device and put it at the head of the queue. It keeps
+        its tokens; it resumes from whatever K/V the memory manager saved (often none:
+        recompute)."""
+        kept, copies = self.kv.preempt(request)
+        self._add_copies(copies)
+        request.num_computed_tokens = kept
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -101,11 +117,16 @@ class Scheduler(ABC):
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def can_chunk(self, request: Request, num_tokens: int) -> bool:
+        """Could `num_tokens` more tokens of `request` get KV slots now?"""
+        return self.kv.can_reserve(request, request.num_computed_tokens + num_tokens)
+
     def chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         """Reserve KV slots for `num_tokens` more tokens of `request` and describe the chunk."""
         start = request.num_computed_tokens
-        self.pool.allocate(request.request_id, start + num_tokens)
-        return ScheduledChunk(request, start, num_tokens, self.pool.block_table(request.request_id))
+        self._add_copies(self.kv.reserve(request, start + num_tokens))
+        return ScheduledChunk(request, start, num_tokens, self.kv.block_table(request),
+                              self.kv.right_to_left(request))
 
     @property
     def num_waiting(self) -> int:

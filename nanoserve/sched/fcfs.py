@@ -20,16 +20,17 @@ from nanoserve.sched.base import Scheduler, SchedulerOutput
 
 
 class FCFSScheduler(Scheduler):
-    def schedule(self) -> SchedulerOutput:
+    def plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.running = self.kv.order(self.running)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # Make room by preempting the newest running request until this one fits.
-            while not self.pool.can_allocate(request.request_id, request.num_computed_tokens + num_new):
+            while not self.can_chunk(request, num_new):
                 victim = self.running.pop()
                 self.preempt(victim)
                 out.preempted.append(victim)
@@ -47,7 +48,7 @@ class FCFSScheduler(Scheduler):
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.pool.can_allocate(request.request_id, num_new):
+            if not self.can_chunk(request, num_new):
                 break
             self.waiting.popleft()
             self.admit(request)

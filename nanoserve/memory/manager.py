@@ -1,0 +1,126 @@
+"""What a scheduler asks of KV memory, whichever paper's allocator sits underneath.
+
+A scheduling policy thinks in requests and token counts: "can request r hold n tokens?",
+"grow it to n", "preempt it", "it finished". Each allocator in this package answers in its own
+terms (blocks, reservations, bidirectional pages, checkpoints). A `KVManager` translates, so any
+policy runs over any allocator and the engine's step stays the same:
+
+    policy (sched/*.py) ──► KVManager ──► BlockPool | MemoryArena | ExactAllocator |
+                                          BidirectionalBlockManager | IncrementalCheckpointer
+
+Data never moves here. Operations that need K/V moved (a checkpoint, a swap, a restore) return
+`KVCopy` lists; the scheduler hands them to the executor in the step's `SchedulerOutput`, one
+group per call, in call order, and the runner executes them before the forward pass.
+
+Preemption is not always recompute. `preempt` returns how many leading tokens keep valid K/V
+off the device (on the host); the request resumes from there and the next `reserve` brings them
+back. Zero means recompute everything, as vLLM does.
+
+`PagedKV` is the plain vLLM manager over a `BlockPool` (or any allocator with the same
+interface, such as `MemoryArena`).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.host import KVCopy
+
+if TYPE_CHECKING:
+    from nanoserve.request import Request
+
+
+class KVManager(ABC):
+    block_size: int
+
+    # -- capacity, for stats and policies ------------------------------------------------
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_used_blocks(self) -> int: ...
+
+    # -- what a policy calls --------------------------------------------------------------
+    @abstractmethod
+    def can_reserve(self, request: Request, num_tokens: int) -> bool:
+        """Could `reserve(request, num_tokens)` succeed now? Changes nothing."""
+
+    @abstractmethod
+    def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
+        """Make `request` hold K/V slots for its first `num_tokens` positions (restoring what
+        was moved off the device first). Raises NoFreeBlocksError, changing nothing, if it cannot."""
+
+    @abstractmethod
+    def block_table(self, request: Request) -> list[int]:
+        """The request's block table as the runner reads it."""
+
+    def right_to_left(self, request: Request) -> bool:
+        """True when the request's positions fill each block from its last slot (BROS BE)."""
+        return False
+
+    @abstractmethod
+    def release(self, request: Request) -> None:
+        """The request finished or was aborted: free everything it holds, device and host."""
+
+    def preempt(self, request: Request) -> tuple[int, list[KVCopy]]:
+        """Take the request's K/V off the device. Returns (leading tokens whose K/V survive
+        elsewhere, the copies that save them); the request resumes from that many tokens."""
+        self.release(request)
+        return 0, []
+
+    def order(self, running: list[Request]) -> list[Request]:
+        """The order in which this step serves running requests (FCFS by default). An allocator
+        whose growth can take slots from another request may need the taker served first."""
+        return running
+
+    def step_copies(self, running: list[Request]) -> list[KVCopy]:
+        """Copies to run at the start of a step, whatever is scheduled (ConServe's checkpoints)."""
+        return []
+
+    @property
+    def events(self) -> dict[str, int]:
+        """Counters of the allocator's mechanisms (preemptions, checkpoints, ...)."""
+        return {}
+
+    @abstractmethod
+    def check_invariants(self) -> None: ...
+
+
+class PagedKV(KVManager):
+    """vLLM's paged KV: blocks on demand from a `BlockPool`-like allocator, recompute on preemption."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    def can_reserve(self, request: Request, num_tokens: int) -> bool:
+        return self.pool.can_allocate(request.request_id, num_tokens)
+
+    def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
+        self.pool.allocate(request.request_id, num_tokens)
+        return []
+
+    def block_table(self, request: Request) -> list[int]:
+        return self.pool.block_table(request.request_id)
+
+    def release(self, request: Request) -> None:
+        self.pool.free(request.request_id)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+
+
+def build_paged(ctx) -> PagedKV:
+    """The registry's builder for "paged" (see nanoserve/memory/__init__.py)."""
+    return PagedKV(BlockPool(ctx.num_blocks, ctx.block_size))
