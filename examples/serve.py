@@ -21,6 +21,7 @@ import uvicorn  # noqa: E402
 
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
+from nanoserve.memory import KV_MANAGERS  # noqa: E402
 from nanoserve.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from nanoserve.server import create_app  # noqa: E402
 
@@ -42,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-manager", default="paged", choices=sorted(KV_MANAGERS),
+                   help="KV memory manager (see nanoserve/memory/__init__.py)")
+    p.add_argument("--host-kv-tokens", type=int, default=None,
+                   help="host KV store size in tokens, for managers that checkpoint or swap")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="attention kernels (default: triton on CUDA, torch on CPU)")
     p.add_argument("--log-level", default="info")
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
+        kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens,
     ))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, served_model_name=args.served_model_name)
