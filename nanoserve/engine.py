@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.manager import KVManager
@@ -35,6 +35,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     requests_finished_total: int
+    kv_events: dict[str, int] = field(default_factory=dict)  # the memory manager's mechanism counters
 
 
 class Engine:
@@ -129,6 +130,7 @@ class Engine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             requests_finished_total=self.requests_finished_total,
+            kv_events=dict(self.kv.events),
         )
 
     # -- the step --------------------------------------------------------------------------

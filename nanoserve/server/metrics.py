@@ -135,6 +135,10 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
                 stats.requests_finished_total),
         *simple("nanoserve_preemptions_total", "counter", "Times a running request was preempted.",
                 stats.num_preemptions),
+        *_metric("nanoserve_kv_events_total", "counter",
+                 "Mechanisms of the KV memory manager (checkpoints, overwrites, restores, ...), by event.",
+                 [f"nanoserve_kv_events_total{_labels({**model, 'event': e})} {n}"
+                  for e, n in sorted(stats.kv_events.items())]),
         *_metric("nanoserve_request_success_total", "counter", "Requests finished, by finish reason.",
                  [f"nanoserve_request_success_total{_labels({**model, 'finished_reason': r})} {n}"
                   for r, n in sorted(server.finished.items())]),
