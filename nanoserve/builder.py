@@ -10,8 +10,12 @@ import torch
 from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
 from nanoserve.engine import Engine
 from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
+from nanoserve.memory.arena import ArenaConfig, MemoryArena
+from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.host import HostKVStore
+from nanoserve.memory.manager import KVManager
 from nanoserve.model.attention import default_attention_backend, get_attention_backend
+from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_model, resolve_model_path
 from nanoserve.model.runner import ModelRunner
 from nanoserve.sched import make_scheduler
@@ -86,9 +90,19 @@ def build_engine(args: EngineArgs) -> Engine:
         host_tokens = args.host_kv_tokens if args.host_kv_tokens is not None else capacity
         host_store = HostKVStore(host_tokens // args.block_size, args.block_size, cfg.num_layers,
                                  cfg.num_kv_heads, cfg.head_dim, dtype)
-    kv = make_kv_manager(args.kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, host_store,
-                                                         args.kv_manager_options or {}))
     backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
-    runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed, host_store)
+    if args.kv_manager == "arena":
+        # KunServe (§4.1): weights and KV in one arena, so it is built from the loaded model.
+        # The weights go to the host first (the device keeps one copy, the arena's); that host
+        # copy feeds the pipeline peer on a drop and the arena on a restore (§4.2, §4.4).
+        host_weights = move_weights_to_host(model)
+        arena = MemoryArena(model, ArenaConfig.from_model_config(cfg, args.block_size, dtype, num_blocks), device)
+        kv: KVManager = ArenaKV(arena)
+        runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed,
+                             arena=arena, host_weights=host_weights)
+    else:
+        kv = make_kv_manager(args.kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, host_store,
+                                                             args.kv_manager_options or {}))
+        runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed, host_store)
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     return Engine(make_scheduler(sched_config, kv), runner, tokenizer, eos, model_name=str(args.model or path.name))

@@ -220,6 +220,39 @@ def test_freeing_everything_frees_every_block_and_host_block():
     assert m.num_free_blocks == 3 and h.store.num_free_blocks == 3 and not m.preemption_table
 
 
+def test_grow_restores_with_room_to_grow_so_one_execute_is_safe():
+    h = Harness(num_blocks=2, host_blocks=2)
+    m = h.manager
+    h.grow("be", 3, best_effort=True)  # block 0, slots 3, 2, 1
+    h.grow("filler", 4, best_effort=True)  # block 1
+    h.grow("rt", 2, best_effort=False)  # shares block 0 and overwrites be's position 2 (slot 1)
+    assert m.missing_positions("be") == [2]
+    m.free("rt")
+    h.grow("rt2", 1, best_effort=False)  # block 0 again, slot 0 only: be could load in place...
+    m.free("filler")
+    assert m.can_grow("be", 4, best_effort=True) and not m.can_allocate("be", 4, best_effort=True)
+    h.run(m.grow("be", 4, best_effort=True))  # ...but must grow to 4: restore to block 1, in ONE execute
+    h.write("be", 3, 4)
+    assert m.block_table("be") == [1] and m.missing_positions("be") == []
+    h.check_values("be")
+    h.check_values("rt2")
+    m.check_invariants()
+
+
+def test_rt_never_overwrites_a_pinned_sequence():
+    h = Harness(num_blocks=1, host_blocks=2)
+    m = h.manager
+    h.grow("be", 4, best_effort=True)
+    m.pinned.add("be")  # this step's forward reads be's slots
+    assert not m.can_grow("rt", 1, best_effort=False)
+    with pytest.raises(NoFreeBlocksError):
+        m.grow("rt", 1, best_effort=False)
+    m.pinned.clear()
+    h.run(m.grow("rt", 1, best_effort=False))
+    assert m.missing_positions("be") == [3]
+    m.check_invariants()
+
+
 RT_NAMES, BE_NAMES = ["r0", "r1", "r2"], ["b0", "b1", "b2"]
 RT_SEQS, BE_SEQS = st.sampled_from(RT_NAMES), st.sampled_from(BE_NAMES)
 
@@ -273,6 +306,32 @@ class BidirectionalMachine(RuleBasedStateMachine):
             self.restore(seq)
         if not self.m.missing_positions(seq):
             self._grow(seq, 1, best_effort=self.m.is_best_effort(seq))
+
+    @rule(seq=st.one_of(RT_SEQS, BE_SEQS), extra=st.integers(0, 5))
+    def restore_and_grow(self, seq, extra):
+        """`grow`: restore then allocate, all copies in ONE execute; `can_grow` is exact."""
+        m, best_effort = self.m, seq in BE_NAMES
+        target = (m.num_tokens(seq) if m.has(seq) else 0) + extra
+        pinned = {s: m.missing_positions(s) for s in m.pinned}
+        can = m.can_grow(seq, target, best_effort=best_effort)
+        before = (m.num_free_blocks, self.h.store.num_free_blocks, dict(m.preemption_table))
+        start = m.num_tokens(seq) if m.has(seq) else 0
+        try:
+            self.h.run(m.grow(seq, target, best_effort=best_effort))
+        except NoFreeBlocksError:
+            assert not can
+            assert (m.num_free_blocks, self.h.store.num_free_blocks, dict(m.preemption_table)) == before
+            return
+        assert can and m.num_tokens(seq) == target and not m.missing_positions(seq)
+        self.h.write(seq, start, target)
+        assert all(m.missing_positions(s) == lost for s, lost in pinned.items() if s != seq), "pinned overwritten"
+
+    @rule(seq=st.one_of(RT_SEQS, BE_SEQS), pin=st.booleans())
+    def pin(self, seq, pin):
+        if pin and self.m.has(seq):
+            self.m.pinned.add(seq)
+        else:
+            self.m.pinned.discard(seq)
 
     @rule(seq=st.one_of(RT_SEQS, BE_SEQS))
     def finish(self, seq):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from nanoserve.memory.blocks import NoFreeBlocksError
-from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator, Preempted
+from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator
 from nanoserve.memory.host import HostKVStore
 
 
@@ -51,13 +51,15 @@ def test_growth_past_the_prediction_draws_on_the_reserved_pool_then_preempts():
     alloc.grow("a", 2)
     alloc.grow("a", 10)
     assert alloc.reserved_pool_draws == 0
+    assert alloc.can_grow("a", 4)
     alloc.grow("a", 4)  # 16 > 12: the one reserved block
     assert alloc.reserved_pool_draws == 1 and alloc.num_reserved_pool_blocks == 0 and len(alloc.block_table("a")) == 4
     alloc.check_invariants()
-    with pytest.raises(Preempted) as info:
-        alloc.grow("a", 1)  # the pool is dry: offload-free preemption
-    assert (info.value.seq_id, info.value.prompt_len, info.value.generated) == ("a", 2, 14)
-    assert info.value.new_predicted_len == 1  # predicted - generated < 1: clamped
+    assert not alloc.can_grow("a", 1)  # the pool is dry
+    with pytest.raises(NoFreeBlocksError):
+        alloc.grow("a", 1)  # all or nothing: the caller picks whom to preempt
+    assert alloc.num_written("a") == 16 and len(alloc.block_table("a")) == 4
+    assert alloc.preempt("a", 14) == 1  # offload-free preemption; predicted - generated < 1: clamped
     assert not alloc.has("a") and alloc.preemptions == 1
     assert alloc.num_reserved_pool_blocks == 1 and alloc.num_free_blocks == 7  # the pool is refilled first
     alloc.check_invariants()
@@ -68,9 +70,8 @@ def test_preemption_re_predicts_predicted_minus_generated():
     alloc.admit("a", 2, 10, allow_hosting=False)
     alloc.grow("a", 2)
     alloc.grow("a", 6)
-    with pytest.raises(Preempted) as info:
-        alloc.grow("a", 5)  # a 5-token chunk past the 12 reserved slots, no reserved pool at all
-    assert info.value.generated == 6 and info.value.new_predicted_len == 10 - 6
+    assert not alloc.can_grow("a", 5)  # a 5-token chunk past the 12 reserved slots, no reserved pool at all
+    assert alloc.preempt("a", 6) == 10 - 6
     assert alloc.num_free_blocks == 8
     alloc.check_invariants()
 
@@ -99,8 +100,9 @@ def test_hosted_placement_nests_and_eviction_saves_then_restore_loads():
     assert alloc.hosted_evictions == 2 and alloc.hosted_drops == 0
     assert len(store.blocks_of("g")) == 2 and len(store.blocks_of("n")) == 1
     alloc.check_invariants()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(NoFreeBlocksError):
         alloc.grow("g", 1)  # must be restored first
+    assert alloc.can_grow("g", 1)  # restore, then grow: fits
 
     (load,) = alloc.ensure_resident("g")
     assert load.kind == "load" and load.dst == tuple(alloc.slot_mapping("g", 0, 3))
@@ -135,8 +137,8 @@ def test_a_departing_host_leaves_its_guests_in_place():
     assert alloc.host_of("n") == "h" and alloc.block_table("n") == n_table  # re-lent by h, no copy
     alloc.check_invariants()
     alloc.grow("n", 3)
-    with pytest.raises(Preempted):
-        alloc.grow("h", 64)  # no reserved pool: h is preempted, n keeps its blocks
+    assert not alloc.can_grow("h", 64)
+    alloc.preempt("h", 1)  # no reserved pool: h is preempted, n keeps its blocks
     assert alloc.host_of("n") is None and alloc.block_table("n") == n_table
     assert alloc.num_free_blocks == 40 - len(n_table) and set(n_table) < set(g_table)
     alloc.check_invariants()
@@ -185,11 +187,13 @@ class ExactAllocMachine(RuleBasedStateMachine):
     def admit(self, prompt_len, predicted, allow_hosting):
         seq, free_before = f"r{self.next_no}", self.alloc.num_free_blocks
         self.next_no += 1
+        feasible = self.alloc.can_admit(prompt_len, predicted, allow_hosting=allow_hosting)
         try:
             host = self.alloc.admit(seq, prompt_len, predicted, allow_hosting=allow_hosting)
         except NoFreeBlocksError:
-            assert not self.alloc.has(seq) and self.alloc.num_free_blocks == free_before
+            assert not feasible and not self.alloc.has(seq) and self.alloc.num_free_blocks == free_before
             return
+        assert feasible
         event("fresh admission" if host is None else "nested admission" if self.alloc.host_of(host) else "hosted admission")
         if host is None:
             need = self.alloc.reservation_tokens(prompt_len, predicted)
@@ -222,16 +226,17 @@ class ExactAllocMachine(RuleBasedStateMachine):
         _, prompt_len, predicted = self.spec[seq]
         old, capacity = self.written[seq], len(self.alloc.block_table(seq)) * BLOCK
         draws, evictions = self.alloc.reserved_pool_draws, self.alloc.hosted_evictions
-        try:
-            copies = self.alloc.grow(seq, num_tokens)
-        except Preempted as p:
+        if not self.alloc.can_grow(seq, num_tokens):  # offload-free preemption of the grower itself
             event("preempted")
+            with pytest.raises(NoFreeBlocksError):
+                self.alloc.grow(seq, num_tokens)
+            assert old + num_tokens > capacity  # only a request past its blocks needs the pool
             generated = max(0, old - prompt_len)
-            assert old + num_tokens > capacity  # only a request past its blocks is preempted
-            assert (p.seq_id, p.generated, p.new_predicted_len) == (seq, generated, max(1, predicted - generated))
+            assert self.alloc.preempt(seq, generated) == max(1, predicted - generated)
             del self.written[seq]
             self._sync_evicted()
             return
+        copies = self.alloc.grow(seq, num_tokens)
         if old + num_tokens <= capacity:
             assert self.alloc.reserved_pool_draws == draws  # growth within the reservation never allocates
         else:
@@ -255,11 +260,13 @@ class ExactAllocMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def restore(self, data):
         seq = data.draw(st.sampled_from(self._live(resident=False)))
+        feasible = self.alloc.can_grow(seq, 0)
         try:
             copies = self.alloc.ensure_resident(seq)
         except NoFreeBlocksError:
-            assert not self.alloc.is_resident(seq)
+            assert not feasible and not self.alloc.is_resident(seq)
             return
+        assert feasible
         event("restored" if copies else "restored for recompute")
         assert len(copies) == (1 if self.written[seq] else 0)
         self.store.execute(copies, self.caches)

@@ -4,8 +4,7 @@ KunServe answers memory throttling by dropping replicated parameters: the layers
 peer also holds are dropped and their bytes become KV cache (§3); the paper remaps freed
 physical memory onto the tail of the KV range with CUDA VMM (§4.1). PyTorch has no VMM, so
 the arena gets the same effect from one flat uint8 tensor that holds both: each parameter is a
-view into it, and KV blocks are carved from whatever bytes no live weight holds. Dropped
-layers are restored from a host copy or a peer once pressure fades (§4.4).
+view into it, and KV blocks are carved from whatever bytes no live weight holds.
 
 Layout. The arena is cut into pages of `block_size x num_kv_heads x head_dim` KV elements, so
 a page is the K (or the V) of one layer for one block of tokens. Each weight group (shared
@@ -20,24 +19,21 @@ layers), anywhere in the free pages; its id is its first page:
     one block, id b:   page b     b+1      b+2      b+3
                        K(r=0)     V(r=0)   K(r=1)   V(r=1)    r = rank among resident layers
 
-`kv_caches()` gives resident layer r the views pages[2r : 2r + span] (K) and
-pages[2r + 1 : 2r + 1 + span] (V), each [span, block_size, kv_heads, head_dim] and contiguous,
-so `k_cache[b]` is page b + 2r: the runner's slot formula `block * block_size + offset` and
-its kernels work unchanged. The views span the whole arena (like a VMM reservation); only
-blocks a sequence owns are ever addressed, and those never overlap a live weight.
+`kv_caches()` gives resident layer r the views pages[2r : 2r + span] (K) and pages[2r + 1 :
+2r + 1 + span] (V), each [span, block_size, kv_heads, head_dim], so `k_cache[b]` is page
+b + 2r: the runner's slot formula and kernels work unchanged. The views span the whole arena
+(like a VMM reservation); only owned blocks are addressed, and none overlaps a live weight.
 
 Drop: the surviving layers' KV inside every live block moves down to its new rank (KV moves,
 weights never do), each block's tail pages are freed, then the dropped layers' pages. The
-dropped layers' KV is discarded: §4.2 ships it to the peer first (read it via `kv_caches()`).
-Restore: a live block would have to grow by the restored layers' KV, which this device never
-computed (the peer did), so `restore_layers` refuses with `BlocksInUseError` while any KV
-block is owned; with none owned, the home pages are free and the weights are copied back.
+dropped layers' KV is discarded: §4.2 ships it to the peer first (`owned_blocks()` and
+`kv_caches()` say what to ship). Restore: a live block would have to grow by KV this device
+never computed (the peer did), so `restore_layers` refuses with `BlocksInUseError` while any
+KV block is owned; with none owned, the home pages are free and the weights are copied back.
 
-Allocation: the arena is its own block allocator with `BlockPool`'s interface (allocate,
-free, block_table, slot_mapping, ...), since drop must compact exactly the blocks it hands out.
-Block ids are page numbers, not [0, num_blocks): the scheduler must not assume that.
-`capacity_tokens` counts non-weight bytes as if unfragmented (the paper's accounting);
-`num_free_blocks` is exact: a block must fit in one free run, and each run wastes < 1 block.
+Allocation: the arena is its own `BlockPool`-like allocator (drop compacts exactly the blocks
+it hands out); block ids are page numbers, not [0, num_blocks). `capacity_tokens` counts
+non-weight bytes as if unfragmented (the paper's accounting); `num_free_blocks` is exact.
 
 Invariants (checked by `check_invariants`):
   1. Conservation: resident weight pages, owned KV blocks and free runs tile the arena exactly,
@@ -57,7 +53,9 @@ from typing import Hashable, Iterable, Mapping
 import torch
 from torch import nn
 
-from nanoserve.memory.arena_layout import SHARED, ArenaConfig, PageRuns, WeightSlot, assert_tiles, plan_weights
+from nanoserve.memory.arena_layout import (
+    SHARED, ArenaConfig, PageRuns, assert_tiles, check_restore_source, fingerprint, plan_weights,
+)
 from nanoserve.memory.blocks import NoFreeBlocksError
 
 __all__ = ["ArenaConfig", "BlocksInUseError", "CapacityChange", "MemoryArena", "NoFreeBlocksError"]
@@ -71,23 +69,13 @@ class BlocksInUseError(RuntimeError):
 class CapacityChange:
     """What a drop or a restore did to KV capacity (token counts are whole blocks)."""
 
+    kind: str  # "drop" or "restore"
     layers: tuple[int, ...]
     weight_bytes: int  # page bytes handed to KV (drop) or taken back from it (restore)
     kv_bytes_per_token: int  # for the resident layers after the change
     tokens: int  # KV tokens `weight_bytes` hold at the new geometry
     capacity_before: int
     capacity_after: int
-
-
-def _fingerprint(region: torch.Tensor, chunk: int = 1 << 24) -> tuple[int, int]:
-    """Byte sum and position-weighted byte sum: changing any one byte changes the pair."""
-    total = weighted = 0
-    for start in range(0, region.numel(), chunk):
-        piece = region[start : start + chunk].to(torch.int64)
-        position = torch.arange(start + 1, start + 1 + piece.numel(), device=piece.device)
-        total += int(piece.sum())
-        weighted += int((piece * position).sum())
-    return total, weighted
 
 
 class MemoryArena:
@@ -114,6 +102,7 @@ class MemoryArena:
         self._free.release(layout.num_pages, self.num_pages - layout.num_pages)
         self._tables: dict[Hashable, list[int]] = {}
         self._reserved: dict[Hashable, int] = {}
+        self.history: list[CapacityChange] = []  # every drop and restore, in order
 
     # -- geometry and accounting ---------------------------------------------------------
     @property
@@ -167,10 +156,10 @@ class MemoryArena:
             raise ValueError(f"layers {sorted(set(layers) - set(self._resident))} are not resident")
         if len(layers) == len(self._resident):
             raise ValueError("cannot drop every resident layer")
-        before, old_ranks = self.capacity_tokens, {layer: r for r, layer in enumerate(self._resident)}
-        old_block_pages = self.block_pages
+        before, old_block_pages = self.capacity_tokens, self.block_pages
+        old_ranks = {layer: r for r, layer in enumerate(self._resident)}
         self._resident = tuple(layer for layer in self._resident if layer not in layers)
-        for block in self._owned_blocks():
+        for block in self.owned_blocks():
             # Ranks only move down, in order, so no pair is overwritten before it is moved.
             for new_rank, layer in enumerate(self._resident):
                 src, dst = block + 2 * old_ranks[layer], block + 2 * new_rank
@@ -183,7 +172,7 @@ class MemoryArena:
                 self._params[slot.name].data = torch.empty(0, dtype=slot.dtype, device=self._arena.device)
             self._free.release(*self._home[layer])
             del self._fingerprints[layer]
-        return self._change(layers, sum(self._home[g][1] for g in layers), before)
+        return self._change("drop", layers, before)
 
     def restore_layers(self, layer_ids: Iterable[int], source: Mapping[str, torch.Tensor]) -> CapacityChange:
         """Load `layer_ids`' weights back to their home pages from `source` (parameter name ->
@@ -192,45 +181,35 @@ class MemoryArena:
         dropped = set(self.layer_ids) - set(self._resident)
         if not set(layers) <= dropped:
             raise ValueError(f"layers {sorted(set(layers) - dropped)} are not dropped")
-        for slot in (s for layer in layers for s in self._slots[layer]):
-            if slot.name not in source:
-                raise KeyError(f"restore source has no {slot.name!r}")
-            if tuple(source[slot.name].shape) != slot.shape or source[slot.name].dtype != slot.dtype:
-                raise ValueError(f"{slot.name}: source is {tuple(source[slot.name].shape)} {source[slot.name].dtype}, "
-                                 f"expected {slot.shape} {slot.dtype}")
+        check_restore_source([s for layer in layers for s in self._slots[layer]], source)
         owners = [seq for seq, table in self._tables.items() if table]
         if owners:
-            raise BlocksInUseError(
-                f"cannot restore layers {list(layers)}: {self.num_used_blocks} KV blocks are still owned by "
-                f"sequences {owners[:8]}{'...' if len(owners) > 8 else ''}; free them first (their blocks "
-                f"would need KV for the restored layers, which only the pipeline peer has)")
+            raise BlocksInUseError(f"cannot restore layers {list(layers)}: sequences {owners[:8]} own "
+                                   f"{self.num_used_blocks} KV blocks whose KV for those layers only the peer has")
         before = self.capacity_tokens
         for layer in layers:
             self._free.take(*self._home[layer])  # free: no block is owned, no weight is there
             self._load(layer, source)
         self._resident = tuple(sorted((*self._resident, *layers)))
-        return self._change(layers, sum(self._home[g][1] for g in layers), before)
+        return self._change("restore", layers, before)
 
     def _load(self, group: int, source: Mapping[str, torch.Tensor]) -> None:
         for slot in self._slots[group]:
-            view = self._view(slot)
-            view.copy_(source[slot.name])
-            self._params[slot.name].data = view
-        self._fingerprints[group] = _fingerprint(self._home_bytes(group))
-
-    def _view(self, slot: WeightSlot) -> torch.Tensor:
-        return self._arena[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            view = self._arena[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            self._params[slot.name].data = view.copy_(source[slot.name])
+        self._fingerprints[group] = fingerprint(self._home_bytes(group))
 
     def _home_bytes(self, group: int) -> torch.Tensor:
         start, pages = self._home[group]
-        page = self.config.page_bytes
-        return self._arena[start * page : (start + pages) * page]
+        return self._arena[start * self.config.page_bytes : (start + pages) * self.config.page_bytes]
 
-    def _change(self, layers: tuple[int, ...], pages: int, before: int) -> CapacityChange:
-        weight_bytes = pages * self.config.page_bytes
+    def _change(self, kind: str, layers: tuple[int, ...], before: int) -> CapacityChange:
+        weight_bytes = sum(self._home[g][1] for g in layers) * self.config.page_bytes
         block_bytes = self.block_pages * self.config.page_bytes
-        return CapacityChange(layers, weight_bytes, self.kv_bytes_per_token,
-                              weight_bytes // block_bytes * self.config.block_size, before, self.capacity_tokens)
+        change = CapacityChange(kind, layers, weight_bytes, self.kv_bytes_per_token,
+                                weight_bytes // block_bytes * self.config.block_size, before, self.capacity_tokens)
+        self.history.append(change)
+        return change
 
     # -- KV blocks (BlockPool's interface; ids are first pages) --------------------------
     @property
@@ -285,13 +264,14 @@ class MemoryArena:
             self._free.release(block, self.block_pages)
         return len(table)
 
-    def _owned_blocks(self) -> list[int]:
+    def owned_blocks(self) -> list[int]:
+        """Every block some sequence owns: the KV a drop must ship to the peer first (§4.2)."""
         return [block for table in self._tables.values() for block in table]
 
     # -- invariants ----------------------------------------------------------------------
     def check_invariants(self, check_weight_bytes: bool = True) -> None:
         """`check_weight_bytes` re-reads every live weight byte: off for cheap per-step checks."""
-        owned = self._owned_blocks()
+        owned = self.owned_blocks()
         assert len(set(owned)) == len(owned), "a block appears in two tables (or twice in one)"
         live = (SHARED, *self._resident) if SHARED in self._home else self._resident
         self._free.check()
@@ -307,9 +287,8 @@ class MemoryArena:
                 param = self._params[slot.name]
                 assert param.data_ptr() == base + slot.offset, f"{slot.name} no longer views its home bytes"
                 assert tuple(param.shape) == slot.shape and param.dtype == slot.dtype, f"{slot.name} changed shape"
-            if check_weight_bytes:
-                assert _fingerprint(self._home_bytes(group)) == self._fingerprints[group], \
-                    f"weights of group {group} were overwritten"
+            assert not check_weight_bytes or fingerprint(self._home_bytes(group)) == self._fingerprints[group], \
+                f"weights of group {group} were overwritten"
         for layer in set(self.layer_ids) - set(self._resident):
             assert all(self._params[s.name].numel() == 0 for s in self._slots[layer]), f"layer {layer} still viewed"
         assert self._fingerprints.keys() == set(live)

@@ -1,8 +1,8 @@
 """Layout bookkeeping for `MemoryArena` (arena.py): its config, where each weight goes, free
-page runs, and a tiling check.
+page runs, restore-source and tiling checks, and the weights' fingerprint.
 
-Pages are planned and counted here, never touched: no byte of the arena is read or written in
-this module, so the page arithmetic can be read (and tested) apart from the tensor code.
+Pages are planned and counted here, never touched: no byte of the arena is written in this
+module (`fingerprint` only reads), so the page arithmetic can be read and tested on its own.
 """
 from __future__ import annotations
 
@@ -95,6 +95,28 @@ def plan_weights(params: Mapping[str, torch.Tensor], config: ArenaConfig) -> Wei
         pages = -(-cursor // page) - next_page
         home[group], next_page = (next_page, pages), next_page + pages
     return WeightLayout(layer_ids, home, slots, next_page)
+
+
+def check_restore_source(slots: Iterable[WeightSlot], source: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a restore source that lacks a parameter or holds it with the wrong shape or dtype."""
+    for slot in slots:
+        if slot.name not in source:
+            raise KeyError(f"restore source has no {slot.name!r}")
+        tensor = source[slot.name]
+        if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise ValueError(f"{slot.name}: source is {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"expected {slot.shape} {slot.dtype}")
+
+
+def fingerprint(region: torch.Tensor, chunk: int = 1 << 24) -> tuple[int, int]:
+    """Byte sum and position-weighted byte sum: changing any one byte changes the pair."""
+    total = weighted = 0
+    for start in range(0, region.numel(), chunk):
+        piece = region[start : start + chunk].to(torch.int64)
+        position = torch.arange(start + 1, start + 1 + piece.numel(), device=piece.device)
+        total += int(piece.sum())
+        weighted += int((piece * position).sum())
+    return total, weighted
 
 
 class PageRuns:

@@ -25,6 +25,9 @@ loads, so a block planned for saving and then freed by a preemption in the same 
 before anything refills it. Do not preempt a sequence whose prefetch loads have not run yet, nor
 `release` one whose saves have not (its host blocks could be handed out again in the same step).
 The checkpointer is the host store's only client (it owns host blocks under the sequence ids).
+`CheckpointKV` (checkpoint_kv.py) drives it from the scheduler and keeps this contract: the
+step's saves are its first copy group, and it prefetches only inside `reserve`, i.e. in the step
+that resumes the sequence (the runner runs every copy group before the forward pass).
 
 Invariants (checked by `check_invariants`):
   1. The host store's owners are exactly the tracked sequences, each holding exactly the host

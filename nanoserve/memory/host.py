@@ -133,8 +133,27 @@ class HostKVStore:
             group = [c for c in copies if c.kind == kind]
             if not group:
                 continue
-            src = torch.tensor([s for c in group for s in c.src], dtype=torch.int64)
-            dst = torch.tensor([s for c in group for s in c.dst], dtype=torch.int64)
+            src_slots = [s for c in group for s in c.src]
+            dst_slots = [s for c in group for s in c.dst]
+            src = torch.tensor(src_slots, dtype=torch.int64)
+            dst = torch.tensor(dst_slots, dtype=torch.int64)
+            if kind != "move" and len(src_slots) > 1:
+                # Runs where both sides are consecutive (whole blocks, a checkpoint's block
+                # ranges) are copied in one slice each: index_select + index_copy_ would move
+                # every byte twice. Saves and loads cross tensors, so runs cannot overlap; a move
+                # keeps the gather-then-scatter below. Short runs stay on the index path, where
+                # one call per run would cost more than the second copy.
+                breaks = ((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)
+                starts = [0, *(breaks.nonzero().flatten() + 1).tolist()]
+                if len(starts) * 64 <= len(src_slots):  # runs average at least 64 slots
+                    runs = [(src_slots[a], dst_slots[a], b - a) for a, b in zip(starts, [*starts[1:], len(src_slots)])]
+                    for layer, caches in enumerate(kv_caches):
+                        for host, cache in zip((self.k[layer], self.v[layer]), caches):
+                            flat = cache.view(-1, *cache.shape[2:])
+                            source, target = (flat, host) if kind == "save" else (host, flat)
+                            for s, d, n in runs:
+                                target.narrow(0, d, n).copy_(source.narrow(0, s, n))
+                    continue
             if kind != "load":
                 src = src.to(device)
             if kind != "save":

@@ -19,14 +19,16 @@ and samples. The simulator's executor has the same `execute` signature and retur
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterable, Mapping, Protocol
 
 import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
+from nanoserve.model.layer_peer import LayerPeer
 from nanoserve.sampling import sample
 from nanoserve.sched.base import SchedulerOutput
 
@@ -61,15 +63,58 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, devic
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
-                 host_store: HostKVStore | None = None):
+                 host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
+                 host_weights: Mapping[str, torch.Tensor] | None = None):
+        """With `arena` (KunServe), the KV caches are the arena's views and `host_weights` (every
+        parameter by name, on the host) feeds the peer on a drop and the arena on a restore."""
         self.model = model
         self.host_store = host_store  # where the memory manager's KV copies go to and come from
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
         self.backend = backend
-        self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, device, dtype)
+        self.arena, self.host_weights, self.peer = arena, host_weights, None
+        if arena is None:
+            self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, device, dtype)
+        else:
+            if host_weights is None:
+                raise ValueError("a runner over an arena needs host_weights to drop and restore layers")
+            self.peer = LayerPeer(model, host_weights, device, arena.config.layer_pattern)
+            self.kv_caches = self._arena_kv_caches()
         self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    # -- KunServe: drop and restore layers between steps (§4.1, §4.2, §4.4) --------------------
+    def _arena_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        # A dropped layer's entry is None: its PeerStage reads the peer's cache, never this list.
+        views = self.arena.kv_caches()
+        return [views.get(layer) for layer in range(self.model_config.num_layers)]
+
+    def drop_layers(self, layer_ids: Iterable[int]) -> CapacityChange:
+        """Hand `layer_ids` to the pipeline peer and their weight bytes to the KV cache: the live
+        requests' K/V of those layers is copied to the peer first (§4.2), then the arena drops
+        them (§4.1), then the peer runs them with its replica weights."""
+        if self.arena is None or self.peer is None:
+            raise RuntimeError("drop_layers needs a runner built over a MemoryArena")
+        layers, resident = sorted(set(layer_ids)), self.arena.resident_layers
+        if not set(layers) <= set(resident) or len(layers) == len(resident):
+            # Checked here too: the peer must not take KV for a drop the arena would refuse.
+            raise ValueError(f"cannot drop layers {layers}: resident are {list(resident)}, one must stay")
+        self.peer.receive_kv(layers, self.arena, block_pages_after=2 * (len(resident) - len(layers)))
+        change = self.arena.drop_layers(layers)
+        self.peer.serve(layers)
+        self.kv_caches = self._arena_kv_caches()
+        return change
+
+    def restore_layers(self, layer_ids: Iterable[int]) -> CapacityChange:
+        """Load `layer_ids` back from the host copy and stop the peer serving them (§4.4). The
+        arena refuses (BlocksInUseError, nothing changed) while any request holds KV blocks."""
+        if self.arena is None or self.peer is None:
+            raise RuntimeError("restore_layers needs a runner built over a MemoryArena")
+        layers = sorted(set(layer_ids))
+        change = self.arena.restore_layers(layers, self.host_weights)
+        self.peer.release(layers, self.arena.num_pages, self.arena.block_pages)
+        self.kv_caches = self._arena_kv_caches()
+        return change
 
     def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
         size = self.block_size

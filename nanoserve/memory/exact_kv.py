@@ -1,0 +1,198 @@
+"""EcoServe's exact allocation behind the `KVManager` interface (ecoserve.txt §2.3, §3.2, §3.4).
+
+Every request gets a predicted response length (RL): `options["predicted_len"]`, one number for
+all of them or a function of the request (a trace's lookup, a predictor model), else its
+`max_tokens`; after a preemption, the L_new of §3.2.2. The scheduler's calls map onto
+`ExactAllocator`:
+
+    can_reserve(r, n)   exact, changes nothing: admission (in a host's region, §3.4, or the
+                        admission pool), growth (inside the reservation, else from the reserved
+                        pool, §3.2.2), or restoring an evicted guest and then growing it
+    reserve(r, n)       r's first call admits it with its whole predicted footprint (§3.2.1);
+                        an evicted guest is restored (`ensure_resident`: loads); then `grow`,
+                        whose copies save the guests r's writes reach (§3.4)
+    preempt(r)          offload-free (§3.2.2): free r's KV, keep L_new = predicted - generated as
+                        its prediction for re-admission, and recompute: (0, [])
+    release(r)          free r's blocks (its guests keep theirs) and its host copies
+
+Why each call's copies are one safe group: a call returns loads (a restore) or saves (evictions),
+never both, since a restored request has no guests. Why a step is safe (see sched/base.py): the
+forward reads and writes the slots of every request given a chunk this step. Only a host's growth
+takes slots from another request, and `order` serves hosts before their guests, so a guest is
+evicted (saved, in the host's group) before it is given a chunk, and its own later `reserve`
+restores it (loads into fresh blocks, in a later group). A request admitted from the queue is
+hosted only past its host's already-reserved positions. Releases and preemptions move no slots:
+guests keep their KV where it is. `reserve` checks this: evicting a request served this step raises.
+
+A guest the host store has no room for loses its KV (`hosted_drops`) and must recompute: its
+request's `num_computed_tokens` is set to 0 here. It has not been served this step (see above),
+so the scheduler reads the new value when it gets to it.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Union
+
+from nanoserve.memory.blocks import NoFreeBlocksError
+from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator
+from nanoserve.memory.host import KVCopy
+from nanoserve.memory.manager import KVManager
+
+if TYPE_CHECKING:
+    from nanoserve.request import Request
+
+ALLOC_OPTIONS = ("padding_ratio", "reserved_fraction", "pipeline_buffer", "min_new_prediction")
+Predictor = Union[int, Callable[["Request"], int], None]  # None: predict max_tokens
+
+
+class ExactKV(KVManager):
+    """Exact allocation from predicted lengths, a reserved pool, offload-free preemption and KV
+    pipelining (EcoServe §3.2, §3.4)."""
+
+    def __init__(self, alloc: ExactAllocator, predicted_len: Predictor = None):
+        self.alloc = alloc
+        self.block_size = alloc.block_size
+        self.predicted_len = predicted_len
+        self._predicted: dict[str, int] = {}  # asked once per request; L_new after a preemption
+        self._admitted_at: dict[str, int] = {}  # tokens at admission: what came after was generated
+        self._requests: dict[str, Request] = {}  # admitted ones, to send a dropped guest back to 0
+        self._served: set[str] = set()  # given slots this step: their slots must not be taken
+
+    # -- capacity --------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.alloc.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.alloc.num_blocks - self.alloc.num_free_blocks - self.alloc.num_reserved_pool_blocks
+
+    # -- predictions -----------------------------------------------------------------------
+    def prediction(self, request: Request) -> int:
+        """The RL that `request`'s admission reserves for, beyond its current tokens."""
+        rid, alloc = request.request_id, self.alloc
+        if rid not in self._predicted:  # once: can_reserve and reserve must agree
+            fixed = self.predicted_len or request.params.max_tokens
+            self._predicted[rid] = self.predicted_len(request) if callable(self.predicted_len) else fixed
+        predicted = self._predicted[rid]
+        # No point reserving past max_tokens: the engine stops the request there.
+        predicted = min(predicted, max(1, request.params.max_tokens - request.num_output_tokens))
+        # A reservation larger than the admission pool could never be admitted; a shorter one
+        # is only an under-prediction, which the reserved pool and preemption handle (§3.2.2).
+        pool = (alloc.num_blocks - alloc.reserve_target) * self.block_size - request.num_tokens
+        predicted = max(1, min(predicted, math.floor(pool / (1 + alloc.config.padding_ratio))))
+        while predicted > 1 and alloc.reservation_tokens(request.num_tokens, predicted) > pool + request.num_tokens:
+            predicted -= 1  # the padding's rounding up: a step or two at most
+        return predicted
+
+    # -- the step --------------------------------------------------------------------------
+    def order(self, running: list[Request]) -> list[Request]:
+        """Hosts before their guests, FCFS otherwise. FCFS's admission order already is (a guest
+        is admitted after its host, and re-lent only to its host's own host): this guards others."""
+        by_id, seen, ordered = {r.request_id: r for r in running}, set(), []
+
+        def place(request: Request) -> None:
+            if request.request_id in seen:
+                return
+            seen.add(request.request_id)
+            host = self.alloc.host_of(request.request_id) if self.alloc.has(request.request_id) else None
+            if host in by_id:
+                place(by_id[host])
+            ordered.append(request)
+
+        for request in running:
+            place(request)
+        return ordered
+
+    def step_copies(self, running: list[Request]) -> list[KVCopy]:
+        self._served.clear()  # a new step: last step's forward is done with every slot
+        return []
+
+    def can_reserve(self, request: Request, num_tokens: int) -> bool:
+        rid = request.request_id
+        if not self.alloc.has(rid):
+            return self.alloc.can_admit(request.num_tokens, self.prediction(request))
+        return self.alloc.can_grow(rid, max(0, num_tokens - self.alloc.num_written(rid)))
+
+    def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
+        rid = request.request_id
+        if not self.can_reserve(request, num_tokens):
+            raise NoFreeBlocksError(f"{rid!r}: no room for {num_tokens} tokens")
+        copies: list[KVCopy] = []
+        if not self.alloc.has(rid):
+            # The whole prompt (or, after a preemption, prompt and generated tokens) plus the RL.
+            self.alloc.admit(rid, request.num_tokens, self.prediction(request))
+            self._admitted_at[rid], self._requests[rid] = request.num_tokens, request
+        else:
+            copies += self.alloc.ensure_resident(rid)
+        guests = self._nested_guests(rid)
+        grow = num_tokens - self.alloc.num_written(rid)
+        if grow > 0:
+            copies += self.alloc.grow(rid, grow)
+        for guest in guests:
+            if self.alloc.is_resident(guest):
+                continue
+            if guest in self._served:
+                raise RuntimeError(f"{rid!r} evicted {guest!r}, which was given a chunk this step: order() is wrong")
+            if self.alloc.num_written(guest) == 0:  # dropped: no host room for its KV
+                self._requests[guest].num_computed_tokens = 0
+        self._served.add(rid)
+        return copies
+
+    def block_table(self, request: Request) -> list[int]:
+        return self.alloc.block_table(request.request_id)
+
+    def preempt(self, request: Request) -> tuple[int, list[KVCopy]]:
+        rid = request.request_id
+        if not self.alloc.has(rid):
+            return 0, []
+        generated = request.num_tokens - self._admitted_at.pop(rid)
+        self._predicted[rid] = self.alloc.preempt(rid, generated)
+        del self._requests[rid]
+        return 0, []
+
+    def release(self, request: Request) -> None:
+        rid = request.request_id
+        self.alloc.free(rid)
+        for table in (self._predicted, self._admitted_at, self._requests):
+            table.pop(rid, None)
+
+    def _nested_guests(self, rid: str) -> list[str]:
+        guests, stack = [], self.alloc.hosted_by(rid)
+        while stack:
+            guests.append(stack.pop())
+            stack += self.alloc.hosted_by(guests[-1])
+        return guests
+
+    # -- observability ----------------------------------------------------------------------
+    @property
+    def events(self) -> dict[str, int]:
+        a = self.alloc
+        return {
+            "admissions": a.admissions,
+            "hosted_placements": a.hosted_placements,  # admitted into a host's unused allocation (§3.4)
+            "reserved_pool_draws": a.reserved_pool_draws,  # blocks past a reservation (§3.2.2)
+            "preemptions": a.preemptions,  # offload-free (§3.2.2)
+            "hosted_evictions": a.hosted_evictions,  # guests whose host's writes reached them (§3.4)
+            "hosted_drops": a.hosted_drops,  # ...with no host room: recomputed
+            "restores": a.restores,  # evicted guests brought back
+        }
+
+    def check_invariants(self) -> None:
+        self.alloc.check_invariants()
+
+
+def build(ctx) -> ExactKV:
+    """The registry's builder for "exact" (see nanoserve/memory/__init__.py). Options:
+    `predicted_len` (one RL for every request, or a function of the request; default each
+    request's max_tokens) and the `ExactAllocConfig` knobs (padding_ratio, reserved_fraction,
+    pipeline_buffer, min_new_prediction)."""
+    options = dict(ctx.options)
+    predicted_len = options.pop("predicted_len", None)
+    knobs = {name: options.pop(name) for name in ALLOC_OPTIONS if name in options}
+    if options:
+        raise ValueError(f"unknown options for the exact KV manager: {sorted(options)}")
+    if not (predicted_len is None or callable(predicted_len) or (isinstance(predicted_len, int) and predicted_len >= 1)):
+        raise ValueError(f"predicted_len must be a positive integer or a function of the request, got {predicted_len!r}")
+    config = ExactAllocConfig(block_size=ctx.block_size, **knobs)
+    return ExactKV(ExactAllocator(ctx.num_blocks, config, ctx.host_store), predicted_len)
