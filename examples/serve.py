@@ -21,7 +21,7 @@ import uvicorn  # noqa: E402
 
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
-from nanoserve.memory import KV_MANAGERS  # noqa: E402
+from nanoserve.memory import KV_MANAGER_NAMES  # noqa: E402
 from nanoserve.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from nanoserve.server import create_app  # noqa: E402
 
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-manager", default="paged", choices=sorted(KV_MANAGERS),
+    p.add_argument("--kv-manager", default="paged", choices=sorted(KV_MANAGER_NAMES),
                    help="KV memory manager (see nanoserve/memory/__init__.py)")
     p.add_argument("--host-kv-tokens", type=int, default=None,
                    help="host KV store size in tokens, for managers that checkpoint or swap")

@@ -80,11 +80,6 @@ def build_engine(args: EngineArgs) -> Engine:
 
     num_blocks = kv_cache_blocks(args, cfg, device, dtype)
     capacity = num_blocks * args.block_size
-    max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings, capacity)
-    sched_config = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=max_model_len, policy=args.policy,
-    )
     host_store = None
     if args.kv_manager in NEEDS_HOST_STORE:
         host_tokens = args.host_kv_tokens if args.host_kv_tokens is not None else capacity
@@ -104,5 +99,11 @@ def build_engine(args: EngineArgs) -> Engine:
         kv = make_kv_manager(args.kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, host_store,
                                                              args.kv_manager_options or {}))
         runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed, host_store)
+    max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
+                        kv.max_request_tokens)
+    sched_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len, policy=args.policy,
+    )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     return Engine(make_scheduler(sched_config, kv), runner, tokenizer, eos, model_name=str(args.model or path.name))

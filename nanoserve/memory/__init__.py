@@ -25,6 +25,9 @@ KV_MANAGERS: dict[str, str] = {
     "checkpoint": "nanoserve.memory.checkpoint_kv:build",
 }
 NEEDS_HOST_STORE = frozenset({"exact", "bidirectional", "checkpoint"})
+# Every name `EngineArgs.kv_manager` takes: the registry's, and "arena", which the builder makes
+# from the loaded model (its weights move into the arena).
+KV_MANAGER_NAMES = (*KV_MANAGERS, "arena")
 
 
 @dataclass(frozen=True)
@@ -40,5 +43,5 @@ def make_kv_manager(name: str, ctx: KVBuildContext) -> KVManager:
     try:
         module_name, function = KV_MANAGERS[name].split(":")
     except KeyError:
-        raise ValueError(f"unknown KV manager {name!r}; available: {', '.join(sorted(KV_MANAGERS))}") from None
+        raise ValueError(f"unknown KV manager {name!r}; available: {', '.join(sorted(KV_MANAGER_NAMES))}") from None
     return getattr(importlib.import_module(module_name), function)(ctx)

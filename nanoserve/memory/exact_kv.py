@@ -60,6 +60,12 @@ class ExactKV(KVManager):
 
     # -- capacity --------------------------------------------------------------------------
     @property
+    def max_request_tokens(self) -> int:
+        # Admission never touches the reserved pool, so a longer request could never come back
+        # after an offload-free preemption.
+        return (self.alloc.num_blocks - self.alloc.reserve_target) * self.block_size
+
+    @property
     def num_blocks(self) -> int:
         return self.alloc.num_blocks
 

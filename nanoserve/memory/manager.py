@@ -43,6 +43,11 @@ class KVManager(ABC):
     @abstractmethod
     def num_used_blocks(self) -> int: ...
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request can ever hold; the engine caps max_model_len with it."""
+        return self.num_blocks * self.block_size
+
     # -- what a policy calls --------------------------------------------------------------
     @abstractmethod
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
