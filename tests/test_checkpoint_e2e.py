@@ -14,9 +14,6 @@ import random
 import pytest
 import torch
 
-from conftest import build_tiny_model
-from test_invariance import assert_close_greedy
-
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
@@ -25,13 +22,14 @@ from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig
 from nanoserve.memory.checkpoint_kv import CheckpointKV
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ExecutorOutput
 from nanoserve.request import Request
-from nanoserve.sched import SchedulerOutput
 from nanoserve.sched.fcfs import FCFSScheduler
 
+from conftest import build_tiny_model
+from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from test_invariance import assert_close_greedy
+
 B = 4
-LAYERS, HEADS, HEAD_DIM = 2, 1, 2
 
 
 def make_kv(device_blocks: int, host_blocks: int, **config) -> CheckpointKV:
@@ -108,46 +106,12 @@ def test_build_validates_options():
 
 
 # -- the real scheduler, a model-free executor over real caches ------------------------------
-class TaggingExecutor:
-    """Runs each step's copies on real caches, then checks every chunk's context reads back
-    and writes the chunk's own K/V as tags unique per (request, position, layer, K or V)."""
-
-    def __init__(self, kv: CheckpointKV, num_blocks: int):
-        self.store = kv.checkpointer.store
-        self.caches = [(torch.zeros(num_blocks, B, HEADS, HEAD_DIM), torch.zeros(num_blocks, B, HEADS, HEAD_DIM))
-                       for _ in range(LAYERS)]
-        self.index: dict[str, int] = {}
-        self.positions_checked = 0
-
-    def tag(self, rid: str, pos: int, layer: int, is_v: bool) -> torch.Tensor:
-        base = 1 + self.index.setdefault(rid, len(self.index)) * 1000 + pos + layer * 100_000
-        base = -base if is_v else base
-        return torch.tensor([[base, base + 0.5]], dtype=torch.float32)
-
-    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        for group in batch.kv_copies:  # as ModelRunner.execute does
-            self.store.execute(group, self.caches)
-        for chunk in batch.chunks:  # every chunk reads its context, then writes its tokens
-            rid, table = chunk.request.request_id, chunk.block_table
-            for pos in range(chunk.end):
-                slot = table[pos // B] * B + pos % B
-                for layer, (k, v) in enumerate(self.caches):
-                    kf, vf = k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM)
-                    if pos < chunk.start:
-                        assert torch.equal(kf[slot], self.tag(rid, pos, layer, False)), (rid, pos)
-                        assert torch.equal(vf[slot], self.tag(rid, pos, layer, True)), (rid, pos)
-                        self.positions_checked += 1
-                    else:
-                        kf[slot], vf[slot] = self.tag(rid, pos, layer, False), self.tag(rid, pos, layer, True)
-        return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_fcfs_over_checkpoint_kv_restores_every_position(seed):
     rng = random.Random(seed)
     device_blocks = 12
     kv = make_kv(device_blocks, 64, threshold=rng.choice([0.0, 0.3, 0.6]), max_blocks_per_step=rng.choice([1, 3, 8]))
-    executor = TaggingExecutor(kv, device_blocks)
+    executor = TaggingExecutor(kv.checkpointer.store, device_blocks, B)
     config = SchedulerConfig(max_num_batched_tokens=rng.choice([6, 16]), max_num_seqs=6, max_model_len=device_blocks * B)
     engine = Engine(FCFSScheduler(config, kv), executor, tokenizer=None)
     for i in range(8):
@@ -169,7 +133,7 @@ def test_fcfs_over_checkpoint_kv_restores_every_position(seed):
 def test_fcfs_resumes_from_checkpoints_under_pressure():
     """A fixed workload, half online, half offline, whose preemptions resume from host copies."""
     kv = make_kv(10, 64, threshold=0.0, max_blocks_per_step=8)
-    executor = TaggingExecutor(kv, 10)
+    executor = TaggingExecutor(kv.checkpointer.store, 10, B)
     engine = Engine(FCFSScheduler(SchedulerConfig(max_num_batched_tokens=16, max_model_len=40), kv), executor, None)
     for i in range(4):
         engine.add_request([1 + i] * 9, SamplingParams(max_tokens=16, ignore_eos=True), f"r{i}",

@@ -29,16 +29,14 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ExecutorOutput
 from nanoserve.request import Request
-from nanoserve.sched import SchedulerOutput
 from nanoserve.sched.fcfs import FCFSScheduler
 
 from conftest import build_tiny_model
+from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
 from test_invariance import assert_close_greedy
 
 BLOCK = 4
-LAYERS, HEADS, HEAD_DIM = 2, 1, 2
 
 
 def _params(max_tokens: int) -> SamplingParams:
@@ -128,39 +126,6 @@ def test_build_rejects_unknown_options_and_bad_predictions():
         _manager(predicted_len=0)
 
 
-class TaggingExecutor:
-    """Runs each step's copies on real caches, then checks every chunk's context reads back
-    and writes the chunk's own K/V as tags unique per (request, position, layer, K or V)."""
-
-    def __init__(self, store: HostKVStore, num_blocks: int):
-        self.store = store
-        self.caches = [(torch.zeros(num_blocks, BLOCK, HEADS, HEAD_DIM), torch.zeros(num_blocks, BLOCK, HEADS, HEAD_DIM))
-                       for _ in range(LAYERS)]
-        self.positions_checked = 0
-
-    @staticmethod
-    def tag(rid: str, pos: int, layer: int, is_v: bool) -> torch.Tensor:
-        base = 1 + int(rid[1:]) * 1000 + pos + layer * 100_000
-        return torch.tensor([[-base if is_v else base, base + 0.5]], dtype=torch.float32)
-
-    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        for group in batch.kv_copies:  # as ModelRunner.execute does
-            self.store.execute(group, self.caches)
-        for chunk in batch.chunks:
-            rid, table = chunk.request.request_id, chunk.block_table
-            for pos in range(chunk.end):
-                slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
-                for layer, (k, v) in enumerate(self.caches):
-                    kf, vf = k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM)
-                    if pos < chunk.start:
-                        assert torch.equal(kf[slot], self.tag(rid, pos, layer, False)), (rid, pos)
-                        assert torch.equal(vf[slot], self.tag(rid, pos, layer, True)), (rid, pos)
-                        self.positions_checked += 1
-                    else:
-                        kf[slot], vf[slot] = self.tag(rid, pos, layer, False), self.tag(rid, pos, layer, True)
-        return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_fcfs_over_exact_kv_keeps_every_position(seed):
     rng = random.Random(seed)
@@ -172,7 +137,7 @@ def test_fcfs_over_exact_kv_keeps_every_position(seed):
     kv = _manager(device_blocks, host_blocks, predicted_len=lambda r: predicted[r.request_id],
                   padding_ratio=rng.choice([0.0, 0.15]), reserved_fraction=rng.choice([0.0, 0.1, 0.2]),
                   pipeline_buffer=rng.choice([0, 2]))
-    executor = TaggingExecutor(kv.alloc.host_store, device_blocks)
+    executor = TaggingExecutor(kv.alloc.host_store, device_blocks, BLOCK)
     config = SchedulerConfig(max_num_batched_tokens=rng.choice([3, 6, 16]), max_num_seqs=8, max_model_len=device_blocks * BLOCK)
     engine = Engine(FCFSScheduler(config, kv), executor, tokenizer=None)
     for rid, length in lengths.items():

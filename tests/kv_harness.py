@@ -1,0 +1,47 @@
+"""A model-free executor for driving the real Engine and scheduler over a KV manager: it runs
+each step's copy groups on small real caches, as the runner does, checks that every chunk's
+earlier positions read back the K/V written for them, and writes tags unique per (request,
+position, layer, K or V) for the chunk's new positions. Any lost, misplaced or clobbered slot
+fails an assertion."""
+from __future__ import annotations
+
+import torch
+
+from nanoserve.memory.host import HostKVStore
+from nanoserve.model.runner import ExecutorOutput
+from nanoserve.sched import SchedulerOutput
+
+LAYERS, HEADS, HEAD_DIM = 2, 1, 2
+
+
+class TaggingExecutor:
+    def __init__(self, store: HostKVStore, num_blocks: int, block_size: int):
+        self.store, self.block_size = store, block_size
+        self.caches = [(torch.zeros(num_blocks, block_size, HEADS, HEAD_DIM),
+                        torch.zeros(num_blocks, block_size, HEADS, HEAD_DIM)) for _ in range(LAYERS)]
+        self.index: dict[str, int] = {}
+        self.positions_checked = 0
+
+    def tag(self, rid: str, pos: int, layer: int, is_v: bool) -> torch.Tensor:
+        base = 1 + self.index.setdefault(rid, len(self.index)) * 1000 + pos + layer * 100_000
+        base = -base if is_v else base
+        return torch.tensor([[base, base + 0.5]], dtype=torch.float32)
+
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        for group in batch.kv_copies:  # as ModelRunner.execute does
+            self.store.execute(group, self.caches)
+        size = self.block_size
+        for chunk in batch.chunks:
+            rid, table = chunk.request.request_id, chunk.block_table
+            for pos in range(chunk.end):
+                offset = size - 1 - pos % size if chunk.right_to_left else pos % size
+                slot = table[pos // size] * size + offset
+                for layer, (k, v) in enumerate(self.caches):
+                    kf, vf = k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM)
+                    if pos < chunk.start:
+                        assert torch.equal(kf[slot], self.tag(rid, pos, layer, False)), (rid, pos)
+                        assert torch.equal(vf[slot], self.tag(rid, pos, layer, True)), (rid, pos)
+                        self.positions_checked += 1
+                    else:
+                        kf[slot], vf[slot] = self.tag(rid, pos, layer, False), self.tag(rid, pos, layer, True)
+        return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
