@@ -245,15 +245,13 @@ class MemoryArena:
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Grow `seq_id`'s reservation to `num_tokens` slots; all or nothing."""
-        need = self.blocks_needed(seq_id, num_tokens)
-        if need > self.num_free_blocks:
-            raise NoFreeBlocksError(f"need {need} blocks, {self.num_free_blocks} free")
-        new = []
-        for _ in range(need):
-            block = self._free.first_fit(self.block_pages)
-            self._free.take(block, self.block_pages)
-            new.append(block)
-        self._tables.setdefault(seq_id, []).extend(new)
+        table, new = self._tables.get(seq_id), []
+        need = self.blocks_for(num_tokens) - len(table or ())
+        if need > 0 or table is None:  # else (most decode steps) no block is needed: skip the free runs
+            if need > self._free.fits(self.block_pages):  # O(1): the free runs keep their count
+                raise NoFreeBlocksError(f"need {need} blocks, {self.num_free_blocks} free")
+            new = [self._free.carve(self.block_pages) for _ in range(need)]
+            self._tables.setdefault(seq_id, []).extend(new)
         self._reserved[seq_id] = max(self._reserved.get(seq_id, 0), num_tokens)
         return new
 
@@ -295,6 +293,7 @@ class MemoryArena:
         block_bytes = self.block_pages * self.config.page_bytes
         assert block_bytes == self.kv_bytes_per_token * self.config.block_size
         assert self.capacity_tokens == (self.total_bytes - self.weight_bytes) // block_bytes * self.config.block_size
+        assert self.num_free_blocks == sum(n // self.block_pages for _, n in self._free), "free-block count is stale"
         assert len(owned) + self.num_free_blocks <= self.capacity_blocks, "more blocks than bytes"
         if not owned:
             assert self._free.num_pages * self.config.page_bytes == self.total_bytes - self.weight_bytes

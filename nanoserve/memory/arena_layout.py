@@ -124,26 +124,46 @@ class PageRuns:
 
     Runs are merged on release, so two runs never touch: a run's length is the longest
     contiguous stretch a KV block could be carved from there.
+
+    Counts are kept up to date, not summed per call: the free pages, and for one piece length
+    (`unit`, the last one `fits` or `first_fit` was asked about: the arena's block size) how
+    many pieces fit and which runs hold one, so both answer in O(1) on an allocator's hot path.
     """
 
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._lengths: dict[int, int] = {}
+        self._num_pages = 0
+        self._unit = 0  # 0: no piece length indexed yet
+        self._unit_fits = 0  # sum(run // unit)
+        self._unit_starts: list[int] = []  # sorted starts of the runs of at least `unit` pages
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return ((start, self._lengths[start]) for start in self._starts)
 
     @property
     def num_pages(self) -> int:
-        return sum(self._lengths.values())
+        return self._num_pages
 
     def fits(self, length: int) -> int:
         """How many `length`-page pieces can still be carved, each from a single run."""
-        return sum(run // length for run in self._lengths.values())
+        if length != self._unit:
+            self._index(length)
+        return self._unit_fits
 
     def first_fit(self, length: int) -> int | None:
         # Lowest address first keeps blocks packed at the bottom of each free stretch.
-        return next((start for start in self._starts if self._lengths[start] >= length), None)
+        if length != self._unit:
+            self._index(length)
+        return self._unit_starts[0] if self._unit_starts else None
+
+    def carve(self, length: int) -> int:
+        """Take the lowest `length`-page piece that fits in one run; returns its first page."""
+        start = self.first_fit(length)
+        if start is None:
+            raise ValueError(f"no free run holds {length} pages")
+        self.take(start, length)
+        return start
 
     def take(self, start: int, length: int) -> None:
         """Mark [start, start + length) used; every page of it must be free, in one run."""
@@ -153,8 +173,7 @@ class PageRuns:
         run = self._starts[i] if i >= 0 else None
         if run is None or start + length > run + self._lengths[run]:
             raise ValueError(f"pages [{start}, {start + length}) are not all free")
-        run_end = run + self._lengths.pop(run)
-        self._starts.pop(i)
+        run_end = run + self._remove(i)
         self._insert(run, start - run)
         self._insert(start + length, run_end - start - length)
 
@@ -168,24 +187,50 @@ class PageRuns:
             raise ValueError(f"pages [{start}, {end}) overlap a free run (double free)")
         if i < len(self._starts) and self._starts[i] < end:
             raise ValueError(f"pages [{start}, {end}) overlap a free run (double free)")
-        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == start:
-            start = self._starts.pop(i - 1)
-            del self._lengths[start]
-            i -= 1
         if i < len(self._starts) and self._starts[i] == end:
-            end += self._lengths.pop(self._starts.pop(i))
+            end += self._remove(i)
+        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == start:
+            start = self._starts[i - 1]
+            self._remove(i - 1)
         self._insert(start, end - start)
 
     def _insert(self, start: int, length: int) -> None:
         if length > 0:
             bisect.insort(self._starts, start)
             self._lengths[start] = length
+            self._num_pages += length
+            if self._unit and length >= self._unit:
+                self._unit_fits += length // self._unit
+                bisect.insort(self._unit_starts, start)
+
+    def _remove(self, i: int) -> int:
+        """Drop the i-th run; returns its length."""
+        start = self._starts.pop(i)
+        length = self._lengths.pop(start)
+        self._num_pages -= length
+        if self._unit and length >= self._unit:
+            self._unit_fits -= length // self._unit
+            del self._unit_starts[bisect.bisect_left(self._unit_starts, start)]
+        return length
+
+    def _index(self, unit: int) -> None:
+        """Count pieces of `unit` pages from scratch (once per change of piece length)."""
+        if unit < 1:
+            raise ValueError("piece length must be positive")
+        self._unit = unit
+        self._unit_fits = sum(run // unit for run in self._lengths.values())
+        self._unit_starts = [start for start in self._starts if self._lengths[start] >= unit]
 
     def check(self) -> None:
         assert self._starts == sorted(self._lengths), "run index out of sync"
         for a, b in zip(self._starts, self._starts[1:]):
             assert a + self._lengths[a] < b, f"free runs at {a} and {b} touch or overlap (not merged)"
         assert all(length > 0 for length in self._lengths.values()), "empty free run"
+        assert self._num_pages == sum(self._lengths.values()), "free page count is stale"
+        if self._unit:
+            assert self._unit_fits == sum(run // self._unit for run in self._lengths.values()), "fit count is stale"
+            assert self._unit_starts == [s for s in self._starts if self._lengths[s] >= self._unit], \
+                "index of runs that fit a piece is stale"
 
 
 def assert_tiles(pieces: Iterable[tuple[int, int, str]], num_pages: int) -> None:

@@ -32,6 +32,7 @@ len), past the host's written blocks, inside its original allocation, overlappin
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -65,6 +66,7 @@ class _Seq:
     region_start: int = 0            # where table[0] sits in the host's table, in blocks
     children: list[Hashable] = field(default_factory=list)  # hosted requests, by region_start
     resident: bool = True
+    order: int = 0                   # admission number: of two equally tight hosts, the earlier wins
 
 
 class ExactAllocator:
@@ -76,6 +78,7 @@ class ExactAllocator:
         stack = list(range(num_blocks - 1, -1, -1))  # stacks: low ids are handed out first
         self._reserve, self._free = stack[:self.reserve_target], stack[self.reserve_target:]
         self._seqs: dict[Hashable, _Seq] = {}
+        self._lenders: list[tuple[int, int, Hashable]] = []  # a heap of possible hosts: see `_lend`
         # Counters, so tests and benchmarks can see which mechanism ran.
         self.admissions = self.hosted_placements = self.reserved_pool_draws = self.preemptions = 0
         self.hosted_evictions = self.hosted_drops = self.restores = 0
@@ -129,7 +132,7 @@ class ExactAllocator:
     def can_grow(self, seq_id: Hashable, num_tokens: int) -> bool:
         """Could `grow` (after `ensure_resident`, if evicted) succeed now, past the table from the reserved pool?"""
         seq = self._seqs[seq_id]
-        blocks = len(seq.table) if seq.resident else self._restore_blocks(seq)
+        blocks = len(seq.table) if seq.resident else self.blocks_for(max(seq.reservation, seq.written))  # restore
         fits = self.blocks_for(seq.written + num_tokens) - blocks <= len(self._reserve)
         return fits and (seq.resident or blocks <= len(self._free))
 
@@ -152,22 +155,24 @@ class ExactAllocator:
             if blocks > len(self._free):
                 raise NoFreeBlocksError(f"need {blocks} blocks, {len(self._free)} free and no host fits")
             seq = _Seq(predicted_len, need, [self._free.pop() for _ in range(blocks)], blocks)
-        self._seqs[seq_id] = seq
+        seq.order, self._seqs[seq_id] = self.admissions, seq
         self.admissions += 1
+        self._lend(seq_id, seq)
         return seq.host
 
     def grow(self, seq_id: Hashable, num_tokens: int) -> list[KVCopy]:
         """Mark `num_tokens` more positions written, past the reservation from the reserved pool
         (§3.2.2); returns the saves of the guests its writes reach, to run before the forward pass.
         When the pool is short the caller preempts someone (`preempt`) and tries again."""
-        seq = self._seqs[seq_id]
-        if not seq.resident or not self.can_grow(seq_id, num_tokens):
-            raise NoFreeBlocksError(f"{seq_id!r}: evicted (call ensure_resident) or the reserved pool is short")
+        seq, copies, size = self._seqs[seq_id], [], self.block_size
         new_written = seq.written + num_tokens
-        reached = [c for c in seq.children if self._seqs[c].region_start * self.block_size < new_written]
-        seq.children = seq.children[len(reached):]  # children are in region order: `reached` is a prefix
-        copies = [copy for child_id in reached for copy in self._evict(child_id)]
-        extra = self.blocks_for(new_written) - len(seq.table)
+        extra = -(-new_written // size) - len(seq.table)  # `can_grow`, in O(1) for a resident request
+        if not seq.resident or extra > len(self._reserve):
+            raise NoFreeBlocksError(f"{seq_id!r}: evicted (call ensure_resident) or the reserved pool is short")
+        if seq.children and self._seqs[seq.children[0]].region_start * size < new_written:  # in region order:
+            reached = [c for c in seq.children if self._seqs[c].region_start * size < new_written]  # a prefix
+            seq.children = seq.children[len(reached):]
+            copies = [copy for child_id in reached for copy in self._evict(child_id)]
         if extra > 0:
             seq.table += [self._reserve.pop() for _ in range(extra)]
             self.reserved_pool_draws += extra
@@ -188,11 +193,12 @@ class ExactAllocator:
         seq = self._seqs[seq_id]
         if seq.resident:
             return []
-        blocks = self._restore_blocks(seq)
+        blocks = self.blocks_for(max(seq.reservation, seq.written))  # the reservation, or all it wrote past it
         if blocks > len(self._free):
             raise NoFreeBlocksError(f"need {blocks} blocks, {len(self._free)} free")
         seq.table, seq.base, seq.resident = [self._free.pop() for _ in range(blocks)], blocks, True
         self.restores += 1
+        self._lend(seq_id, seq)
         if seq.written == 0:
             return []
         saved = self._slots(self.host_store.blocks_of(seq_id), 0, seq.written)
@@ -203,9 +209,6 @@ class ExactAllocator:
         return self._release(seq_id) if seq_id in self._seqs else 0
 
     # -- internals -----------------------------------------------------------------------
-    def _restore_blocks(self, seq: _Seq) -> int:
-        return self.blocks_for(max(seq.reservation, seq.written))
-
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         """Position p lives at slot `table[p // B] * B + p % B`, as in `BlockPool` (and the host store)."""
         return [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
@@ -214,18 +217,30 @@ class ExactAllocator:
         """Lent blocks stay the lender's: a guest owns only its blocks past its region."""
         return seq.table if seq.host is None else seq.table[seq.base:]
 
+    def _lend(self, seq_id: Hashable, seq: _Seq) -> None:
+        """Index a resident request as a possible host (`_best_host`); rebuilt when mostly stale."""
+        if len(self._lenders) > 2 * len(self._seqs) + 64:
+            self._lenders = sorted((s.written - s.base * self.block_size, s.order, i) for i, s in self._seqs.items() if s.resident)
+        heapq.heappush(self._lenders, (seq.written - seq.base * self.block_size, seq.order, seq_id))
+
     def _best_host(self, need: int) -> tuple[Hashable, int, int] | None:
-        """The tightest (host, start, end) region, in host blocks, that fits the §3.4 rule."""
-        size, best = self.block_size, None
-        for host_id, host in self._seqs.items():
-            if not host.resident:
+        """The tightest (host, start, end) region, in host blocks, that fits the §3.4 rule (ties: the earliest admitted).
+        A region is at most half of base * B - written, which only shrinks as its host writes: `_lenders` holds that
+        (negated) as of some earlier call, so only its entries of 2 * need or more are looked at, and pushed back fresh."""
+        size, best, hosts = self.block_size, None, {}
+        while self._lenders and -self._lenders[0][0] >= 2 * need:
+            hosts[heapq.heappop(self._lenders)[2]] = None  # a host's older entries too: it is looked at once
+        for host_id in hosts:
+            host = self._seqs.get(host_id)
+            if host is None or not host.resident:
                 continue
+            self._lend(host_id, host)
             end = self._seqs[host.children[0]].region_start if host.children else host.base
             start = -(-(host.written + end * size) // (2 * size))
             fits = need <= (end - start) * size and need + self.config.pipeline_buffer <= start * size - host.written
-            if fits and (best is None or end - start < best[2] - best[1]):
-                best = (host_id, start, end)
-        return best
+            if fits and (best is None or (end - start, host.order) < best[0]):
+                best = ((end - start, host.order), (host_id, start, end))
+        return best and best[1]
 
     def _give_back(self, blocks: list[int]) -> None:
         for block in reversed(blocks):  # refill the reserved pool first: it guards running requests
@@ -273,10 +288,10 @@ class ExactAllocator:
     # -- invariants ----------------------------------------------------------------------
     def check_invariants(self) -> None:
         owned = [b for s in self._seqs.values() if s.resident for b in self._owned(s)]
-        every = owned + self._free + self._reserve
-        assert sorted(every) == list(range(self.num_blocks)), "blocks lost, invented, or owned twice"
+        assert sorted(owned + self._free + self._reserve) == list(range(self.num_blocks)), "blocks lost, invented, or owned twice"
         assert len(self._reserve) <= self.reserve_target, "the reserved pool overflowed"
         slots: list[int] = []
+        keys = {seq_id: key for key, _, seq_id in sorted(self._lenders, key=lambda e: -e[0])}  # each id's least key
         for seq_id, seq in self._seqs.items():
             if not seq.resident:
                 assert not seq.table and not seq.children and seq.host is None, f"{seq_id!r}: evicted but holds device state"
@@ -285,6 +300,7 @@ class ExactAllocator:
                 continue
             assert len(seq.table) * self.block_size >= seq.written, f"{seq_id!r}: table does not cover the written positions"
             assert seq.base <= len(seq.table)
+            assert keys.get(seq_id, math.inf) <= seq.written - seq.base * self.block_size, f"{seq_id!r}: missing from `_lenders`"
             slots += self.slot_mapping(seq_id, 0, seq.written)
             assert seq.host is None or seq_id in self._seqs[seq.host].children, f"{seq_id!r}: host does not know its guest"
             edge = self.blocks_for(seq.written)
