@@ -24,9 +24,10 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Iterable
 
-from nanoserve.memory.bidirectional_blocks import (NOBODY, BidirectionalBlocks, DropResult, HostLedger, PageKey,
+from nanoserve.memory.bidirectional_blocks import (FREE, NOBODY, BidirectionalBlocks, DropResult, HostLedger, PageKey,
                                                    PreemptedPage, SeqId, SeqState)
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.host import KVCopy
@@ -45,13 +46,14 @@ class BidirectionalBlockManager(BidirectionalBlocks):
     def can_allocate(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> bool:
         """Whether `allocate` would succeed without dropping anyone."""
         try:
-            return self._plan_growth(seq_id, num_tokens, best_effort, NOBODY) is not None
+            return (self._in_place(seq_id, num_tokens, best_effort) is not None
+                    or self._plan_growth(seq_id, num_tokens, best_effort, NOBODY) is not None)
         except ValueError:
             return False
 
     def can_grow(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> bool:
         """Whether `grow` would succeed; exact, and changes nothing."""
-        if not (self.has(seq_id) and self.missing_positions(seq_id)):
+        if not (self.has(seq_id) and self._seqs[seq_id].host_pages):
             return self.can_allocate(seq_id, num_tokens, best_effort=best_effort)
         # Growth after a restore depends on where the restore puts the pages and which host
         # blocks it frees: run both on a throwaway copy rather than predict them.
@@ -95,6 +97,12 @@ class BidirectionalBlockManager(BidirectionalBlocks):
         is swapped out (`missing_positions` covers it) or, when the host is full, forgotten
         (`has` turns False) and must be recomputed.
         """
+        state = self._in_place(seq_id, num_tokens, best_effort)
+        if state is not None:  # most decode steps: no new page, nobody on the block's other side
+            if num_tokens > state.num_tokens:
+                state.num_tokens = num_tokens
+                self._stale.add(state.pages[-1])  # type: ignore[arg-type]
+            return []
         plan, copies = self._plan_growth(seq_id, num_tokens, best_effort, NOBODY), []
         chosen = self._victims_to_drop(seq_id, num_tokens, victims) if plan is None and not best_effort else None
         if chosen:
@@ -126,10 +134,19 @@ class BidirectionalBlockManager(BidirectionalBlocks):
         return self._drop(seq_id, host_reserve=0)
 
     # -- planning (reads state, changes nothing) -----------------------------------------
+    def _in_place(self, seq_id: SeqId, num_tokens: int, best_effort: bool) -> SeqState | None:
+        """The sequence, if its growth adds no page and its last block has nobody on the other side."""
+        state = self._seqs.get(seq_id)
+        if (state is None or state.best_effort != best_effort or state.host_pages
+                or num_tokens > len(state.pages) * self.block_size):
+            return None
+        other = self._rt if best_effort else self._be
+        return state if num_tokens <= state.num_tokens or other[state.pages[-1]] is None else None
+
     def _plan_growth(self, seq_id: SeqId, num_tokens: int, best_effort: bool, gone: frozenset) -> _Plan | None:
         """Growth as if the sequences in `gone` had been dropped; None if it does not fit."""
         state = self._seqs.get(seq_id)
-        if state is not None and (state.best_effort != best_effort or self.missing_positions(seq_id)):
+        if state is not None and (state.best_effort != best_effort or state.host_pages):
             raise ValueError(f"{seq_id!r} cannot change class or grow with KV on the host")
         state = state or SeqState(best_effort)
         B, plan, have, old = self.block_size, _Plan(), len(state.pages), state.num_tokens
@@ -141,13 +158,11 @@ class BidirectionalBlockManager(BidirectionalBlocks):
             elif new_fill > B - self._rt_fill(last):  # RT holds slots it must grow into: move the page
                 fills.insert(0, (have - 1, new_fill))
         if best_effort:
-            for page, fill in fills:
-                target = self._be_target(fill, set(plan.placements.values()))
-                if target is None:
-                    return None
+            targets = self._be_targets([fill for _, fill in fills], set())
+            for (page, _), target in zip(fills, targets or []):
                 plan.placements[page] = target
                 plan.copies += self._copies_to(seq_id, page, target) if page < have else []
-            return plan
+            return None if targets is None else plan
         targets = self._rt_targets(len(fills), set(), gone)
         if targets is None:
             return None
@@ -186,7 +201,7 @@ class BidirectionalBlockManager(BidirectionalBlocks):
             if block is not None and self.block_size - self._rt_fill(block) >= room:
                 target = block  # the RT page that took these slots has left: load them in place
             elif state.best_effort:
-                target = self._be_target(room, taken)
+                target = (self._be_targets([room], taken) or [None])[0]
             else:
                 target = next(iter(self._rt_targets(1, taken, NOBODY) or []), None)
                 plan.saves += self._be_positions_under(target, NOBODY, 0, fill) if target is not None else []
@@ -200,27 +215,45 @@ class BidirectionalBlockManager(BidirectionalBlocks):
 
     def _saves_fit(self, saves: list[tuple[PageKey, int]]) -> bool:
         """The host has room for the checkpoints, and none overwrites a pinned sequence."""
-        return (self._host_blocks_needed(saves) <= self.host.num_free_blocks
+        return not saves or (self._host_blocks_needed(saves) <= self.host.num_free_blocks
                 and not any(seq in self.pinned for (seq, _), _ in saves))
 
     def _rt_targets(self, count: int, taken: set[int], gone: frozenset) -> list[int] | None:
-        """FindPreemptBlock: free blocks first, then BE blocks with the fewest BE slots on the device."""
-        open_ = [b for b in range(self.num_blocks)
-                 if b not in taken and (self._rt[b] is None or self._rt[b][0] in gone)]
+        """FindPreemptBlock: free blocks, then BE-only ones by fewest BE slots on the device (a pinned
+        sequence's last), ties to the lowest id. The blocks of `gone` sequences, which the index
+        files under their present owners, are ranked one by one."""
+        mine = {b for seq in gone for b in self._seqs[seq].pages if b is not None}
+        skip, index = taken | mine, self._index
+        found = [((False, False, 0), b) for b in index.first(FREE, count, lambda b: b not in skip)]
+        for pinned, n in product((False, True), range(self.block_size + 1)) if len(found) < count else ():
+            self._refresh()
+            ok = lambda b: b not in skip and self._rt_rank(b, NOBODY)[0] == pinned  # noqa: B023
+            found += [((pinned, True, n), b) for b in index.first(("be", n), count - len(found), ok)]
+        ranked = sorted(found + [(r, b) for b in mine - taken if (r := self._rt_rank(b, gone)) is not None])
+        return [b for _, b in ranked[:count]] if len(ranked) >= count else None
 
-        def pinned_below(b: int) -> bool:  # a pinned BE page's slots could be overwritten here
-            owner = self._live_be(b, gone)
-            return owner is not None and owner[0] in self.pinned and bool(self._resident(*owner))
+    def _rt_rank(self, block: int, gone: frozenset) -> tuple[bool, bool, int] | None:
+        """FindPreemptBlock's rank: (a pinned sequence's BE slots here, any BE page here, its slots
+        on the device); None if the RT side is taken."""
+        owner, rt = self._live_be(block, gone), self._rt[block]
+        if rt is not None and rt[0] not in gone:
+            return None
+        resident = len(self._resident(*owner)) if owner else 0
+        return owner is not None and owner[0] in self.pinned and resident > 0, owner is not None, resident
 
-        open_.sort(key=lambda b: (pinned_below(b), self._live_be(b, gone) is not None,
-                                  len(self._be_positions_under(b, gone)), b))
-        return open_[:count] if len(open_) >= count else None
-
-    def _be_target(self, room: int, taken: set[int]) -> int | None:
-        """FindBlock: the block with the most empty slots whose BE side is unused and fits `room`."""
-        fits = [b for b in range(self.num_blocks)
-                if b not in taken and self._be[b] is None and self.block_size - self._rt_fill(b) >= room]
-        return min(fits, key=lambda b: (self._rt_fill(b), b), default=None)
+    def _be_targets(self, rooms: list[int], taken: set[int]) -> list[int] | None:
+        """FindBlock, page by page: the block with the most empty slots whose BE side is unused and
+        that leaves the page's room: a free block, else the RT-only block with the least fill."""
+        ready, out = self._index.first(FREE, len(rooms), lambda b: b not in taken), []
+        for room in rooms:
+            for fill in range(1, self.block_size - room + 1) if not ready else ():
+                self._refresh()
+                if ready := self._index.first(("rt", fill), 1, lambda b: b not in taken and b not in out):
+                    break
+            if not ready:
+                return None
+            out.append(ready.pop(0))
+        return out
 
     def _copies_to(self, seq_id: SeqId, page: int, target: int) -> list[KVCopy]:
         """Bring all of `page` into block `target`: move what is on the device, load the rest."""
@@ -237,6 +270,8 @@ class BidirectionalBlockManager(BidirectionalBlocks):
         """Apply `plan`. The host blocks of restored pages are freed, or added to `held`."""
         state = self._seqs[seq_id]
         sides = self._be if state.best_effort else self._rt
+        # Blocks to refile: each side that changes owner or fill, or whose BE page loses slots.
+        touched = {state.pages[p] for p in plan.placements if p < len(state.pages)} | set(plan.placements.values())
         self.overwrites += len({key for key, _ in plan.saves})
         self.checkpointed_slots += len(plan.saves)
         copies = self._checkpoint(plan.saves) + plan.copies  # host blocks are taken before any is freed
@@ -251,21 +286,28 @@ class BidirectionalBlockManager(BidirectionalBlocks):
             self.preemptions += not state.best_effort and self._be[block] is not None
         for page in plan.restored:
             blocks = self.preemption_table.pop((seq_id, page)).host_blocks
+            state.host_pages.discard(page)
+            touched.add(state.pages[page])
             if held is None:
                 self.host.free(seq_id, blocks)
             else:
                 held.extend(blocks)
+        touched.update(state.pages[max(0, state.num_tokens - 1) // self.block_size:])  # fills that grow
         state.num_tokens = num_tokens
+        self._reindex(*touched)
         return copies
 
     def _checkpoint(self, saves: list[tuple[PageKey, int]]) -> list[KVCopy]:
         """Save device positions into host slots of their page's entry, taking host blocks as needed."""
+        if not saves:
+            return []
         by_page: dict[PageKey, list[int]] = defaultdict(list)
         for key, position in saves:
             by_page[key].append(position)
         copies = []
         for (seq_id, page), positions in by_page.items():
             entry = self.preemption_table.setdefault((seq_id, page), PreemptedPage(self._seqs[seq_id].pages[page]))
+            self._seqs[seq_id].host_pages.add(page)
             spare = self._spare_host_slots(entry)
             if len(positions) > len(spare):
                 new = self.host.allocate(seq_id, -(-(len(positions) - len(spare)) // self.block_size))
@@ -288,6 +330,7 @@ class BidirectionalBlockManager(BidirectionalBlocks):
         for page, block in enumerate(state.pages):
             if block is not None:
                 sides[block] = None
+                self._reindex(block)
             state.pages[page] = self.preemption_table[(seq_id, page)].block = None
         self.swap_outs += 1
         return DropResult(tuple(copies), recompute=False)

@@ -21,9 +21,19 @@ Invariants (checked by `check_invariants`):
      slots are distinct, packed in ceil(k / B) host blocks, and each sequence owns in the store
      exactly the host blocks of its entries.
   5. With no sequences, every block is free and the preemption table is empty.
+  6. The indexes below agree with the blocks and the preemption table.
+
+Indexes, so that placement never scans the pool. `BlockIndex` files each block under FREE,
+("rt", fill) (an RT page alone, not full), ("be", n) (a BE page alone, n positions on the device)
+or None (no page can join), each key a min-heap of block ids with lazy deletion. FindBlock reads
+FREE, ("rt", 1), ("rt", 2), ...; FindPreemptBlock FREE, ("be", 0), ("be", 1), ...: the order of a
+full sort, ties to the lowest id. Mutations `_reindex` the blocks they touch, but a page growing
+in place (most decode steps) only marks its block `_stale`: `_refresh` refiles those before any
+key but FREE is read. `SeqState.host_pages` names a sequence's pages in the preemption table.
 """
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -34,6 +44,7 @@ from nanoserve.memory.host import HostKVStore, KVCopy
 SeqId = Hashable
 PageKey = tuple[SeqId, int]  # (sequence, page index)
 NOBODY: frozenset = frozenset()
+FREE = ("free", 0)
 
 
 @dataclass
@@ -56,6 +67,7 @@ class SeqState:
     best_effort: bool
     num_tokens: int = 0
     pages: list[int | None] = field(default_factory=list)  # block per page; None when swapped out
+    host_pages: set[int] = field(default_factory=set)  # pages with a preemption-table entry
 
 
 class HostLedger:
@@ -80,6 +92,39 @@ class HostLedger:
         return list(range(start, start + (self.block_size if count is None else count)))
 
 
+class BlockIndex:
+    """Each block filed under one key (see the module docstring); a heap may hold stale entries."""
+
+    def __init__(self, num_blocks: int):
+        self.key: list[tuple | None] = [FREE] * num_blocks
+        self.heaps: dict[tuple, list[int]] = defaultdict(list, {FREE: list(range(num_blocks))})
+        self.sizes = Counter({FREE: num_blocks})  # blocks per key
+
+    def put(self, block: int, key: tuple | None) -> None:
+        old = self.key[block]
+        if old != key:
+            self.key[block] = key
+            self.sizes[old] -= 1
+            self.sizes[key] += 1
+            if key is not None:
+                heapq.heappush(heap := self.heaps[key], block)
+                if len(heap) > 2 * self.sizes[key] + 32:  # mostly stale: keep the live entries
+                    heap[:] = sorted({b for b in heap if self.key[b] == key})
+
+    def first(self, key: tuple, count: int, ok) -> list[int]:
+        """Up to `count` blocks under `key` that pass `ok`, lowest id first. The heap is popped to
+        be read and its live entries pushed back, so nothing visible changes."""
+        heap, found, seen = self.heaps[key], [], []
+        while heap and len(found) < count:
+            block = heapq.heappop(heap)
+            if self.key[block] == key and not (seen and seen[-1] == block):  # skip stale, duplicates
+                seen.append(block)
+                found += [block] if ok(block) else []
+        for block in seen:
+            heapq.heappush(heap, block)
+        return found
+
+
 class BidirectionalBlocks:
     """The state of a bidirectional block pool and the questions that only read it."""
 
@@ -91,6 +136,8 @@ class BidirectionalBlocks:
         self._be: list[PageKey | None] = [None] * num_blocks  # the page on each block's right side
         self._seqs: dict[SeqId, SeqState] = {}
         self.preemption_table: dict[PageKey, PreemptedPage] = {}
+        self._index = BlockIndex(num_blocks)
+        self._stale: set[int] = set()  # blocks whose fill grew in place since their key was filed
         # Sequences whose device slots this step's forward pass reads: an RT page may not
         # overwrite them. The caller (the KVManager adapter) fills it and clears it each step.
         self.pinned: set[SeqId] = set()
@@ -103,7 +150,7 @@ class BidirectionalBlocks:
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return sum(rt is None and be is None for rt, be in zip(self._rt, self._be))
+        return self._index.sizes[FREE]
 
     def has(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
@@ -122,7 +169,9 @@ class BidirectionalBlocks:
 
     def missing_positions(self, seq_id: SeqId) -> list[int]:
         """Positions whose KV is on the host, not the device: `ensure_resident` brings them back."""
-        return sorted(p for (seq, _), entry in self.preemption_table.items() if seq == seq_id for p in entry.host_slots)
+        state = self._seqs.get(seq_id)
+        pages = state.host_pages if state else ()
+        return sorted(p for page in pages for p in self.preemption_table[(seq_id, page)].host_slots)
 
     def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
         """Flat device slots of positions [start, end), in the sequence's direction."""
@@ -138,11 +187,29 @@ class BidirectionalBlocks:
             return
         sides = self._be if state.best_effort else self._rt
         for page, block in enumerate(state.pages):
-            if block is not None:
-                sides[block] = None
             entry = self.preemption_table.pop((seq_id, page), None)
             if entry is not None:
                 self.host.free(seq_id, entry.host_blocks)
+            if block is not None:
+                sides[block] = None
+                self._reindex(block)
+
+    def _key(self, block: int) -> tuple | None:
+        """The block's key in the index, worked out from the blocks."""
+        rt, be = self._rt[block], self._be[block]
+        if be is None:
+            fill = self._fill(*rt) if rt else 0
+            return FREE if rt is None else ("rt", fill) if fill < self.block_size else None
+        return ("be", len(self._resident(*be))) if rt is None else None
+
+    def _reindex(self, *blocks: int | None) -> None:
+        for block in blocks:
+            if block is not None:
+                self._index.put(block, self._key(block))
+
+    def _refresh(self) -> None:
+        self._reindex(*self._stale)
+        self._stale.clear()
 
     # -- slot arithmetic -----------------------------------------------------------------
     def _slot_in(self, block: int, best_effort: bool, position: int) -> int:
@@ -219,7 +286,14 @@ class BidirectionalBlocks:
                     slot_owner[slot] = (seq_id, position)
         for block in range(self.num_blocks):
             assert not self._be_positions_under(block, NOBODY, 0, self._rt_fill(block)), f"block {block}: RT meets BE"
-        assert self.num_free_blocks + len(used) == self.num_blocks, "blocks were lost or invented"
+        free = sum(rt is None and be is None for rt, be in zip(self._rt, self._be))
+        assert free == self.num_free_blocks and free + len(used) == self.num_blocks, "blocks lost or invented"
+        index = self._index
+        assert all(k == self._key(b) or (b in self._stale and FREE not in (k, self._key(b)))
+                   for b, k in enumerate(index.key)), "index key out of date"
+        assert +index.sizes == +Counter(index.key), "index sizes out of date"
+        for key, heap in index.heaps.items():
+            assert {b for b, k in enumerate(index.key) if k == key} <= set(heap), f"{key}: heap lost a block"
         for (seq_id, page), entry in self.preemption_table.items():
             state, slots = self._seqs[seq_id], list(entry.host_slots.values())
             positions = set(range(page * B, page * B + self._fill(seq_id, page)))
@@ -231,8 +305,10 @@ class BidirectionalBlocks:
             assert set(slots) <= {s for b in entry.host_blocks for s in self.host.slots(b)}, "host slot outside entry"
             assert len(entry.host_blocks) == -(-len(slots) // B), "host blocks not packed"
             host_owned[seq_id] += entry.host_blocks
-        for seq_id in self._seqs:
+            assert page in state.host_pages, f"{seq_id!r} page {page}: entry not in host_pages"
+        for seq_id, state in self._seqs.items():
             assert sorted(self.host.blocks_of(seq_id)) == sorted(host_owned[seq_id]), f"{seq_id!r}: host blocks leak"
+            assert all((seq_id, p) in self.preemption_table for p in state.host_pages), f"{seq_id!r}: host_pages"
         assert self.pinned <= set(self._seqs), "a pinned sequence is unknown"
         self.host.check_invariants()
         if not self._seqs:
