@@ -51,7 +51,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from datetime import date
-from typing import Callable, Hashable
+from typing import Callable
 
 import torch
 from torch import nn

@@ -24,11 +24,11 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
-from itertools import product
 from typing import Iterable
 
-from nanoserve.memory.bidirectional_blocks import (FREE, NOBODY, BidirectionalBlocks, DropResult, HostLedger, PageKey,
-                                                   PreemptedPage, SeqId, SeqState)
+from nanoserve.memory.bidirectional_blocks import BidirectionalBlocks
+from nanoserve.memory.bidirectional_index import (NOBODY, DropResult, HostLedger, PageKey, PreemptedPage, SeqId,
+                                                  SeqState)
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.host import KVCopy
 
@@ -217,43 +217,6 @@ class BidirectionalBlockManager(BidirectionalBlocks):
         """The host has room for the checkpoints, and none overwrites a pinned sequence."""
         return not saves or (self._host_blocks_needed(saves) <= self.host.num_free_blocks
                 and not any(seq in self.pinned for (seq, _), _ in saves))
-
-    def _rt_targets(self, count: int, taken: set[int], gone: frozenset) -> list[int] | None:
-        """FindPreemptBlock: free blocks, then BE-only ones by fewest BE slots on the device (a pinned
-        sequence's last), ties to the lowest id. The blocks of `gone` sequences, which the index
-        files under their present owners, are ranked one by one."""
-        mine = {b for seq in gone for b in self._seqs[seq].pages if b is not None}
-        skip, index = taken | mine, self._index
-        found = [((False, False, 0), b) for b in index.first(FREE, count, lambda b: b not in skip)]
-        for pinned, n in product((False, True), range(self.block_size + 1)) if len(found) < count else ():
-            self._refresh()
-            ok = lambda b: b not in skip and self._rt_rank(b, NOBODY)[0] == pinned  # noqa: B023
-            found += [((pinned, True, n), b) for b in index.first(("be", n), count - len(found), ok)]
-        ranked = sorted(found + [(r, b) for b in mine - taken if (r := self._rt_rank(b, gone)) is not None])
-        return [b for _, b in ranked[:count]] if len(ranked) >= count else None
-
-    def _rt_rank(self, block: int, gone: frozenset) -> tuple[bool, bool, int] | None:
-        """FindPreemptBlock's rank: (a pinned sequence's BE slots here, any BE page here, its slots
-        on the device); None if the RT side is taken."""
-        owner, rt = self._live_be(block, gone), self._rt[block]
-        if rt is not None and rt[0] not in gone:
-            return None
-        resident = len(self._resident(*owner)) if owner else 0
-        return owner is not None and owner[0] in self.pinned and resident > 0, owner is not None, resident
-
-    def _be_targets(self, rooms: list[int], taken: set[int]) -> list[int] | None:
-        """FindBlock, page by page: the block with the most empty slots whose BE side is unused and
-        that leaves the page's room: a free block, else the RT-only block with the least fill."""
-        ready, out = self._index.first(FREE, len(rooms), lambda b: b not in taken), []
-        for room in rooms:
-            for fill in range(1, self.block_size - room + 1) if not ready else ():
-                self._refresh()
-                if ready := self._index.first(("rt", fill), 1, lambda b: b not in taken and b not in out):
-                    break
-            if not ready:
-                return None
-            out.append(ready.pop(0))
-        return out
 
     def _copies_to(self, seq_id: SeqId, page: int, target: int) -> list[KVCopy]:
         """Bring all of `page` into block `target`: move what is on the device, load the rest."""

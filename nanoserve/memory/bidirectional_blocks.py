@@ -1,7 +1,8 @@
 """Bookkeeping of BROS's bidirectional KV blocks (bros.txt §5.1 block structure, §5.2 preemption
 table): who holds which side of which block, which positions sit on the host, the slot
-arithmetic, and the invariants. Placement, checkpoints and restores, which plan and return
-copies, are in `nanoserve/memory/bidirectional.py`; `HostLedger` serves its what-if planning.
+arithmetic, FindBlock / FindPreemptBlock's read-only searches, and the invariants. Placement,
+checkpoints and restores, which plan and return copies, are in `bidirectional.py`; the records
+and indexes are in `bidirectional_index.py`.
 
 A block of B slots serves at most one real-time (RT) page, filling slots 0, 1, ... left to right,
 and one best-effort (BE) page, filling slots B-1, B-2, ... right to left. Position p of a
@@ -33,97 +34,12 @@ key but FREE is read. `SeqState.host_pages` names a sequence's pages in the pree
 """
 from __future__ import annotations
 
-import heapq
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from typing import Hashable
+from itertools import product
 
-from nanoserve.memory.blocks import NoFreeBlocksError
-from nanoserve.memory.host import HostKVStore, KVCopy
-
-SeqId = Hashable
-PageKey = tuple[SeqId, int]  # (sequence, page index)
-NOBODY: frozenset = frozenset()
-FREE = ("free", 0)
-
-
-@dataclass
-class PreemptedPage:
-    """A preemption-table entry: the positions of one page that are on the host, not the device."""
-
-    block: int | None  # the page's device block; None when the whole page is swapped out
-    host_slots: dict[int, int] = field(default_factory=dict)  # position -> flat host slot
-    host_blocks: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class DropResult:
-    copies: tuple[KVCopy, ...]  # the saves that swap the sequence out
-    recompute: bool  # the host had no room: the sequence was forgotten and must be recomputed
-
-
-@dataclass
-class SeqState:
-    best_effort: bool
-    num_tokens: int = 0
-    pages: list[int | None] = field(default_factory=list)  # block per page; None when swapped out
-    host_pages: set[int] = field(default_factory=set)  # pages with a preemption-table entry
-
-
-class HostLedger:
-    """Stands in for the host store in a what-if copy of the manager (`can_grow`): it counts free
-    blocks and holds no tensors. Its ids start past the real store's, so none collides."""
-
-    def __init__(self, num_free_blocks: int, block_size: int, first_id: int):
-        self.num_free_blocks, self.block_size, self._next = num_free_blocks, block_size, first_id
-
-    def allocate(self, owner: Hashable, num_blocks: int) -> list[int]:
-        if num_blocks > self.num_free_blocks:
-            raise NoFreeBlocksError("what-if host store is full")
-        self.num_free_blocks -= num_blocks
-        self._next += num_blocks
-        return list(range(self._next - num_blocks, self._next))
-
-    def free(self, owner: Hashable, blocks: list[int]) -> None:
-        self.num_free_blocks += len(blocks)
-
-    def slots(self, host_block: int, count: int | None = None) -> list[int]:
-        start = host_block * self.block_size
-        return list(range(start, start + (self.block_size if count is None else count)))
-
-
-class BlockIndex:
-    """Each block filed under one key (see the module docstring); a heap may hold stale entries."""
-
-    def __init__(self, num_blocks: int):
-        self.key: list[tuple | None] = [FREE] * num_blocks
-        self.heaps: dict[tuple, list[int]] = defaultdict(list, {FREE: list(range(num_blocks))})
-        self.sizes = Counter({FREE: num_blocks})  # blocks per key
-
-    def put(self, block: int, key: tuple | None) -> None:
-        old = self.key[block]
-        if old != key:
-            self.key[block] = key
-            self.sizes[old] -= 1
-            self.sizes[key] += 1
-            if key is not None:
-                heapq.heappush(heap := self.heaps[key], block)
-                if len(heap) > 2 * self.sizes[key] + 32:  # mostly stale: keep the live entries
-                    heap[:] = sorted({b for b in heap if self.key[b] == key})
-
-    def first(self, key: tuple, count: int, ok) -> list[int]:
-        """Up to `count` blocks under `key` that pass `ok`, lowest id first. The heap is popped to
-        be read and its live entries pushed back, so nothing visible changes."""
-        heap, found, seen = self.heaps[key], [], []
-        while heap and len(found) < count:
-            block = heapq.heappop(heap)
-            if self.key[block] == key and not (seen and seen[-1] == block):  # skip stale, duplicates
-                seen.append(block)
-                found += [block] if ok(block) else []
-        for block in seen:
-            heapq.heappush(heap, block)
-        return found
-
+from nanoserve.memory.bidirectional_index import (FREE, NOBODY, BlockIndex, PageKey, PreemptedPage, SeqId,
+                                                  SeqState)
+from nanoserve.memory.host import HostKVStore
 
 class BidirectionalBlocks:
     """The state of a bidirectional block pool and the questions that only read it."""
@@ -265,6 +181,44 @@ class BidirectionalBlocks:
         return need
 
     # -- invariants ----------------------------------------------------------------------
+    # -- FindBlock / FindPreemptBlock (Alg. 1): read-only searches over the index ------------
+    def _rt_targets(self, count: int, taken: set[int], gone: frozenset) -> list[int] | None:
+        """FindPreemptBlock: free blocks, then BE-only ones by fewest BE slots on the device (a pinned
+        sequence's last), ties to the lowest id. The blocks of `gone` sequences, which the index
+        files under their present owners, are ranked one by one."""
+        mine = {b for seq in gone for b in self._seqs[seq].pages if b is not None}
+        skip, index = taken | mine, self._index
+        found = [((False, False, 0), b) for b in index.first(FREE, count, lambda b: b not in skip)]
+        for pinned, n in product((False, True), range(self.block_size + 1)) if len(found) < count else ():
+            self._refresh()
+            ok = lambda b: b not in skip and self._rt_rank(b, NOBODY)[0] == pinned  # noqa: B023
+            found += [((pinned, True, n), b) for b in index.first(("be", n), count - len(found), ok)]
+        ranked = sorted(found + [(r, b) for b in mine - taken if (r := self._rt_rank(b, gone)) is not None])
+        return [b for _, b in ranked[:count]] if len(ranked) >= count else None
+
+    def _rt_rank(self, block: int, gone: frozenset) -> tuple[bool, bool, int] | None:
+        """FindPreemptBlock's rank: (a pinned sequence's BE slots here, any BE page here, its slots
+        on the device); None if the RT side is taken."""
+        owner, rt = self._live_be(block, gone), self._rt[block]
+        if rt is not None and rt[0] not in gone:
+            return None
+        resident = len(self._resident(*owner)) if owner else 0
+        return owner is not None and owner[0] in self.pinned and resident > 0, owner is not None, resident
+
+    def _be_targets(self, rooms: list[int], taken: set[int]) -> list[int] | None:
+        """FindBlock, page by page: the block with the most empty slots whose BE side is unused and
+        that leaves the page's room: a free block, else the RT-only block with the least fill."""
+        ready, out = self._index.first(FREE, len(rooms), lambda b: b not in taken), []
+        for room in rooms:
+            for fill in range(1, self.block_size - room + 1) if not ready else ():
+                self._refresh()
+                if ready := self._index.first(("rt", fill), 1, lambda b: b not in taken and b not in out):
+                    break
+            if not ready:
+                return None
+            out.append(ready.pop(0))
+        return out
+
     def check_invariants(self) -> None:
         B, used, slot_owner, host_owned = self.block_size, set(), {}, defaultdict(list)
         for sides, best_effort in ((self._rt, False), (self._be, True)):

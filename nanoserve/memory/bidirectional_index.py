@@ -1,0 +1,97 @@
+"""The records and indexes behind BROS's bidirectional block manager (bros.txt §5.2): the
+preemption-table entry, a sequence's pages, the block index that lets placement skip scanning
+the pool, and the host ledger used for what-if planning. `bidirectional_blocks.py` explains how
+they are used and checks them in `check_invariants`.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from nanoserve.memory.blocks import NoFreeBlocksError
+from nanoserve.memory.host import KVCopy
+
+SeqId = Hashable
+PageKey = tuple[SeqId, int]  # (sequence, page index)
+NOBODY: frozenset = frozenset()
+FREE = ("free", 0)
+
+
+@dataclass
+class PreemptedPage:
+    """A preemption-table entry: the positions of one page that are on the host, not the device."""
+
+    block: int | None  # the page's device block; None when the whole page is swapped out
+    host_slots: dict[int, int] = field(default_factory=dict)  # position -> flat host slot
+    host_blocks: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DropResult:
+    copies: tuple[KVCopy, ...]  # the saves that swap the sequence out
+    recompute: bool  # the host had no room: the sequence was forgotten and must be recomputed
+
+
+@dataclass
+class SeqState:
+    best_effort: bool
+    num_tokens: int = 0
+    pages: list[int | None] = field(default_factory=list)  # block per page; None when swapped out
+    host_pages: set[int] = field(default_factory=set)  # pages with a preemption-table entry
+
+
+class HostLedger:
+    """Stands in for the host store in a what-if copy of the manager (`can_grow`): it counts free
+    blocks and holds no tensors. Its ids start past the real store's, so none collides."""
+
+    def __init__(self, num_free_blocks: int, block_size: int, first_id: int):
+        self.num_free_blocks, self.block_size, self._next = num_free_blocks, block_size, first_id
+
+    def allocate(self, owner: Hashable, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError("what-if host store is full")
+        self.num_free_blocks -= num_blocks
+        self._next += num_blocks
+        return list(range(self._next - num_blocks, self._next))
+
+    def free(self, owner: Hashable, blocks: list[int]) -> None:
+        self.num_free_blocks += len(blocks)
+
+    def slots(self, host_block: int, count: int | None = None) -> list[int]:
+        start = host_block * self.block_size
+        return list(range(start, start + (self.block_size if count is None else count)))
+
+
+class BlockIndex:
+    """Each block filed under one key (see the module docstring); a heap may hold stale entries."""
+
+    def __init__(self, num_blocks: int):
+        self.key: list[tuple | None] = [FREE] * num_blocks
+        self.heaps: dict[tuple, list[int]] = defaultdict(list, {FREE: list(range(num_blocks))})
+        self.sizes = Counter({FREE: num_blocks})  # blocks per key
+
+    def put(self, block: int, key: tuple | None) -> None:
+        old = self.key[block]
+        if old != key:
+            self.key[block] = key
+            self.sizes[old] -= 1
+            self.sizes[key] += 1
+            if key is not None:
+                heapq.heappush(heap := self.heaps[key], block)
+                if len(heap) > 2 * self.sizes[key] + 32:  # mostly stale: keep the live entries
+                    heap[:] = sorted({b for b in heap if self.key[b] == key})
+
+    def first(self, key: tuple, count: int, ok) -> list[int]:
+        """Up to `count` blocks under `key` that pass `ok`, lowest id first. The heap is popped to
+        be read and its live entries pushed back, so nothing visible changes."""
+        heap, found, seen = self.heaps[key], [], []
+        while heap and len(found) < count:
+            block = heapq.heappop(heap)
+            if self.key[block] == key and not (seen and seen[-1] == block):  # skip stale, duplicates
+                seen.append(block)
+                found += [block] if ok(block) else []
+        for block in seen:
+            heapq.heappush(heap, block)
+        return found
