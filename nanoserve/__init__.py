@@ -9,6 +9,7 @@
 from nanoserve.llm import LLM
 from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.sampling import SamplingParams
+from nanoserve.slo import SLO
 
 
 def default_model() -> str:
@@ -19,5 +20,5 @@ def default_model() -> str:
     return convert_default()
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "default_model"]
+__all__ = ["LLM", "SamplingParams", "SLO", "RequestOutput", "RequestMetrics", "default_model"]
 __version__ = "0.1.0"

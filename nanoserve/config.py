@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from nanoserve.slo import DEFAULT_SLOS, SLO
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -62,6 +64,9 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 2048
     policy: str = "fcfs"
+    # Latency targets by request class (see nanoserve/slo.py); a request may override them.
+    online_slo: SLO = DEFAULT_SLOS["online"]
+    offline_slo: SLO = DEFAULT_SLOS["offline"]
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -70,6 +75,9 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+
+    def slo_for(self, priority: str) -> SLO:
+        return self.online_slo if priority == "online" else self.offline_slo
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

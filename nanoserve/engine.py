@@ -22,6 +22,7 @@ from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.slo import PRIORITIES, SLO, ClassMetrics
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -36,6 +37,8 @@ class EngineStats:
     generation_tokens_total: int
     requests_finished_total: int
     kv_events: dict[str, int] = field(default_factory=dict)  # the memory manager's mechanism counters
+    # Per request class ("online", "offline"): finished, SLO attainment, TTFT/TPOT p50/p99, tok/s.
+    per_class: dict[str, dict] = field(default_factory=dict)
 
 
 class Engine:
@@ -53,6 +56,7 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_finished_total = 0
+        self.class_metrics = {priority: ClassMetrics() for priority in PRIORITIES}
         # Debug aid (the test suite turns it on): check the allocator's invariants every step.
         self.check_invariants = os.environ.get("NANOSERVE_CHECK_INVARIANTS") == "1"
 
@@ -89,9 +93,9 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, prompt_text: str | None = None,
-                    priority: str = "online") -> Request:
+                    priority: str = "online", slo: SLO | None = None) -> Request:
         """Queue a request. `prompt_text` names the text behind pre-tokenized prompts;
-        `priority` is "online" or "offline"."""
+        `priority` is "online" or "offline"; `slo` overrides the class's latency targets."""
         token_ids = self.tokenize(prompt)
         self.validate(len(token_ids), params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -101,7 +105,7 @@ class Engine:
             request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
             prompt=prompt if isinstance(prompt, str) else prompt_text,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            priority=priority,
+            priority=priority, slo=slo if slo is not None else self.config.slo_for(priority),
         )
         self.requests[request_id] = request
         if self.tokenizer is not None:
@@ -131,6 +135,7 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             requests_finished_total=self.requests_finished_total,
             kv_events=dict(self.kv.events),
+            per_class={priority: m.summary() for priority, m in self.class_metrics.items()},
         )
 
     # -- the step --------------------------------------------------------------------------
@@ -193,6 +198,10 @@ class Engine:
         self.scheduler.finish_request(request, status)
         request.finished_time = now
         self.requests_finished_total += 1
+        if status != RequestStatus.FINISHED_ABORTED:
+            metrics = self._metrics(request)
+            self.class_metrics[request.priority].observe(metrics.ttft, metrics.tpot, metrics.num_output_tokens,
+                                                         request.slo, now)
 
     def _output(self, request: Request, new_tokens: int = 0) -> RequestOutput:
         rid = request.request_id

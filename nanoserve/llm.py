@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from nanoserve.builder import EngineArgs, build_engine
 from nanoserve.engine import Engine
 from nanoserve.outputs import RequestOutput
-from nanoserve.request import PRIORITIES
+from nanoserve.slo import PRIORITIES, SLO
 from nanoserve.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -35,9 +35,11 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True, priority: str | Sequence[str] = "online") -> list[RequestOutput]:
+                 *, use_tqdm: bool = True, priority: str | Sequence[str] = "online",
+                 slo: SLO | Sequence[SLO | None] | None = None) -> list[RequestOutput]:
         """Complete each prompt (a string or a list of token ids); outputs come in input order.
-        `priority` ("online" or "offline") applies to every prompt, or give one per prompt."""
+        `priority` ("online" or "offline") and `slo` (latency targets; default: the class's)
+        apply to every prompt, or give one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -52,7 +54,10 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         if not set(priorities) <= set(PRIORITIES):
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
-        return self._run(prompts, list(params), priorities, use_tqdm)
+        slos = [slo] * len(prompts) if slo is None or isinstance(slo, SLO) else list(slo)
+        if len(slos) != len(prompts):
+            raise ValueError(f"got {len(slos)} SLOs for {len(prompts)} prompts")
+        return self._run(prompts, list(params), priorities, slos, use_tqdm)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]], params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -65,16 +70,16 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[str],
-             use_tqdm: bool) -> list[RequestOutput]:
+             slos: list[SLO | None], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         token_ids = [engine.tokenize(p) for p in prompts]
         for ids, p in zip(token_ids, params):  # reject the whole call before any work starts
             engine.validate(len(ids), p)
         ids = []
         try:
-            for prompt, tokens, p, priority in zip(prompts, token_ids, params, priorities):
+            for prompt, tokens, p, priority, slo in zip(prompts, token_ids, params, priorities, slos):
                 text = prompt if isinstance(prompt, str) else None
-                ids.append(engine.add_request(tokens, p, prompt_text=text, priority=priority).request_id)
+                ids.append(engine.add_request(tokens, p, prompt_text=text, priority=priority, slo=slo).request_id)
             results: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 while engine.has_unfinished_requests():

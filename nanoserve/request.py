@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.sampling import SamplingParams
-
-
-PRIORITIES = ("online", "offline")
+from nanoserve.slo import PRIORITIES, SLO
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +44,7 @@ class Request:
     # "online" (latency-critical: BROS's real-time, ConServe's online) or "offline" (BROS's
     # best-effort, batch work). Policies and memory managers read it; nothing else does.
     priority: str = "online"
+    slo: SLO = field(default_factory=SLO)  # latency targets; the engine fills in the class default
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by generated tokens

@@ -1,0 +1,90 @@
+"""Request classes, their latency targets, and per-class service metrics.
+
+Every request is "online" (latency-critical: BROS's real-time, ConServe's online) or "offline"
+(throughput work: BROS's best-effort, ConServe's offline, batch jobs). Each has a TTFT target
+(arrival to first token) and a TPOT target (mean gap between later tokens), defaulted per
+class by `SchedulerConfig` and overridable per request. A request *attains* its SLO when
+every target it has is met; an offline request has no targets by default, so it always does.
+
+Defaults follow the papers: BROS evaluates RT requests at TTFT 0.4 s / TPOT 0.2 s (bros.txt
+§7.1); ConServe holds online requests to a TPOT of 100 ms (conserve.txt §2). nanoserve's online
+default is TTFT 1 s, TPOT 0.1 s: interactive, and reachable on a CPU with a small model.
+
+`ClassMetrics` accumulates what finished requests of one class achieved: TTFT and TPOT samples
+(a bounded window, for percentiles), SLO attainment, and output tokens for throughput.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+PRIORITIES = ("online", "offline")
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft: float | None = None  # seconds; None: no target
+    tpot: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft", "tpot"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"the {name} target must be a positive number of seconds, got {value!r}")
+
+    def attained(self, ttft: float | None, tpot: float | None) -> bool:
+        """Whether measured latencies meet every target this SLO sets (a missing measurement,
+        e.g. the TPOT of a one-token answer, cannot miss)."""
+        return ((self.ttft is None or ttft is None or ttft <= self.ttft)
+                and (self.tpot is None or tpot is None or tpot <= self.tpot))
+
+
+DEFAULT_SLOS = {"online": SLO(ttft=1.0, tpot=0.1), "offline": SLO()}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by nearest rank; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+@dataclass
+class ClassMetrics:
+    """What the finished requests of one class achieved. Windows keep the latest samples."""
+
+    window: int = 10_000
+    finished: int = 0
+    attained: int = 0
+    output_tokens: int = 0
+    first_finish: float | None = None
+    last_finish: float | None = None
+    ttfts: deque[float] = field(default_factory=deque)
+    tpots: deque[float] = field(default_factory=deque)
+
+    def observe(self, ttft: float | None, tpot: float | None, output_tokens: int, slo: SLO, now: float) -> None:
+        self.finished += 1
+        self.attained += slo.attained(ttft, tpot)
+        self.output_tokens += output_tokens
+        self.first_finish = now if self.first_finish is None else self.first_finish
+        self.last_finish = now
+        for samples, value in ((self.ttfts, ttft), (self.tpots, tpot)):
+            if value is not None:
+                samples.append(value)
+                if len(samples) > self.window:
+                    samples.popleft()
+
+    def summary(self) -> dict[str, float | int | None]:
+        span = (self.last_finish - self.first_finish) if self.finished > 1 else None
+        ttfts, tpots = list(self.ttfts), list(self.tpots)
+        return {
+            "finished": self.finished,
+            "slo_attainment": self.attained / self.finished if self.finished else None,
+            "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+            "tpot_p50": percentile(tpots, 50), "tpot_p99": percentile(tpots, 99),
+            "output_tokens": self.output_tokens,
+            # Tokens per second between the first and last finish in this class.
+            "throughput_tok_s": self.output_tokens / span if span else None,
+        }
