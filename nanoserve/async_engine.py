@@ -41,6 +41,7 @@ class _Add:
     params: SamplingParams
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    priority: str = "online"
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class AsyncEngine:
         return token_ids
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: str = "online") -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Raises ValueError before streaming
         for a request that can never be served, EngineError if the engine fails mid-way."""
         token_ids = self.prepare(prompt, params)
@@ -110,7 +111,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(request_id, token_ids, prompt if isinstance(prompt, str) else None,
-                             params, sink, asyncio.get_running_loop()))
+                             params, sink, asyncio.get_running_loop(), priority))
         finished = False
         try:
             while True:
@@ -150,7 +151,7 @@ class AsyncEngine:
         self._sinks[message.request_id] = (message.sink, message.loop)
         try:
             self.engine.add_request(message.token_ids, message.params, message.request_id,
-                                    prompt_text=message.prompt)
+                                    prompt_text=message.prompt, priority=message.priority)
         except Exception as exc:  # e.g. a duplicate id: the request's own problem
             self._deliver(message.request_id, exc)
 

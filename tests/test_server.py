@@ -258,6 +258,17 @@ def test_client_disconnect_non_stream_frees_kv(server: LiveServer):
     assert after["nanoserve_requests_finished_total"] == before + 1
 
 
+def test_priority_field_sets_the_request_class(server: LiveServer, client: OpenAI):
+    before = server.engine.stats().per_class["offline"]["finished"]
+    out = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3,
+                                    extra_body={"priority": "offline", **NO_EOS})
+    assert out.usage.completion_tokens == 3
+    # The engine publishes stats after each step, so they may lag the response by a moment.
+    assert server.wait_until(lambda _: server.engine.stats().per_class["offline"]["finished"] == before + 1)
+    text = httpx.get(server.url + "/metrics").text
+    assert 'nanoserve_slo_attainment_ratio{model_name="' in text and 'priority="offline"} 1' in text
+
+
 def test_metrics_format(server: LiveServer):
     resp = httpx.get(server.url + "/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")

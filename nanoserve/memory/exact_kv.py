@@ -160,6 +160,10 @@ class ExactKV(KVManager):
     def release(self, request: Request) -> None:
         rid = request.request_id
         self.alloc.free(rid)
+        # An online predictor (sched/predictor.py) learns from every request that finishes.
+        observe = getattr(self.predicted_len, "observe", None)
+        if callable(observe) and request.status.finished:
+            observe(request)
         for table in (self._predicted, self._admitted_at, self._requests):
             table.pop(rid, None)
 

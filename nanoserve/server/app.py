@@ -44,6 +44,7 @@ class Choice:
     token_ids: list[int]
     params: SamplingParams
     request_id: str
+    priority: str = "online"
 
 
 class EventStream(StreamingResponse):
@@ -134,7 +135,7 @@ class OpenAIServer:
                         long = "context length" in str(exc)
                         raise APIError(str(exc), param=max_tokens_field if long and max_tokens is not None
                                        else prompt_field) from exc
-                choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}"))
+                choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}", req.priority))
         return choices
 
     # -- running -----------------------------------------------------------------------------
@@ -144,7 +145,8 @@ class OpenAIServer:
 
         async def pump(choice: Choice) -> None:
             try:
-                async for out in self.engine.generate(choice.token_ids, choice.params, choice.request_id):
+                async for out in self.engine.generate(choice.token_ids, choice.params, choice.request_id,
+                                                      priority=choice.priority):
                     queue.put_nowait((choice.index, out))
             except Exception as exc:  # CancelledError passes: it means we are being torn down
                 queue.put_nowait((choice.index, exc))

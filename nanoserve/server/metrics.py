@@ -139,6 +139,10 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
                  "Mechanisms of the KV memory manager (checkpoints, overwrites, restores, ...), by event.",
                  [f"nanoserve_kv_events_total{_labels({**model, 'event': e})} {n}"
                   for e, n in sorted(stats.kv_events.items())]),
+        *_metric("nanoserve_slo_attainment_ratio", "gauge",
+                 "Share of finished requests of a class that met their TTFT and TPOT targets.",
+                 [f"nanoserve_slo_attainment_ratio{_labels({**model, 'priority': c})} {_number(s['slo_attainment'])}"
+                  for c, s in sorted(stats.per_class.items()) if s.get("slo_attainment") is not None]),
         *_metric("nanoserve_request_success_total", "counter", "Requests finished, by finish reason.",
                  [f"nanoserve_request_success_total{_labels({**model, 'finished_reason': r})} {n}"
                   for r, n in sorted(server.finished.items())]),

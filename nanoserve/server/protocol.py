@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
@@ -56,6 +56,7 @@ class _SamplingRequest(BaseModel):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    priority: Literal["online", "offline"] = "online"  # nanoserve's request class (vLLM takes a priority too)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Penalty | None = None
