@@ -1,0 +1,191 @@
+"""Profile the real model runner and fit the iteration cost model (`nanoserve.sched.cost_model`).
+
+    python -m nanoserve.sched.profile [--model DIR] [--device cuda] [--dtype bf16] \
+        [--out cost.json] [--quick]
+
+Following BROS §4.1 ("Inference cost modeling"), we time dummy batches offline, with lengths on
+a grid of powers of two, and fit a linear model; the model's terms are KunServe's Eq. (1) for
+prefill chunks plus separate decode terms. The grid covers each term's own axis, so the fit can
+tell them apart: prefill chunks of several sizes, with and without a cached prefix (α vs. β),
+one to several chunks per batch (γ vs. the iteration constant), decode batches of several sizes
+and context lengths (δ vs. ε), and prefill mixed with decodes (the terms add up).
+
+The batches run through `executor.execute(SchedulerOutput(...))`, the engine's own path
+(input preparation, forward, logits, sampling). Their KV blocks come from a private `BlockPool`
+sized to the runner's cache and are freed after each sample; the K/V they attend over is
+whatever the cache holds, which changes the values but not the time.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+
+import torch
+
+from nanoserve.builder import EngineArgs, build_engine
+from nanoserve.config import resolve_device, resolve_dtype
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.model.runner import ModelRunner
+from nanoserve.request import Request
+from nanoserve.sampling import SamplingParams
+from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.sched.cost_model import Batch, CostModel, FitReport, Sample, evaluate, fit
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The synthetic batches' sizes; every length is clipped to what the model and cache hold."""
+
+    chunk_sizes: tuple[int, ...]  # prefill chunk lengths
+    prefix_ratios: tuple[int, ...]  # prefix = ratio * chunk length (0: a fresh prompt)
+    chunks_per_batch: tuple[int, ...]  # prefill chunks sharing one iteration
+    decode_batch_sizes: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    repeats: int  # timed runs per batch (after one warm-up); the fastest is kept
+
+
+QUICK = Grid((16, 64, 256), (0, 1, 3), (1, 2, 4), (1, 8, 32), (32, 256), repeats=3)
+FULL = Grid((16, 64, 256, 1024, 2048), (0, 1, 3, 7), (1, 2, 4, 8), (1, 4, 16, 64, 128), (64, 512, 2048, 8192),
+            repeats=5)
+
+
+def synthetic_batches(grid: Grid, max_len: int, num_blocks: int, block_size: int) -> list[tuple[tuple[int, int], ...]]:
+    """(prefix_len, num_new) batches covering the grid; a chunk never outgrows `max_len`, a batch
+    never needs more than `num_blocks` KV blocks for its sequences (prefix + new tokens)."""
+    batches: list[tuple[tuple[int, int], ...]] = []
+
+    def add(batch: list[tuple[int, int]]) -> None:
+        blocks = sum(-(-(p + c) // block_size) for p, c in batch)
+        if batch and all(p + c <= max_len for p, c in batch) and blocks <= num_blocks:
+            if tuple(batch) not in batches:
+                batches.append(tuple(batch))
+
+    for c in grid.chunk_sizes:
+        for ratio in grid.prefix_ratios:
+            add([(ratio * c, c)])  # one chunk: α against β along prefix and size
+        for k in grid.chunks_per_batch[1:]:
+            add([(0, c)] * k)  # several chunks: γ against the iteration constant
+            add([(c, c)] * k)
+    for n in grid.decode_batch_sizes:
+        for ctx in grid.decode_contexts:
+            add([(ctx - 1, 1)] * n)  # a decode's context is its prefix plus the new token
+    mid_chunk = grid.chunk_sizes[len(grid.chunk_sizes) // 2]
+    for n in grid.decode_batch_sizes[1:]:
+        for ctx in grid.decode_contexts:
+            add([(0, mid_chunk)] + [(ctx - 1, 1)] * n)  # mixed: Sarathi-style piggybacking
+            add([(mid_chunk, mid_chunk)] + [(ctx - 1, 1)] * n)
+    return batches
+
+
+class Profiler:
+    """Times synthetic batches on one runner."""
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, seed: int = 0):
+        self.runner = runner
+        num_blocks, block_size = runner.kv_caches[0][0].shape[:2]
+        # Private: the engine's own manager (whatever it is) never sees these sequences.
+        self.pool = BlockPool(num_blocks, block_size)
+        self.vocab_size = vocab_size
+        self.rng = torch.Generator().manual_seed(seed)
+        self.ids = count()
+        self.params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def _build(self, batch: Batch) -> SchedulerOutput:
+        chunks = []
+        for prefix_len, num_new in batch:
+            tokens = torch.randint(self.vocab_size, (prefix_len + num_new,), generator=self.rng).tolist()
+            request = Request(f"profile-{next(self.ids)}", tokens, self.params)
+            self.pool.allocate(request.request_id, prefix_len + num_new)
+            chunks.append(ScheduledChunk(request, prefix_len, num_new, self.pool.block_table(request.request_id)))
+        return SchedulerOutput(chunks)
+
+    def _sync(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+    def time_once(self, batch: Batch) -> float:
+        """Seconds of one execution of `batch` (its KV blocks are freed afterwards)."""
+        output = self._build(batch)
+        try:
+            self._sync()  # nothing queued from before may count against this batch
+            start = time.perf_counter()
+            self.runner.execute(output)
+            self._sync()
+            return time.perf_counter() - start
+        finally:
+            for chunk in output.chunks:
+                self.pool.free(chunk.request.request_id)
+
+    def run(self, batches: list[tuple[tuple[int, int], ...]], repeats: int, verbose: bool = False) -> list[Sample]:
+        """The fastest of `repeats` timings per batch. Rounds go over the whole grid (round 0 a
+        discarded warm-up: allocator growth, kernel autotuning), so that a burst of outside load
+        spoils one timing of several batches rather than every timing of one. The minimum, not
+        the mean: outside load only ever adds time (timeit's advice), and the model should
+        describe the batch, not the neighbours."""
+        times: list[list[float]] = [[] for _ in batches]
+        for round_ in range(repeats + 1):
+            for i, batch in enumerate(batches):
+                seconds = self.time_once(batch)
+                if round_:
+                    times[i].append(seconds)
+        samples = [Sample(batch, min(t)) for batch, t in zip(batches, times)]
+        if verbose:
+            for i, sample in enumerate(samples):
+                print(f"[{i + 1}/{len(samples)}] {describe(sample.batch)}: {sample.seconds * 1e3:.2f} ms")
+        return samples
+
+
+def describe(batch: Batch) -> str:
+    prefill = [(p, c) for p, c in batch if c > 1]
+    decodes = [p + 1 for p, c in batch if c == 1]
+    parts = [f"prefill {c}@{p}" for p, c in prefill[:2]] + ([f"... ({len(prefill)} chunks)"] if len(prefill) > 2 else [])
+    if decodes:
+        parts.append(f"{len(decodes)} decodes, ctx {max(decodes)}")
+    return ", ".join(parts)
+
+
+def profile(args: EngineArgs, grid: Grid, verbose: bool = False) -> tuple[CostModel, FitReport, list[Sample]]:
+    """Build the engine's runner, time the grid's batches on it and fit the cost model."""
+    if args.kv_manager != "paged":
+        raise ValueError("profile with the 'paged' KV manager: the runner must own a plain KV cache")
+    engine = build_engine(args)
+    runner = engine.executor
+    if not isinstance(runner, ModelRunner):
+        raise TypeError(f"the engine's executor is a {type(runner).__name__}, not a ModelRunner")
+    profiler = Profiler(runner, runner.model_config.vocab_size, args.seed)
+    batches = synthetic_batches(grid, engine.config.max_model_len, profiler.pool.num_blocks, profiler.pool.block_size)
+    samples = profiler.run(batches, grid.repeats, verbose)
+    model = fit(samples)
+    return model, evaluate(model, samples), samples
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model directory or hub id (default: embedded SmolLM2)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--out", default="cost.json", type=Path)
+    parser.add_argument("--quick", action="store_true", help="a small grid (seconds on a CPU)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verbose", "-v", action="store_true")
+    opts = parser.parse_args(argv)
+
+    args = EngineArgs(model=opts.model, device=opts.device, dtype=opts.dtype, seed=opts.seed,
+                      kv_cache_tokens=opts.kv_cache_tokens)
+    grid = QUICK if opts.quick else FULL
+    model, report, samples = profile(args, grid, opts.verbose)
+    device = resolve_device(opts.device)
+    meta = {"model": opts.model or "SmolLM2 (embedded)", "device": str(device),
+            "dtype": str(resolve_dtype(opts.dtype, device)), "quick": opts.quick}
+    model.save(opts.out, fit=report.to_dict(), samples=[s.to_dict() for s in samples], meta=meta)
+    print("coefficients: " + ", ".join(f"{k}={v:.3e}" for k, v in model.to_dict().items()))
+    print(f"fit: {report}")
+    print(f"wrote {opts.out}")
+
+
+if __name__ == "__main__":
+    main()
