@@ -23,6 +23,7 @@ from nanoserve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
 from nanoserve.memory import KV_MANAGER_NAMES  # noqa: E402
 from nanoserve.model.attention import ATTENTION_BACKENDS  # noqa: E402
+from nanoserve.sched import SCHEDULERS  # noqa: E402
 from nanoserve.server import create_app  # noqa: E402
 
 log = logging.getLogger("nanoserve.serve")
@@ -33,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", default="fcfs", help="scheduling policy (see nanoserve.sched)")
+    p.add_argument("--policy", default="fcfs", choices=sorted(SCHEDULERS), help="scheduling policy (see nanoserve.sched)")
+    p.add_argument("--cost-model", default=None, help="iteration cost model JSON from `python -m nanoserve.sched.profile`")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
@@ -43,8 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-manager", default="paged", choices=sorted(KV_MANAGER_NAMES),
-                   help="KV memory manager (see nanoserve/memory/__init__.py)")
+    p.add_argument("--kv-manager", default=None, choices=sorted(KV_MANAGER_NAMES),
+                   help="KV memory manager (default: the policy's own; see nanoserve/memory/__init__.py)")
     p.add_argument("--host-kv-tokens", type=int, default=None,
                    help="host KV store size in tokens, for managers that checkpoint or swap")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
-        kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens,
+        kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens, cost_model=args.cost_model,
     ))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, served_model_name=args.served_model_name)

@@ -18,7 +18,8 @@ from nanoserve.model.attention import default_attention_backend, get_attention_b
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_model, resolve_model_path
 from nanoserve.model.runner import ModelRunner
-from nanoserve.sched import make_scheduler
+from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
+from nanoserve.sched.cost_model import CostModel
 from nanoserve.tokenizer import Tokenizer
 
 CPU_KV_BYTES = 2 << 30  # default KV budget on a CPU
@@ -41,7 +42,8 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str | None = None  # None: "triton" on CUDA, else "torch"
     gpu_memory_utilization: float = 0.9
-    kv_manager: str = "paged"  # see nanoserve/memory/__init__.py
+    kv_manager: str | None = None  # see nanoserve/memory/__init__.py; None: the policy's own
+    cost_model: str | None = None  # JSON from `python -m nanoserve.sched.profile`; None: a default
     kv_manager_options: dict | None = None  # knobs of the chosen manager
     host_kv_tokens: int | None = None  # host KV store size; default: as many as the device holds
 
@@ -78,15 +80,17 @@ def build_engine(args: EngineArgs) -> Engine:
     model, cfg = load_model(path, device, dtype)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
 
+    scheduler_class(args.policy)  # an unknown policy fails before any memory is allocated
+    kv_manager = args.kv_manager or POLICY_MEMORY[args.policy]
     num_blocks = kv_cache_blocks(args, cfg, device, dtype)
     capacity = num_blocks * args.block_size
     host_store = None
-    if args.kv_manager in NEEDS_HOST_STORE:
+    if kv_manager in NEEDS_HOST_STORE:
         host_tokens = args.host_kv_tokens if args.host_kv_tokens is not None else capacity
         host_store = HostKVStore(host_tokens // args.block_size, args.block_size, cfg.num_layers,
                                  cfg.num_kv_heads, cfg.head_dim, dtype)
     backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
-    if args.kv_manager == "arena":
+    if kv_manager == "arena":
         # KunServe (§4.1): weights and KV in one arena, so it is built from the loaded model.
         # The weights go to the host first (the device keeps one copy, the arena's); that host
         # copy feeds the pipeline peer on a drop and the arena on a restore (§4.2, §4.4).
@@ -96,7 +100,7 @@ def build_engine(args: EngineArgs) -> Engine:
         runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed,
                              arena=arena, host_weights=host_weights)
     else:
-        kv = make_kv_manager(args.kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, host_store,
+        kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, host_store,
                                                              args.kv_manager_options or {}))
         runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed, host_store)
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
@@ -106,4 +110,5 @@ def build_engine(args: EngineArgs) -> Engine:
         max_model_len=max_model_len, policy=args.policy,
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
-    return Engine(make_scheduler(sched_config, kv), runner, tokenizer, eos, model_name=str(args.model or path.name))
+    cost_model = CostModel.load(args.cost_model) if args.cost_model else None
+    return Engine(make_scheduler(sched_config, kv, cost_model), runner, tokenizer, eos, model_name=str(args.model or path.name))

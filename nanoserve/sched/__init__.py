@@ -1,21 +1,54 @@
-"""Scheduling policies. Each is one file; `make_scheduler` picks one by name."""
+"""Scheduling policies. Each is one file; `make_scheduler` picks one by name.
+
+    fcfs      vLLM v1's first-come-first-served with chunked prefill (the baseline)
+    priority  fcfs with online requests before offline ones, preempting offline ("vLLM++")
+    ecoserve  EcoServe's SyncDecoupled scheduling over exact allocation (ecoserve.txt §3)
+    bros      BROS's priority packing over bidirectional blocks (bros.txt §4)
+    conserve  ConServe's SLO-aware online/offline co-serving (conserve.txt §4.2-4.5)
+    kunserve  KunServe's lookahead micro-batches (kunserve.txt §4.3)
+
+A policy works with the KV manager its paper assumes unless the user picks another one:
+`POLICY_MEMORY` is that default.
+"""
 from __future__ import annotations
+
+import importlib
+import time
+from typing import Callable
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
 from nanoserve.sched.base import Scheduler, ScheduledChunk, SchedulerOutput
-from nanoserve.sched.fcfs import FCFSScheduler
+from nanoserve.sched.cost_model import CostModel
 
-SCHEDULERS: dict[str, type[Scheduler]] = {"fcfs": FCFSScheduler}
+# name -> "module:class", imported on first use.
+SCHEDULERS: dict[str, str] = {
+    "fcfs": "nanoserve.sched.fcfs:FCFSScheduler",
+    "priority": "nanoserve.sched.priority:PriorityScheduler",
+    "ecoserve": "nanoserve.sched.ecoserve:EcoServeScheduler",
+    "bros": "nanoserve.sched.bros:BROSScheduler",
+    "conserve": "nanoserve.sched.conserve:ConServeScheduler",
+    "kunserve": "nanoserve.sched.kunserve:KunServeScheduler",
+}
+POLICY_MEMORY: dict[str, str] = {
+    "fcfs": "paged", "priority": "paged", "ecoserve": "exact", "bros": "bidirectional",
+    "conserve": "checkpoint", "kunserve": "paged",
+}
 
 
-def make_scheduler(config: SchedulerConfig, kv: KVManager | BlockPool) -> Scheduler:
+def scheduler_class(name: str) -> type[Scheduler]:
     try:
-        cls = SCHEDULERS[config.policy]
+        module_name, cls = SCHEDULERS[name].split(":")
     except KeyError:
-        raise ValueError(f"unknown policy {config.policy!r}; available: {sorted(SCHEDULERS)}") from None
-    return cls(config, kv)
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(sorted(SCHEDULERS))}") from None
+    return getattr(importlib.import_module(module_name), cls)
 
 
-__all__ = ["SCHEDULERS", "Scheduler", "ScheduledChunk", "SchedulerOutput", "make_scheduler"]
+def make_scheduler(config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
+                   clock: Callable[[], float] = time.monotonic) -> Scheduler:
+    return scheduler_class(config.policy)(config, kv, cost_model=cost_model, clock=clock)
+
+
+__all__ = ["POLICY_MEMORY", "SCHEDULERS", "Scheduler", "ScheduledChunk", "SchedulerOutput", "make_scheduler",
+           "scheduler_class"]

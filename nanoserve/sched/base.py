@@ -10,15 +10,18 @@ with all its tokens also samples the request's next token.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import KVCopy
 from nanoserve.memory.manager import KVManager, PagedKV
 from nanoserve.request import Request, RequestStatus
+from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, CostModel
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,14 @@ class SchedulerOutput:
 
 
 class Scheduler(ABC):
-    def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool):
+    def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.kv = PagedKV(kv) if isinstance(kv, BlockPool) else kv
+        # Policies that budget time (BROS, ConServe, KunServe, EcoServe) ask the cost model what a
+        # batch would take and the clock what time it is; tests pass a mock clock.
+        self.cost_model = cost_model if cost_model is not None else DEFAULT_COST_MODEL
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
