@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
@@ -64,6 +63,11 @@ class Engine:
     def config(self) -> SchedulerConfig:
         return self.scheduler.config
 
+    def clock(self) -> float:
+        """The scheduler's clock (time.monotonic, or a test's mock): one time base for arrival,
+        token times and the policy's deadlines."""
+        return self.scheduler.clock()
+
     @property
     def kv(self) -> KVManager:
         return self.scheduler.kv
@@ -104,7 +108,7 @@ class Engine:
         request = Request(
             request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
             prompt=prompt if isinstance(prompt, str) else prompt_text,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            arrival_time=arrival_time if arrival_time is not None else self.clock(),
             priority=priority, slo=slo if slo is not None else self.config.slo_for(priority),
         )
         self.requests[request_id] = request
@@ -120,7 +124,7 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED, time.monotonic())
+        self._finish(request, RequestStatus.FINISHED_ABORTED, self.clock())
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -146,7 +150,7 @@ class Engine:
             return []
         result = self.executor.execute(batch)
         self.scheduler.update_after_step(batch)
-        outputs = self._postprocess(batch, result, time.monotonic())
+        outputs = self._postprocess(batch, result, self.clock())
         if self.check_invariants:
             self.kv.check_invariants()
         return outputs
