@@ -58,10 +58,10 @@ class ClockedExecutor(TaggingExecutor):
 ARRIVALS = st.lists(st.tuples(
     st.integers(0, 6),  # the step at which it arrives
     st.integers(1, 18),  # prompt length
-    st.integers(1, 10),  # max_tokens
+    st.integers(1, 16),  # max_tokens
     st.sampled_from(["online", "offline"]),
     st.sampled_from([None, SLO(ttft=0.05, tpot=0.01), SLO(ttft=10.0, tpot=1.0)]),
-), min_size=1, max_size=10)
+), min_size=1, max_size=12)
 
 
 def build(policy: str, num_blocks: int, host_blocks: int, budget: int, max_seqs: int):
@@ -75,10 +75,31 @@ def build(policy: str, num_blocks: int, host_blocks: int, budget: int, max_seqs:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrivals=ARRIVALS, num_blocks=st.integers(8, 24), host_blocks=st.sampled_from([0, 4, 32]),
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=ARRIVALS, num_blocks=st.integers(6, 16), host_blocks=st.sampled_from([0, 4, 32]),
        budget=st.integers(4, 24), max_seqs=st.integers(1, 4))
 def test_policy_keeps_the_scheduling_contract(policy, arrivals, num_blocks, host_blocks, budget, max_seqs):
+    run_contract(policy, arrivals, num_blocks, host_blocks, budget, max_seqs)
+
+
+# Situations random arrivals rarely reach: (arrivals, num_blocks, host_blocks, budget, max_seqs).
+SCENARIOS = {
+    # offline work fills every block, then online requests arrive and need room at once
+    "online-into-full-offline": ([(0, 8, 16, "offline", None)] * 4 + [(1, 8, 3, "online", None)] * 2, 8, 8, 64, 8),
+    # long prompts chunked by a small budget while others decode, under memory pressure
+    "chunked-under-pressure": ([(0, 18, 8, "online", None), (0, 17, 8, "offline", None),
+                                (2, 16, 6, "online", SLO(ttft=0.05, tpot=0.01)), (3, 15, 8, "offline", None)],
+                               12, 4, 5, 3),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_policy_keeps_the_contract_in_hard_situations(policy, scenario):
+    run_contract(policy, *SCENARIOS[scenario])
+
+
+def run_contract(policy, arrivals, num_blocks, host_blocks, budget, max_seqs):
     engine, executor, clock = build(policy, num_blocks, host_blocks, budget, max_seqs)
     limit = engine.config.max_model_len
     pending = sorted(((step, i, *rest) for i, (step, *rest) in enumerate(arrivals)), key=lambda a: a[:2])

@@ -1,16 +1,16 @@
 """FCFS with two classes: online requests before offline ones ("vLLM++", the baseline ConServe
 compares against in conserve.txt §5, and vLLM's priority scheduling with two levels).
 
-It is `fcfs` with one change of order and one of preemption:
+Each step serves, in this order and under one token budget (chunked prefill as in fcfs):
+1. running online requests, oldest first;
+2. waiting online requests, in arrival order, preempting running offline requests (newest
+   first) to make room, so an online arrival never waits for an offline batch to finish;
+3. running offline requests, oldest first;
+4. waiting offline requests, unless this step had to preempt (admitting would only thrash).
 
-1. Order. Within the running batch and the waiting queue, online requests come first, each class
-   in its FCFS order. So online decodes and chunks take the token budget first, waiting online
-   requests are admitted first, and when memory runs out the victims (taken from the end of the
-   running list, as in fcfs) are offline ones, newest first.
-2. Preemption on arrival. If the online request at the head of the queue cannot get KV slots,
-   running offline requests are preempted, newest first, until it can (or none are left), before
-   the step is planned; so an online arrival never waits for an offline batch to finish.
-
+When a running request cannot grow, the victim is the newest running offline request not yet
+served this step, else the newest such online request, else the request itself; a request
+that has its chunk for this step is never preempted in it (its forward pass reads its slots).
 Offline work gets what online work leaves: there is no SLO model here (that is ConServe's).
 """
 from __future__ import annotations
@@ -18,39 +18,66 @@ from __future__ import annotations
 from collections import deque
 
 from nanoserve.request import Request
-from nanoserve.sched.base import SchedulerOutput
-from nanoserve.sched.fcfs import FCFSScheduler
+from nanoserve.sched.base import Scheduler, SchedulerOutput
+
+CLASSES = ("online", "offline")
 
 
 def _online_first(requests) -> list[Request]:
     return sorted(requests, key=lambda r: r.priority != "online")  # stable: FCFS within a class
 
 
-class PriorityScheduler(FCFSScheduler):
+class PriorityScheduler(Scheduler):
     def plan(self) -> SchedulerOutput:
-        self.running = _online_first(self.running)
+        out = SchedulerOutput()
+        self.running = self.kv.order(_online_first(self.running))
         self.waiting = deque(_online_first(self.waiting))
-        evicted = self._make_room_for_online()
-        out = super().plan()
-        out.preempted = evicted + out.preempted
+        self._budget = self.config.max_num_batched_tokens
+        self._served: set[str] = set()
+        for cls in CLASSES:
+            for request in [r for r in self.running if r.priority == cls]:
+                if request in self.running and self._budget > 0:  # an earlier victim is gone
+                    self._serve_running(request, out)
+            self._admit_waiting(cls, out)
         return out
 
-    def _make_room_for_online(self) -> list[Request]:
-        """Preempt offline running requests, newest first, until the first waiting online
-        request fits. Runs before planning, so no victim has been given a chunk this step."""
-        evicted: list[Request] = []
-        if not self.waiting or self.waiting[0].priority != "online":
-            return evicted
-        head = self.waiting[0]
-        first_chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
-        while not self.can_chunk(head, first_chunk):
-            victims = [r for r in self.running if r.priority == "offline"]
+    def _serve_running(self, request: Request, out: SchedulerOutput) -> None:
+        num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+        if self._make_room(request, num_new, out, online_victims=True):
+            self._schedule(request, num_new, out)
+        else:  # nobody left to preempt but the request itself
+            self.running.remove(request)
+            self.preempt(request)
+            out.preempted.append(request)
+
+    def _admit_waiting(self, cls: str, out: SchedulerOutput) -> None:
+        while (self.waiting and self.waiting[0].priority == cls and self._budget > 0
+               and len(self.running) < self.config.max_num_seqs and not (cls == "offline" and out.preempted)):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+            # Only an online arrival may preempt, and only offline work.
+            if not (self.can_chunk(request, num_new) or
+                    (cls == "online" and self._make_room(request, num_new, out, online_victims=False))):
+                return
+            self.waiting.remove(request)  # not popleft: preempted victims went to the head
+            self.admit(request)
+            self._schedule(request, num_new, out)
+
+    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput, online_victims: bool) -> bool:
+        """Preempt until `request` can take `num_new` more tokens; False if no victim is left."""
+        while not self.can_chunk(request, num_new):
+            candidates = [r for r in self.running if r is not request and r.request_id not in self._served]
+            offline = [r for r in candidates if r.priority == "offline"]
+            victims = offline or (candidates if online_victims else [])
             if not victims:
-                break
-            victim = victims[-1]
+                return False
+            victim = victims[-1]  # the newest
             self.running.remove(victim)
             self.preempt(victim)
-            evicted.append(victim)
-        # Preempted requests went to the head of the queue; the online one stays in front.
-        self.waiting = deque(_online_first(self.waiting))
-        return evicted
+            out.preempted.append(victim)
+        return True
+
+    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        out.chunks.append(self.chunk(request, num_new))
+        self._served.add(request.request_id)
+        self._budget -= num_new
