@@ -16,3 +16,10 @@ def test_attention_benchmark_smoke():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| decode | 2 | 40 | 1 |" in proc.stdout and "| prefill | 1 | 48 | 16 |" in proc.stdout
     assert "largest difference from SDPA" in proc.stdout
+
+
+def test_scheduler_benchmark_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/scheduler.py", "--smoke", "--policies", "fcfs,priority"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| fcfs | paged |" in proc.stdout and "| priority | paged |" in proc.stdout

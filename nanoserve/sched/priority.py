@@ -28,15 +28,26 @@ def _online_first(requests) -> list[Request]:
 
 
 class PriorityScheduler(Scheduler):
+    # The waiting queue is kept online-first. Appending an offline request keeps that order, so
+    # the queue (10,000 long under load) is re-sorted only after an online arrival or a preemption.
+    _waiting_sorted = True
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self._waiting_sorted &= request.priority == "offline"
+
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.running = self.kv.order(_online_first(self.running))
-        self.waiting = deque(_online_first(self.waiting))
+        if not self._waiting_sorted:
+            self.waiting = deque(_online_first(self.waiting))
+            self._waiting_sorted = True
         self._budget = self.config.max_num_batched_tokens
         self._served: set[str] = set()
+        self._preempted: set[str] = set()
         for cls in CLASSES:
             for request in [r for r in self.running if r.priority == cls]:
-                if request in self.running and self._budget > 0:  # an earlier victim is gone
+                if request.request_id not in self._preempted and self._budget > 0:  # a victim is gone
                     self._serve_running(request, out)
             self._admit_waiting(cls, out)
         return out
@@ -46,9 +57,7 @@ class PriorityScheduler(Scheduler):
         if self._make_room(request, num_new, out, online_victims=True):
             self._schedule(request, num_new, out)
         else:  # nobody left to preempt but the request itself
-            self.running.remove(request)
-            self.preempt(request)
-            out.preempted.append(request)
+            self._evict(request, out)
 
     def _admit_waiting(self, cls: str, out: SchedulerOutput) -> None:
         while (self.waiting and self.waiting[0].priority == cls and self._budget > 0
@@ -71,11 +80,15 @@ class PriorityScheduler(Scheduler):
             victims = offline or (candidates if online_victims else [])
             if not victims:
                 return False
-            victim = victims[-1]  # the newest
-            self.running.remove(victim)
-            self.preempt(victim)
-            out.preempted.append(victim)
+            self._evict(victims[-1], out)  # the newest
         return True
+
+    def _evict(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.preempt(request)
+        out.preempted.append(request)
+        self._preempted.add(request.request_id)
+        self._waiting_sorted = False  # it went to the head of the queue
 
     def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         out.chunks.append(self.chunk(request, num_new))

@@ -1,0 +1,136 @@
+"""Scheduling time per step for every policy, against fcfs, with 1,000 running and 10,000
+waiting requests.
+
+Each policy runs in the real Engine over its own default KV manager, with a mock executor that
+"samples" instantly, so only the engine's own work is left: the policy's `schedule()` (its
+queues, the memory manager's bookkeeping, the cost model) and the engine's bookkeeping around
+it. The pool holds the 1,000 running requests' whole lengths, so nothing is preempted by lack of
+memory in the timed window. Requests: prompts of 64-256 tokens, outputs of 256-1024 tokens,
+every third one offline; 1,000 running after the warm-up, 10,000 waiting. Printed: the median
+milliseconds of `schedule()` per step, its ratio to fcfs (goals: at most 2 ms and 3x), and the
+share of one H100 iteration of a 7B model that it would take.
+
+The H100 iteration is estimated, not measured (no GPU here): a decode step of Llama-2-7B at
+batch 128 and 1,024 tokens of context reads its 13.5 GB of bf16 weights and 128 x 1,024 x
+0.5 MiB of KV once, at 3.35 TB/s of HBM bandwidth: about 23 ms. The papers report their
+scheduling at 2-9% of an iteration.
+
+    python benchmarks/scheduler.py [--policies fcfs,priority,...] [--steps 30] [--smoke] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from datetime import date
+
+import torch
+
+from nanoserve.config import SchedulerConfig
+from nanoserve.engine import Engine
+from nanoserve.memory import KVBuildContext, make_kv_manager
+from nanoserve.memory.host import HostKVStore
+from nanoserve.model.runner import ExecutorOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.sched import POLICY_MEMORY, SCHEDULERS, SchedulerOutput, make_scheduler
+
+BLOCK = 16
+H100_HBM_BYTES_PER_S = 3.35e12
+LLAMA2_7B_WEIGHT_BYTES = 6.74e9 * 2
+LLAMA2_7B_KV_BYTES_PER_TOKEN = 2 * 32 * 4096 * 2
+
+
+def h100_iteration_ms(batch: int = 128, context: int = 1024) -> float:
+    kv_bytes = batch * context * LLAMA2_7B_KV_BYTES_PER_TOKEN
+    return (LLAMA2_7B_WEIGHT_BYTES + kv_bytes) / H100_HBM_BYTES_PER_S * 1e3
+
+
+class InstantExecutor:
+    """Samples token (position % 100) for every chunk that samples; runs no model, no copies."""
+
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
+
+
+def build(policy: str, running: int, waiting: int, seed: int) -> tuple[Engine, list[float]]:
+    rng = random.Random(seed)
+    lengths = [(rng.randint(64, 256), rng.randint(256, 1024)) for _ in range(running + waiting)]
+    num_blocks = sum(-(-(p + o) // BLOCK) for p, o in lengths[:running]) * 5 // 4 + 64
+    store = HostKVStore(64, BLOCK, 1, 1, 1, torch.float16, pin_memory=False)  # copies are never run
+    kv = make_kv_manager(POLICY_MEMORY[policy], KVBuildContext(num_blocks, BLOCK, None, store))  # type: ignore[arg-type]
+    config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=running, max_model_len=4096, policy=policy)
+    scheduler = make_scheduler(config, kv)
+    times: list[float] = []
+    schedule = scheduler.schedule
+
+    def timed_schedule() -> SchedulerOutput:
+        start = time.perf_counter()
+        out = schedule()
+        times.append(time.perf_counter() - start)
+        return out
+
+    scheduler.schedule = timed_schedule  # type: ignore[method-assign]
+    engine = Engine(scheduler, InstantExecutor(), tokenizer=None)
+    for i, (prompt, output) in enumerate(lengths):
+        engine.add_request([1 + i % 1000] * prompt, SamplingParams(max_tokens=output, ignore_eos=True), f"r{i}",
+                           priority="offline" if i % 3 == 2 else "online")
+    return engine, times
+
+
+def measure(policy: str, running: int, waiting: int, steps: int, seed: int) -> dict:
+    engine, times = build(policy, running, waiting, seed)
+    warmup = 0
+    while engine.scheduler.num_running < running and warmup < 10 * running:
+        engine.step()
+        warmup += 1
+    times.clear()
+    for _ in range(steps):
+        engine.step()
+    return {"policy": policy, "median_ms": statistics.median(times) * 1e3, "warmup_steps": warmup,
+            "running": engine.scheduler.num_running, "waiting": engine.scheduler.num_waiting}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", default=",".join(sorted(SCHEDULERS)))
+    parser.add_argument("--running", type=int, default=1000)
+    parser.add_argument("--waiting", type=int, default=10_000)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="50 running, 200 waiting, 5 steps")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.running, args.waiting, args.steps = 50, 200, 5
+    os.environ.pop("NANOSERVE_CHECK_INVARIANTS", None)  # a debug aid, not part of a step's cost
+
+    policies = args.policies.split(",")
+    if "fcfs" in policies:  # the baseline first
+        policies.remove("fcfs")
+    policies.insert(0, "fcfs")
+    results = [measure(p, args.running, args.waiting, args.steps, args.seed) for p in policies]
+    base, iteration = results[0]["median_ms"], h100_iteration_ms()
+    print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {args.running} running, "
+          f"{args.waiting} waiting; median of {args.steps} steps; H100 7B iteration estimate {iteration:.1f} ms")
+    print("| policy | KV manager | ms/step | vs fcfs | goal <= 2 ms and <= 3x | share of an H100 7B iteration |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        r["ratio"], r["h100_share"] = r["median_ms"] / base, r["median_ms"] / iteration
+        met = "met" if r["median_ms"] <= 2.0 and r["ratio"] <= 3.0 else "not met"
+        print(f"| {r['policy']} | {POLICY_MEMORY[r['policy']]} | {r['median_ms']:.2f} | {r['ratio']:.2f}x | "
+              f"{met} | {r['h100_share']:.1%} |")
+        if r["running"] < args.running:
+            print(f"  ({r['policy']} reached only {r['running']} running requests)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": date.today().isoformat(), "running": args.running, "waiting": args.waiting,
+                       "h100_iteration_ms": iteration, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
