@@ -23,3 +23,10 @@ def test_scheduler_benchmark_smoke():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| fcfs | paged |" in proc.stdout and "| priority | paged |" in proc.stdout
+
+
+def test_policies_cpu_benchmark_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/policies_cpu.py", "--smoke", "--policies", "fcfs,priority"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| fcfs | online |" in proc.stdout and "| priority | offline |" in proc.stdout
