@@ -117,6 +117,13 @@ class Engine:
         self._emitted[request_id] = 0
         self.prompt_tokens_total += len(token_ids)
         self.scheduler.add_request(request)
+        if getattr(self.scheduler, "preempt_running_batch", False):
+            # ConServe Alg. 2: the policy wants the pure-offline forward in flight stopped; the
+            # executor (ModelRunner.request_preemption) does it at its next safe point.
+            self.scheduler.preempt_running_batch = False
+            request_preemption = getattr(self.executor, "request_preemption", None)
+            if request_preemption is not None:
+                request_preemption()
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -149,8 +156,14 @@ class Engine:
         if batch.is_empty:
             return []
         result = self.executor.execute(batch)
-        self.scheduler.update_after_step(batch)
-        outputs = self._postprocess(batch, result, self.clock())
+        outputs: list[RequestOutput] = []
+        # ConServe's layer-wise preemption (conserve.txt §4.3): the runner stopped a pure-offline
+        # forward at a safe point for an online arrival. The step is discarded: no request
+        # advances or samples, so none loses a token; the K/V it wrote past num_computed_tokens
+        # is overwritten when its chunks run again; its KV copies did run, as the manager assumes.
+        if not result.preempted:
+            self.scheduler.update_after_step(batch)
+            outputs = self._postprocess(batch, result, self.clock())
         if self.check_invariants:
             self.kv.check_invariants()
         return outputs

@@ -8,7 +8,7 @@ Qwen2 and Qwen3 differ from Llama in a flag or a hook and subclass these classes
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # ConServe's preemption safe point (conserve.txt §5): the runner installs a callable here
+    # only while it runs a pure-offline batch; called after each layer, it may raise to stop.
+    safe_point: Callable[[int], None] | None = None
+
     def __init__(self, cfg: ModelConfig, layer_cls: type[LlamaDecoderLayer]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -82,8 +86,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx)
+            if self.safe_point is not None:
+                self.safe_point(i + 1)
         return self.norm(x)
 
 

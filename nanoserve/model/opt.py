@@ -9,7 +9,7 @@ How it differs from Llama, following `transformers`' OPTForCausalLM:
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,9 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
+    # ConServe's preemption safe point (conserve.txt §5): see LlamaModel.safe_point.
+    safe_point: Callable[[int], None] | None = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         embed_dim = cfg.word_embed_proj_dim or cfg.hidden_size
@@ -78,8 +81,10 @@ class OPTDecoder(nn.Module):
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + POSITION_OFFSET)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, ctx)
+            if self.safe_point is not None:
+                self.safe_point(i + 1)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:

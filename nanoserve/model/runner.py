@@ -15,6 +15,12 @@ the host store, so every slot the step reads holds the right K/V.
 then runs the model, takes the hidden state of the last token of every chunk that samples,
 and samples. The simulator's executor has the same `execute` signature and returns the same
 `ExecutorOutput`, so the engine cannot tell them apart.
+
+Layer-wise preemption (ConServe, conserve.txt §4.3 and §5) is the one extra: while the runner
+runs a pure-offline batch it arms the model's safe points (one after every layer, checked every
+`preempt_every_layers`); if someone has called `request_preemption()` by then, the forward stops
+there and `execute` returns `ExecutorOutput(preempted=True)`, which the engine discards. See
+`PreemptionFlag`.
 """
 from __future__ import annotations
 
@@ -39,6 +45,9 @@ class ExecutorOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # The forward stopped at a safe point (ConServe's layer-wise preemption): nothing was
+    # computed that counts, and the engine discards the step.
+    preempted: bool = False
 
 
 class Executor(Protocol):
@@ -53,6 +62,47 @@ class PreparedBatch:
     sample_rows: list[int]  # flat-batch rows whose logits are sampled, one per sampling chunk
 
 
+# -- ConServe: layer-wise preemption of a pure-offline forward (conserve.txt §4.3, §5) ---------
+class ForwardPreempted(Exception):
+    """Raised by a safe point to abandon the forward pass; `ModelRunner.execute` catches it."""
+
+
+@dataclass
+class PreemptionFlag:
+    """The `preempted` flag ConServe's scheduler shares with its worker (§4.3, §5).
+
+    `request()` asks the forward in flight to stop (it may be called from another thread: it
+    only sets a bool). The model calls `safe_point(layers_done)` after each layer, but only
+    while the runner has installed it, i.e. during a pure-offline batch (the paper's
+    `preemptible` flag: safe points are off, at zero cost, otherwise). A safe point every
+    `every` layers (the paper's default is eight) raises `ForwardPreempted` if a preemption was
+    requested; after the last layer it never does (the forward is done: finishing it is cheaper
+    than redoing it). A request is consumed by the forward it stops, or dropped when a forward
+    ends without stopping: the engine schedules again at once and sees the arrival then.
+    Single device, so the paper's barrier across tensor-parallel workers is not needed.
+    """
+
+    every: int = 8
+    num_layers: int = 0
+    requested: bool = False
+    stopped_after: int | None = None  # layers the last preempted forward had completed
+    num_preempted: int = 0  # forwards stopped so far
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError("preempt_every_layers must be >= 1")
+
+    def request(self) -> None:
+        self.requested = True
+
+    def safe_point(self, layers_done: int) -> None:
+        if self.requested and layers_done % self.every == 0 and layers_done < self.num_layers:
+            self.requested = False
+            self.stopped_after = layers_done
+            self.num_preempted += 1
+            raise ForwardPreempted(layers_done)
+
+
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
                        dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -64,10 +114,14 @@ class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
-                 host_weights: Mapping[str, torch.Tensor] | None = None):
+                 host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8):
         """With `arena` (KunServe), the KV caches are the arena's views and `host_weights` (every
-        parameter by name, on the host) feeds the peer on a drop and the arena on a restore."""
+        parameter by name, on the host) feeds the peer on a drop and the arena on a restore.
+        `preempt_every_layers`: how often a pure-offline forward checks the preemption flag."""
         self.model = model
+        # ConServe's layer-wise preemption: the modules whose layer loop has a safe point.
+        self.preemption = PreemptionFlag(preempt_every_layers, model_config.num_layers)
+        self._safe_point_hosts = [m for m in model.modules() if hasattr(type(m), "safe_point")]
         self.host_store = host_store  # where the memory manager's KV copies go to and come from
         self.model_config = model_config
         self.block_size = block_size
@@ -155,10 +209,24 @@ class ModelRunner:
         )
         return PreparedBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), ctx, sample_rows)
 
+    def request_preemption(self) -> None:
+        """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
+        PREEMPTRUNNING); the engine forwards its scheduler's request here."""
+        self.preemption.request()
+
     @torch.inference_mode()
-    def run_model(self, prepared: PreparedBatch) -> torch.Tensor:
-        """Hidden states for every token of the batch (and K/V written to the cache)."""
-        return self.model(prepared.input_ids, prepared.positions, prepared.ctx)
+    def run_model(self, prepared: PreparedBatch, preemptible: bool = False) -> torch.Tensor:
+        """Hidden states for every token of the batch (and K/V written to the cache). With
+        `preemptible` the safe points are armed and the forward may raise `ForwardPreempted`."""
+        hosts = self._safe_point_hosts if preemptible else []
+        for host in hosts:
+            host.safe_point = self.preemption.safe_point
+        try:
+            return self.model(prepared.input_ids, prepared.positions, prepared.ctx)
+        finally:
+            for host in hosts:
+                host.safe_point = None
+            self.preemption.requested = False  # not consumed by this forward: the next schedule serves it
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
@@ -171,7 +239,11 @@ class ModelRunner:
         if not batch.chunks:
             return ExecutorOutput()
         prepared = self.prepare(batch)
-        hidden = self.run_model(prepared)
+        try:
+            # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3).
+            hidden = self.run_model(prepared, preemptible=all(c.request.priority == "offline" for c in batch.chunks))
+        except ForwardPreempted:
+            return ExecutorOutput(preempted=True)
         sampling = [c.request for c in batch.chunks if c.samples]
         if not sampling:
             return ExecutorOutput()

@@ -1,0 +1,212 @@
+"""ConServe: online and offline requests co-served under the online SLO (conserve.txt §4.2-4.5).
+
+Each step (`plan`, Algorithm 1's UNIFIEDSCHEDULE) serves, in this order:
+1. running online requests, then waiting online ones (preempting running offline requests,
+   newest first, when one needs KV room): online work always goes first;
+2. running offline requests, then waiting offline ones, each only as far as the step's budget
+   allows: the budget is the largest batch whose iteration time, as the cost model predicts it,
+   meets the online target (`iteration_target`, §4.5's SLO-aware policy: the online TPOT when an
+   online request is decoding, else its TTFT). Offline chunks shrink to fit (chunked prefill);
+3. running offline requests left over the budget are preempted, newest first
+   (PREEMPTOVERBUDGETOFFLINE, Alg. 1 lines 16 and 26-34). Over the checkpointing KV manager
+   (`nanoserve/memory/checkpoint_kv.py`, §4.4) a preemption only frees device blocks: the request
+   keeps its checkpointed prefix and recomputes only the unsaved tail;
+4. with no online request anywhere, the offline batching mode (Alg. 1 lines 20-22): no time
+   budget, only `max_num_batched_tokens`, and nothing is preempted for being over it.
+
+An online request is never cut by the TTFT target (finishing its prompt sooner is what meets
+TTFT); while online requests decode, an online prompt's chunk is held to the TPOT target, but
+to at least `MIN_ONLINE_CHUNK` tokens, so an unattainable target cannot starve it.
+
+Arrival (`add_request`, Algorithm 2's ONRECVONLINEREQUEST): if the batch in flight is pure
+offline and waiting for it would make the new online request miss its TTFT (the rest of the
+batch's predicted time plus the predicted time of the online queue with the batch's work), the
+policy sets `preempt_running_batch`; the engine hands that to the executor, whose forward stops
+at its next safe point, every k layers (`ModelRunner.request_preemption`, `PreemptionFlag`:
+§4.3's layer-wise preemption, only in pure-offline batches). The engine discards the stopped
+step (no request advances) and the next `plan` serves the online request first. The runner can
+only stop the whole forward, so Alg. 2's victim loop reduces to "all of the batch"; nothing is
+lost, since the stopped requests keep their KV and run again. The scheduler never touches the
+model: it only raises the flag. In nanoserve's engines arrivals are added between steps, when
+no batch is in flight, so the flag matters when `add_request` is called during a step (from
+another thread or, in the tests, from a layer hook).
+
+Prefetch (§4.4, "background prefetching"): the checkpointing manager has no prefetch-ahead call,
+so a resumed request's checkpoint is loaded by `reserve` in the step that resumes it (its loads
+are the step's copy groups, run before the forward). Checkpointing itself (which blocks, offline
+first, at what rate) is the manager's `step_copies`, called by the base scheduler every step.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from nanoserve.request import Request
+from nanoserve.sched.base import Scheduler, SchedulerOutput
+
+CLASSES = ("online", "offline")
+
+
+def _online_first(requests) -> list[Request]:
+    return sorted(requests, key=lambda r: r.priority != "online")  # stable: FCFS within a class
+
+
+class ConServeScheduler(Scheduler):
+    MIN_ONLINE_CHUNK = 16  # tokens an online prompt chunk always gets, whatever the TPOT target
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Alg. 2's request to stop the batch in flight; the engine forwards it to the executor.
+        self.preempt_running_batch = False
+        self.num_running_batch_preemptions = 0
+        self._in_flight: tuple[SchedulerOutput, float] | None = None  # (batch, t_sched)
+
+    # -- Algorithm 1: UNIFIEDSCHEDULE -------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        self._in_flight = (out, self.clock()) if out.chunks else None  # t_sched
+        return out
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        super().update_after_step(output)
+        self._in_flight = None
+
+    def plan(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.running = self.kv.order(_online_first(self.running))
+        self.waiting = deque(_online_first(self.waiting))
+        self._tokens = self.config.max_num_batched_tokens
+        self._seconds = 0.0  # predicted time of this step's chunks, without the per-step constant
+        self._served: set[str] = set()
+        self._tpot_target, target = self.iteration_target()
+        for cls in CLASSES:
+            for request in [r for r in self.running if r.priority == cls]:
+                if request in self.running:  # an earlier victim is gone
+                    self._serve_running(request, target, out)
+            if cls == "offline" and target is not None:
+                self._preempt_over_budget(out)
+            self._admit_waiting(cls, target, out)
+        return out
+
+    def iteration_target(self) -> tuple[float | None, float | None]:
+        """(the TPOT target of decoding online requests, the step's time target), in seconds.
+
+        §4.5: "the latency SLO (TPOT for batches containing decode phase requests, TTFT
+        otherwise)", the tightest over the online requests; (None, None) in the offline batching
+        mode, or when no online request has a target."""
+        online = [r for r in (*self.running, *self.waiting) if r.priority == "online"]
+        tpot = [r.slo.tpot for r in online if r.num_output_tokens > 0 and r.slo.tpot is not None]
+        ttft = [r.slo.ttft for r in online if r.num_output_tokens == 0 and r.slo.ttft is not None]
+        tpot_target = min(tpot) if tpot else None
+        return tpot_target, tpot_target if tpot else (min(ttft) if ttft else None)
+
+    def _allowance(self, request: Request, target: float | None) -> int:
+        """How many tokens `request` may take now: what it lacks, within the token budget and,
+        for offline requests, within the step's time target (SLOAWARESCHEDULE)."""
+        want = min(request.num_tokens - request.num_computed_tokens, self._tokens)
+        if want <= 0:
+            return 0
+        if request.priority == "online":
+            if want == 1 or self._tpot_target is None:
+                return want
+            return max(self._fit(request.num_computed_tokens, want, self._tpot_target),
+                       min(want, self.MIN_ONLINE_CHUNK))
+        return want if target is None else self._fit(request.num_computed_tokens, want, target)
+
+    def _fit(self, prefix: int, want: int, target: float) -> int:
+        """The largest chunk (at most `want` tokens over `prefix`) that keeps the step's predicted
+        time within `target`; 0 if none does. The cost model's chunk cost grows with its size."""
+        base = self.cost_model.iteration + self._seconds
+
+        def fits(n: int) -> bool:
+            return base + self.cost_model.chunk_cost(prefix, n) <= target
+
+        if fits(want):
+            return want
+        lo, hi = 0, want  # fits(lo) or lo == 0; not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _serve_running(self, request: Request, target: float | None, out: SchedulerOutput) -> None:
+        num_new = self._allowance(request, target)
+        if num_new == 0:
+            return  # over the budget: offline ones are preempted next (co-serving mode)
+        if self._make_room(request, num_new, out, online_victims=True):
+            self._schedule(request, num_new, out)
+        else:  # nobody left to preempt but the request itself
+            self.running.remove(request)
+            self._preempt(request, out)
+
+    def _preempt_over_budget(self, out: SchedulerOutput) -> None:
+        """PREEMPTOVERBUDGETOFFLINE: running offline requests the budget left out, newest first,
+        give their device memory to online work (cheaply, over checkpoints)."""
+        for request in reversed([r for r in self.running if r.priority == "offline"]):
+            if request.request_id not in self._served:
+                self.running.remove(request)
+                self._preempt(request, out)
+
+    def _admit_waiting(self, cls: str, target: float | None, out: SchedulerOutput) -> None:
+        # No offline admission in a step that preempted: it would only thrash.
+        while (self.waiting and self.waiting[0].priority == cls and self._tokens > 0
+               and len(self.running) < self.config.max_num_seqs and not (cls == "offline" and out.preempted)):
+            request = self.waiting[0]
+            num_new = self._allowance(request, target)
+            if num_new == 0 or any(request is r for r in out.preempted):
+                return
+            # Only an online arrival may preempt, and only offline work.
+            if not (self.can_chunk(request, num_new) or
+                    (cls == "online" and self._make_room(request, num_new, out, online_victims=False))):
+                return
+            self.waiting.remove(request)  # not popleft: preempted victims went to the head
+            self.admit(request)
+            self._schedule(request, num_new, out)
+
+    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput, online_victims: bool) -> bool:
+        """Preempt until `request` can take `num_new` more tokens: the newest running offline
+        request not served this step, else (if allowed) the newest such online one. A request
+        with its chunk for this step is never preempted in it. False if no victim is left."""
+        while not self.can_chunk(request, num_new):
+            candidates = [r for r in self.running if r is not request and r.request_id not in self._served]
+            offline = [r for r in candidates if r.priority == "offline"]
+            victims = offline or (candidates if online_victims else [])
+            if not victims:
+                return False
+            self.running.remove(victims[-1])
+            self._preempt(victims[-1], out)
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.preempt(request)  # PREEMPTSCHEDULING: the KV manager keeps its checkpoint
+        out.preempted.append(request)
+
+    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        self._seconds += self.cost_model.chunk_cost(request.num_computed_tokens, num_new)
+        out.chunks.append(self.chunk(request, num_new))
+        self._served.add(request.request_id)
+        self._tokens -= num_new
+
+    # -- Algorithm 2: ONRECVONLINEREQUEST --------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        if request.priority == "online" and self.should_preempt_running_batch(request):
+            self.preempt_running_batch = True
+            self.num_running_batch_preemptions += 1
+
+    def should_preempt_running_batch(self, request: Request) -> bool:
+        """Would `request` miss its TTFT waiting for the pure-offline batch in flight?
+
+        t_remain = predicted time of the batch B in flight - time it has run; t_exec = predicted
+        time of the next step with the online queue and B's work (Alg. 2 lines 6-10). Preempt if
+        t_remain + t_exec exceeds what is left of the TTFT target."""
+        if self._in_flight is None or request.slo.ttft is None:
+            return False
+        batch, t_sched = self._in_flight
+        if any(c.request.priority == "online" for c in batch.chunks):
+            return False  # co-serving mode: the budget already bounds the step (§4.3)
+        now = self.clock()
+        t_remain = max(0.0, self.cost_model.predict_output(batch) - (now - t_sched))
+        online = [(r.num_computed_tokens, min(r.num_tokens - r.num_computed_tokens, self.config.max_num_batched_tokens))
+                  for r in self.waiting if r.priority == "online"]
+        t_exec = self.cost_model.predict(online + [(c.start, c.num_tokens) for c in batch.chunks])
+        return t_remain + t_exec > request.arrival_time + request.slo.ttft - now
