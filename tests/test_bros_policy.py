@@ -1,0 +1,243 @@
+"""BROS's scheduler (bros.txt §4) over its bidirectional KV blocks (§5).
+
+1. Behaviour, model-free, mock clock advanced by the cost model's prediction of each step: an RT
+   (online) request arriving into a system whose batch and KV are full of BE (offline) work gets
+   its first token within its TTFT target (FCFS, in the same setting, misses it).
+2. Same answers: a tiny random Llama (fp32, CPU) under a tight KV pool serves mixed online and
+   offline prompts with `policy="bros"`; greedy outputs match `policy="fcfs"` on a roomy pool,
+   and the bidirectional mechanisms (overwrites, checkpoints) fired.
+3. Adaptive batch size: grows additively with no RT request waiting, resets on SLO risk.
+4. Alg. 1's orders: RT by remaining time (running sorted, waiting merged, Fig. 8); BE by slots
+   on the host; a BE request replaces an RT request that can afford to wait.
+5. Random arrivals: every request finishes, budgets hold, K/V is never lost or shared.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import build_tiny_model
+from kv_harness import TaggingExecutor
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import SchedulerConfig
+from nanoserve.engine import Engine
+from nanoserve.memory.bidirectional import BidirectionalBlockManager
+from nanoserve.memory.bidirectional_kv import BidirectionalKV
+from nanoserve.memory.host import HostKVStore
+from nanoserve.sched.bros import BROSScheduler
+from nanoserve.sched.cost_model import CostModel
+from nanoserve.sched.fcfs import FCFSScheduler
+from nanoserve.slo import SLO
+from test_invariance import assert_close_greedy
+
+B = 4
+# Roughly a small GPU model's shape: a step costs 10 ms plus 1 ms per decoding sequence.
+COST = CostModel(prefill_attn=1e-7, prefill_tokens=2e-4, prefill_chunks=1e-3, decode_context=1e-6,
+                 decode_seqs=1e-3, iteration=1e-2)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedExecutor(TaggingExecutor):
+    """The tagging executor, advancing the mock clock by the cost model's price of each step."""
+
+    def __init__(self, clock: Clock, *args):
+        super().__init__(*args)
+        self.clock, self.batches = clock, []
+
+    def execute(self, batch):
+        self.batches.append(batch)
+        self.clock.now += COST.predict_output(batch)
+        return super().execute(batch)
+
+
+def make_engine(policy=BROSScheduler, num_blocks=16, host_blocks=32, budget=64, max_seqs=4, max_len=None,
+                online_slo=SLO(ttft=0.2, tpot=0.05)):
+    clock = Clock()
+    store = HostKVStore(host_blocks, B, 2, 1, 2, torch.float32, pin_memory=False)
+    kv = BidirectionalKV(BidirectionalBlockManager(num_blocks, B, store))
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                             max_model_len=max_len or num_blocks * B, online_slo=online_slo)
+    executor = TimedExecutor(clock, store, num_blocks, B)
+    engine = Engine(policy(config, kv, cost_model=COST, clock=clock), executor, tokenizer=None)
+    return engine, clock, executor
+
+
+def run(engine, max_steps=5000) -> dict:
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finished
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.kv.check_invariants()
+    raise AssertionError("requests did not finish")
+
+
+# -- 1. an RT arrival into a BE-saturated system -----------------------------------------------
+def saturate_then_arrive(policy):
+    engine, clock, executor = make_engine(policy, online_slo=SLO(ttft=0.1, tpot=0.05))
+    for i in range(4):  # 4 seats, 16 blocks: each BE request grows to 4 blocks
+        engine.add_request([1] * 12, SamplingParams(max_tokens=4 * B, ignore_eos=True), f"be{i}",
+                           priority="offline")
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.num_running == 4 and not engine.scheduler.waiting
+    assert engine.kv.num_used_blocks == engine.kv.num_blocks  # batch and KV full of BE work
+    rt = engine.add_request([2] * 6, SamplingParams(max_tokens=8, ignore_eos=True), "rt",
+                            priority="online", arrival_time=clock())
+    outputs = run(engine)
+    return engine, rt, outputs
+
+
+def test_rt_arrival_into_be_saturated_system_meets_its_ttft():
+    engine, rt, outputs = saturate_then_arrive(BROSScheduler)
+    assert rt.first_token_time - rt.arrival_time <= rt.slo.ttft
+    assert outputs["rt"].metrics.num_preemptions == 0
+    assert len(outputs) == 5 and all(len(o.token_ids) == o.metrics.num_output_tokens for o in outputs.values())
+    assert engine.kv.num_used_blocks == 0
+    assert engine.kv.blocks.host.num_free_blocks == engine.kv.blocks.host.num_blocks
+    # FCFS, same setting: the RT request waits for a seat behind the BE batch and misses.
+    _, fcfs_rt, _ = saturate_then_arrive(FCFSScheduler)
+    assert fcfs_rt.first_token_time - fcfs_rt.arrival_time > fcfs_rt.slo.ttft
+
+
+# -- 2. greedy outputs match FCFS on a real (tiny) model ----------------------------------------
+MAX_TOKENS = 12
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+PRIORITIES = ["offline"] * 3 + ["online"] * 3
+LENGTHS = [15, 15, 15, 3, 3, 3]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama-bros-policy")
+    build_tiny_model("llama", directory)
+    return str(directory)
+
+
+def test_bros_greedy_outputs_match_fcfs(llama_dir):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in LENGTHS]
+    ref = LLM(llama_dir, device="cpu", dtype="float32", policy="fcfs", kv_cache_tokens=1024, block_size=B)
+    reference = ref.generate(prompts, PARAMS, priority=PRIORITIES, use_tqdm=False)
+    # 16 blocks of 4: the offline requests alone need 21 pages by their end.
+    llm = LLM(llama_dir, device="cpu", dtype="float32", policy="bros", kv_cache_tokens=64, host_kv_tokens=64,
+              block_size=B)
+    assert isinstance(llm.engine.scheduler, BROSScheduler) and isinstance(llm.engine.kv, BidirectionalKV)
+    outputs = llm.generate(prompts, PARAMS, priority=PRIORITIES, use_tqdm=False)
+    for r, out, priority in zip(reference, outputs, PRIORITIES):
+        assert_close_greedy(r, out, f"bros {priority} {out.request_id}", max_tokens=MAX_TOKENS)
+    events = llm.engine.kv.events
+    assert events["overwrites"] > 0 and events["checkpointed_slots"] > 0, events
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+# -- 3. adaptive batch size -------------------------------------------------------------------
+def test_batch_size_grows_without_rt_and_resets_on_slo_risk():
+    engine, clock, _ = make_engine(num_blocks=64, max_seqs=32, budget=256)
+    scheduler = engine.scheduler
+    assert scheduler.batch_size == 8
+    for i in range(12):
+        engine.add_request([1] * 4, SamplingParams(max_tokens=40, ignore_eos=True), f"be{i}", priority="offline")
+    sizes = []
+    for _ in range(5):
+        engine.step()
+        sizes.append(scheduler.batch_size)
+    assert sizes == [9, 10, 11, 12, 13]  # additive increase: no RT request is waiting
+    assert len(engine.executor.batches[0].chunks) == 8  # the first step held to the initial size
+    assert len(engine.executor.batches[-1].chunks) == 12
+    # An RT request whose TTFT target is shorter than any step: the SLO is at risk.
+    engine.add_request([2] * 4, SamplingParams(max_tokens=2, ignore_eos=True), "rt", priority="online",
+                       arrival_time=clock(), slo=SLO(ttft=0.005, tpot=0.05))
+    engine.step()
+    assert scheduler.slo_risk and scheduler.batch_size == 8
+    assert [c.request.request_id for c in engine.executor.batches[-1].chunks] == ["rt"]  # lines 11-12
+    engine.step()  # its next token's TPOT budget holds alongside some BE work
+    assert not scheduler.slo_risk and scheduler.batch_size == 9
+    run(engine)
+
+
+def test_rt_risk_stops_adding_rt_requests():
+    # Two RT arrivals: each alone fits the 20 ms TTFT budget, together they would not.
+    engine, clock, executor = make_engine(num_blocks=32, max_seqs=8, budget=256,
+                                          online_slo=SLO(ttft=0.02, tpot=0.05))
+    engine.add_request([1] * 30, SamplingParams(max_tokens=2, ignore_eos=True), "a", arrival_time=0.0)
+    engine.add_request([1] * 30, SamplingParams(max_tokens=2, ignore_eos=True), "b", arrival_time=0.001)
+    engine.step()
+    assert [c.request.request_id for c in executor.batches[-1].chunks] == ["a"]
+    assert engine.scheduler.slo_risk
+    run(engine)
+
+
+# -- 4. Alg. 1's orders ------------------------------------------------------------------------
+def test_rt_order_merges_sorted_running_with_waiting_queue():
+    engine, clock, _ = make_engine(num_blocks=32, max_seqs=8, online_slo=SLO(ttft=1.0, tpot=0.5))
+    s = engine.scheduler
+    early = engine.add_request([1] * 3, SamplingParams(max_tokens=9, ignore_eos=True), "early")
+    engine.step()  # "early" has its first token at t≈0.01: next due at ≈0.51
+    clock.now = 0.3
+    w1 = engine.add_request([1] * 3, SamplingParams(max_tokens=2, ignore_eos=True), "w1", arrival_time=-0.6)
+    w2 = engine.add_request([1] * 3, SamplingParams(max_tokens=2, ignore_eos=True), "w2", arrival_time=0.0)
+    # deadlines: w1 0.4, early ≈0.51, w2 1.0
+    assert [r.request_id for r in s._rt_candidates(clock())] == ["w1", "early", "w2"]
+    be = engine.add_request([1] * 3, SamplingParams(max_tokens=2, ignore_eos=True), "be", priority="offline")
+    assert s._be_candidates() == [be]
+    assert {w1, w2, early} <= set(s._rt_candidates(clock()))
+
+
+def test_be_replaces_rt_that_can_afford_to_wait():
+    engine, clock, executor = make_engine(num_blocks=32, max_seqs=8, budget=256,
+                                          online_slo=SLO(ttft=5.0, tpot=5.0))
+    s = engine.scheduler
+    s.initial_batch_size = s.batch_size = 2
+    for i in range(3):
+        engine.add_request([1] * 3, SamplingParams(max_tokens=4, ignore_eos=True), f"rt{i}")
+    engine.add_request([1] * 3, SamplingParams(max_tokens=4, ignore_eos=True), "be", priority="offline")
+    engine.step()
+    ids = [c.request.request_id for c in executor.batches[-1].chunks]
+    assert ids == ["rt0", "be"]  # the most urgent RT stays, the BE request takes the other seat
+    run(engine)
+
+
+# -- 5. random arrivals ------------------------------------------------------------------------
+ARRIVAL = st.tuples(st.integers(0, 8), st.sampled_from(["online", "offline"]), st.integers(1, 14),
+                    st.integers(1, 10))
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrivals=st.lists(ARRIVAL, min_size=1, max_size=10), num_blocks=st.integers(4, 10),
+       host_blocks=st.integers(0, 8), budget=st.sampled_from([3, 8, 64]), max_seqs=st.integers(1, 6))
+def test_random_arrivals_finish_within_limits(arrivals, num_blocks, host_blocks, budget, max_seqs):
+    engine, clock, executor = make_engine(num_blocks=num_blocks, host_blocks=host_blocks, budget=budget,
+                                          max_seqs=max_seqs, online_slo=SLO(ttft=0.05, tpot=0.02))
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
+    finished, expected = {}, {}
+    for step in range(3000):
+        while pending and pending[0][1][0] <= step:
+            i, (_, priority, prompt_len, max_tokens) = pending.pop(0)
+            prompt = [1] * min(prompt_len, num_blocks * B - 1)
+            max_tokens = min(max_tokens, num_blocks * B - len(prompt))
+            expected[f"r{i}"] = max_tokens
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{i}",
+                               priority=priority, arrival_time=clock())
+        if not pending and not engine.has_unfinished_requests():
+            break
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        batch = executor.batches[-1] if executor.batches else None
+        if batch is not None:
+            assert batch.num_tokens <= budget and len(batch.chunks) <= max_seqs
+            assert len({c.request.request_id for c in batch.chunks}) == len(batch.chunks)
+        assert engine.scheduler.num_running <= max_seqs
+        engine.kv.check_invariants()
+    assert {rid: len(o.token_ids) for rid, o in finished.items()} == expected
+    assert engine.kv.num_used_blocks == 0
