@@ -31,6 +31,7 @@ from nanoserve.memory.blocks import BlockPool
 from nanoserve.model.runner import ModelRunner
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
+from nanoserve.sched import POLICY_MEMORY
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.cost_model import Batch, CostModel, FitReport, Sample, evaluate, fit
 
@@ -149,7 +150,7 @@ def describe(batch: Batch) -> str:
 
 def profile(args: EngineArgs, grid: Grid, verbose: bool = False) -> tuple[CostModel, FitReport, list[Sample]]:
     """Build the engine's runner, time the grid's batches on it and fit the cost model."""
-    if args.kv_manager != "paged":
+    if (args.kv_manager or POLICY_MEMORY[args.policy]) != "paged":
         raise ValueError("profile with the 'paged' KV manager: the runner must own a plain KV cache")
     engine = build_engine(args)
     runner = engine.executor
