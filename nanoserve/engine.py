@@ -218,7 +218,7 @@ class Engine:
         if status != RequestStatus.FINISHED_ABORTED:
             metrics = self._metrics(request)
             self.class_metrics[request.priority].observe(metrics.ttft, metrics.tpot, metrics.num_output_tokens,
-                                                         request.slo, now)
+                                                         request.slo, request.arrival_time, now)
 
     def _output(self, request: Request, new_tokens: int = 0) -> RequestOutput:
         rid = request.request_id

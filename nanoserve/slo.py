@@ -11,7 +11,8 @@ Defaults follow the papers: BROS evaluates RT requests at TTFT 0.4 s / TPOT 0.2 
 default is TTFT 1 s, TPOT 0.1 s: interactive, and reachable on a CPU with a small model.
 
 `ClassMetrics` accumulates what finished requests of one class achieved: TTFT and TPOT samples
-(a bounded window, for percentiles), SLO attainment, and output tokens for throughput.
+(a bounded window, for percentiles), SLO attainment, and output tokens for throughput (over the
+span from the class's first arrival to its last finish).
 """
 from __future__ import annotations
 
@@ -59,16 +60,17 @@ class ClassMetrics:
     finished: int = 0
     attained: int = 0
     output_tokens: int = 0
-    first_finish: float | None = None
+    first_arrival: float | None = None
     last_finish: float | None = None
     ttfts: deque[float] = field(default_factory=deque)
     tpots: deque[float] = field(default_factory=deque)
 
-    def observe(self, ttft: float | None, tpot: float | None, output_tokens: int, slo: SLO, now: float) -> None:
+    def observe(self, ttft: float | None, tpot: float | None, output_tokens: int, slo: SLO, arrival: float,
+                now: float) -> None:
         self.finished += 1
         self.attained += slo.attained(ttft, tpot)
         self.output_tokens += output_tokens
-        self.first_finish = now if self.first_finish is None else self.first_finish
+        self.first_arrival = arrival if self.first_arrival is None else min(self.first_arrival, arrival)
         self.last_finish = now
         for samples, value in ((self.ttfts, ttft), (self.tpots, tpot)):
             if value is not None:
@@ -77,7 +79,7 @@ class ClassMetrics:
                     samples.popleft()
 
     def summary(self) -> dict[str, float | int | None]:
-        span = (self.last_finish - self.first_finish) if self.finished > 1 else None
+        span = self.last_finish - self.first_arrival if self.finished else None
         ttfts, tpots = list(self.ttfts), list(self.tpots)
         return {
             "finished": self.finished,
@@ -85,6 +87,6 @@ class ClassMetrics:
             "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
             "tpot_p50": percentile(tpots, 50), "tpot_p99": percentile(tpots, 99),
             "output_tokens": self.output_tokens,
-            # Tokens per second between the first and last finish in this class.
+            # Output tokens per second from the class's first arrival to its last finish.
             "throughput_tok_s": self.output_tokens / span if span else None,
         }

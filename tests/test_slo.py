@@ -29,11 +29,11 @@ def test_percentile_and_class_summary():
     metrics = ClassMetrics(window=2)
     slo = SLO(ttft=1.0)
     for i, ttft in enumerate([0.5, 2.0, 0.7]):
-        metrics.observe(ttft, 0.01, 10, slo, now=float(i))
+        metrics.observe(ttft, 0.01, 10, slo, arrival=float(i), now=float(i) + 1.0)
     summary = metrics.summary()
     assert summary["finished"] == 3 and summary["slo_attainment"] == pytest.approx(2 / 3)
     assert list(metrics.ttfts) == [2.0, 0.7]  # the window keeps the latest samples
-    assert summary["throughput_tok_s"] == pytest.approx(30 / 2.0)
+    assert summary["throughput_tok_s"] == pytest.approx(30 / 3.0)  # first arrival 0, last finish 3
 
 
 def test_config_defaults_per_class():
