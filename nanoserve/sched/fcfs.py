@@ -16,10 +16,17 @@ than its chunk.
 """
 from __future__ import annotations
 
+from nanoserve.request import Request
 from nanoserve.sched.base import Scheduler, SchedulerOutput
 
 
 class FCFSScheduler(Scheduler):
+    def tokens_wanted(self, request: Request) -> int:
+        """How many tokens `request` would advance by with no budget limit: all it lacks.
+        A subclass may offer less (KunServe: its share of this step's micro-batch); 0 stops
+        the pass, as a request outside the step has nothing after it inside it either."""
+        return request.num_tokens - request.num_computed_tokens
+
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -28,7 +35,9 @@ class FCFSScheduler(Scheduler):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self.tokens_wanted(request), budget)
+            if num_new == 0:
+                break
             # Make room by preempting the newest running request until this one fits.
             while not self.can_chunk(request, num_new):
                 victim = self.running.pop()
@@ -47,8 +56,8 @@ class FCFSScheduler(Scheduler):
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.can_chunk(request, num_new):
+            num_new = min(self.tokens_wanted(request), budget)
+            if num_new == 0 or not self.can_chunk(request, num_new):
                 break
             self.waiting.popleft()
             self.admit(request)

@@ -57,7 +57,9 @@ from typing import Callable, Hashable, Sequence
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
-from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.request import Request
+from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.fcfs import FCFSScheduler
 from nanoserve.sched.cost_model import CostModel
 
 # One piece of queued work: request `id` still lacks tokens [start, start + num_tokens); the
@@ -202,7 +204,7 @@ def bubble_ratio(microbatch_costs: Sequence[float], num_stages: int, lockstep: b
     return 0.0 if span <= 0 else max(0.0, 1.0 - sum(microbatch_costs) / (num_stages * span))
 
 
-class KunServeScheduler(Scheduler):
+class KunServeScheduler(FCFSScheduler):
     """FCFS whose step is the first cost-balanced lookahead micro-batch (see the module docstring).
 
     `num_stages`: the pipeline depth the bubble estimate assumes. `min_tokens`: MIN of Fig. 11,
@@ -246,42 +248,12 @@ class KunServeScheduler(Scheduler):
         return mbs
 
     def plan(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        # This step's micro-batch: a prefix of the queued work, so a request outside it has
+        # nothing after it inside it either. FCFS's pass then serves exactly that share.
         self.running = self.kv.order(self.running)
         mbs = self.lookahead()
-        # This step's micro-batch: a prefix of the queued work, so a request outside it has
-        # nothing after it inside it either.
-        allotted = {rid: n for rid, _, n in mbs[0]} if mbs else {}
+        self._allotted = {rid: n for rid, _, n in mbs[0]} if mbs else {}
+        return super().plan()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(allotted.get(request.request_id, 0), budget)
-            if num_new == 0:
-                break
-            # As in fcfs: preempt the newest running request until this one fits.
-            while not self.can_chunk(request, num_new):
-                victim = self.running.pop()
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                out.chunks.append(self.chunk(request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # the request itself was preempted: nothing after it remains
-
-        while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            num_new = min(allotted.get(request.request_id, 0), budget)
-            if num_new == 0 or not self.can_chunk(request, num_new):
-                break
-            self.waiting.popleft()
-            self.admit(request)
-            out.chunks.append(self.chunk(request, num_new))
-            budget -= num_new
-        return out
+    def tokens_wanted(self, request: Request) -> int:
+        return self._allotted.get(request.request_id, 0)
