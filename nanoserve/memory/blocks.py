@@ -50,6 +50,9 @@ class BlockPool:
         return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 
     def can_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        table = self._tables.get(seq_id)
+        if table is not None and num_tokens <= len(table) * self.block_size:
+            return True  # inside its last block (see `allocate`)
         return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -72,6 +75,11 @@ class BlockPool:
 
         All or nothing: if the pool cannot cover the growth, nothing changes.
         """
+        table = self._tables.get(seq_id)
+        if table is not None and num_tokens <= len(table) * self.block_size:
+            # Growth inside the last block (most decodes): the cheap path, no block moves.
+            self._reserved[seq_id] = max(self._reserved[seq_id], num_tokens)
+            return []
         need = self.blocks_needed(seq_id, num_tokens)
         if need > len(self._free):
             raise NoFreeBlocksError(f"need {need} blocks, {len(self._free)} free")

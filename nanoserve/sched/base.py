@@ -14,7 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
@@ -24,8 +24,9 @@ from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, CostModel
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
+    # Immutable like a frozen dataclass, but built several times faster: a step makes one per
+    # running request, a thousand or more.
     request: Request
     start: int  # position of the first new token == the request's computed tokens before the step
     num_tokens: int

@@ -91,13 +91,22 @@ class CostModel:
     def coefficients(self) -> list[float]:
         return [getattr(self, name) for name in FEATURES]
 
+    # Schedulers price a chunk for every request they consider, thousands per step, so the two
+    # predictions below are `coefficients · features` written out as scalar arithmetic.
     def chunk_cost(self, prefix_len: int, num_new: int) -> float:
         """Eq. (1) for a prefill chunk (or the decode terms for a decode); no iteration constant."""
-        return sum(w * x for w, x in zip(self.coefficients, chunk_features(prefix_len, num_new)))
+        p, c = prefix_len, num_new
+        if c < 1 or p < 0:
+            chunk_features(p, c)  # raises the ValueError
+        if c == 1:
+            return self.decode_context * (p + 1) + self.decode_seqs
+        return self.prefill_attn * (p * c + (c * c + c) / 2) + self.prefill_tokens * c + self.prefill_chunks
 
     def predict(self, batch: Batch) -> float:
         """Predicted seconds for one iteration running `batch` (Eq. 3 plus the constant)."""
-        return sum(w * x for w, x in zip(self.coefficients, features(batch)))
+        if not batch:
+            return 0.0
+        return sum(self.chunk_cost(p, c) for p, c in batch) + self.iteration
 
     def predict_output(self, output: SchedulerOutput) -> float:
         """Predicted seconds for a scheduled step (its KV copies are not modelled)."""
