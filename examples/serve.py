@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="host KV store size in tokens, for managers that checkpoint or swap")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="attention kernels (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--preempt-every-layers", type=int, default=8,
+                   help="conserve: a pure-offline forward checks for an online arrival every k layers")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
         kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens, cost_model=args.cost_model,
+        preempt_every_layers=args.preempt_every_layers,
     ))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, served_model_name=args.served_model_name)

@@ -46,6 +46,7 @@ class EngineArgs:
     cost_model: str | None = None  # JSON from `python -m nanoserve.sched.profile`; None: a default
     kv_manager_options: dict | None = None  # knobs of the chosen manager
     host_kv_tokens: int | None = None  # host KV store size; default: as many as the device holds
+    preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
 
 
 def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
@@ -98,11 +99,12 @@ def build_engine(args: EngineArgs) -> Engine:
         arena = MemoryArena(model, ArenaConfig.from_model_config(cfg, args.block_size, dtype, num_blocks), device)
         kv: KVManager = ArenaKV(arena)
         runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed,
-                             arena=arena, host_weights=host_weights)
+                             arena=arena, host_weights=host_weights, preempt_every_layers=args.preempt_every_layers)
     else:
         kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, host_store,
                                                              args.kv_manager_options or {}))
-        runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed, host_store)
+        runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed, host_store,
+                             preempt_every_layers=args.preempt_every_layers)
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                         kv.max_request_tokens)
     sched_config = SchedulerConfig(

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,8 +27,10 @@ def test_scheduler_benchmark_smoke():
     assert "| fcfs | paged |" in proc.stdout and "| priority | paged |" in proc.stdout
 
 
-def test_policies_cpu_benchmark_smoke():
-    proc = subprocess.run([sys.executable, "benchmarks/policies_cpu.py", "--smoke", "--policies", "fcfs,priority"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+def test_policies_cpu_benchmark_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, "benchmarks/policies_cpu.py", "--smoke", "--policies", "fcfs,priority",
+                           "--plot", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| fcfs | online |" in proc.stdout and "| priority | offline |" in proc.stdout
+    assert (tmp_path / "policies_cpu.png").read_bytes().startswith(b"\x89PNG")

@@ -182,9 +182,10 @@ def test_preemption_flag_stops_only_at_safe_points():
 
 
 def test_online_arrival_stops_a_pure_offline_forward_within_k_layers(llama4_dir):
-    llm = LLM(llama4_dir, device="cpu", dtype="float32", policy="conserve", kv_cache_tokens=512, block_size=B)
+    llm = LLM(llama4_dir, device="cpu", dtype="float32", policy="conserve", kv_cache_tokens=512, block_size=B,
+              preempt_every_layers=2)
     engine, runner = llm.engine, llm.engine.executor
-    runner.preemption.every = 2
+    assert runner.preemption.every == 2
     offline = [engine.add_request(p, PARAMS, f"off{i}", priority="offline") for i, p in enumerate(OFFLINE_PROMPTS)]
     engine.step()  # the offline prefills
     engine.step()  # one decode each

@@ -77,6 +77,9 @@ class CheckpointKV(KVManager):
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
         rid = request.request_id
+        if not self.checkpointer.is_preempted(rid):  # most calls: plain paged growth
+            self.pool.allocate(rid, num_tokens)  # all or nothing
+            return []
         target = self._target(request, num_tokens)
         if not self.pool.can_allocate(rid, target):  # all or nothing: check before prefetching
             raise NoFreeBlocksError(f"{rid}: cannot hold {target} tokens with {self.pool.num_free_blocks} free blocks")
@@ -88,6 +91,8 @@ class CheckpointKV(KVManager):
         return copies
 
     def _target(self, request: Request, num_tokens: int) -> int:
+        if self.pool.has(request.request_id):  # resident, so not preempted: nothing to restore
+            return num_tokens
         return max(num_tokens, self.checkpointer.saved_tokens(request.request_id)
                    if self.checkpointer.is_preempted(request.request_id) else 0)
 

@@ -1,6 +1,8 @@
 """ConServe: online and offline requests co-served under the online SLO (conserve.txt §4.2-4.5).
 
-Each step (`plan`, Algorithm 1's UNIFIEDSCHEDULE) serves, in this order:
+The passes, victims and queues are vLLM++'s (`sched/priority.py`, which ConServe extends with
+`_allowance`, `_after_running` and `_schedule`). Each step (`plan`, Algorithm 1's
+UNIFIEDSCHEDULE) serves, in this order:
 1. running online requests, then waiting online ones (preempting running offline requests,
    newest first, when one needs KV room): online work always goes first;
 2. running offline requests, then waiting offline ones, each only as far as the step's budget
@@ -38,19 +40,17 @@ first, at what rate) is the manager's `step_copies`, called by the base schedule
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 
-from nanoserve.request import Request
-from nanoserve.sched.base import Scheduler, SchedulerOutput
-
-CLASSES = ("online", "offline")
-
-
-def _online_first(requests) -> list[Request]:
-    return sorted(requests, key=lambda r: r.priority != "online")  # stable: FCFS within a class
+from nanoserve.request import Request, RequestStatus
+from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.priority import PriorityScheduler
 
 
-class ConServeScheduler(Scheduler):
+class ConServeScheduler(PriorityScheduler):
+    """vLLM++'s passes and victims (sched/priority.py) with ConServe's time budget on offline
+    work, its over-budget preemption, and Algorithm 2."""
+
     MIN_ONLINE_CHUNK = 16  # tokens an online prompt chunk always gets, whatever the TPOT target
 
     def __init__(self, *args, **kwargs):
@@ -59,6 +59,10 @@ class ConServeScheduler(Scheduler):
         self.preempt_running_batch = False
         self.num_running_batch_preemptions = 0
         self._in_flight: tuple[SchedulerOutput, float] | None = None  # (batch, t_sched)
+        # The targets of the online requests, by the phase each is in (its TTFT before its first
+        # token, its TPOT after), so the tightest is read without scanning 10,000 requests.
+        self._phase: dict[str, tuple[str, float]] = {}
+        self._targets: dict[str, Counter[float]] = {"ttft": Counter(), "tpot": Counter()}
 
     # -- Algorithm 1: UNIFIEDSCHEDULE -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -69,23 +73,14 @@ class ConServeScheduler(Scheduler):
     def update_after_step(self, output: SchedulerOutput) -> None:
         super().update_after_step(output)
         self._in_flight = None
+        for chunk in output.chunks:  # the engine appends the sampled token right after this
+            if chunk.samples and chunk.request.num_output_tokens == 0:
+                self._track(chunk.request, "tpot")
 
     def plan(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        self.running = self.kv.order(_online_first(self.running))
-        self.waiting = deque(_online_first(self.waiting))
-        self._tokens = self.config.max_num_batched_tokens
         self._seconds = 0.0  # predicted time of this step's chunks, without the per-step constant
-        self._served: set[str] = set()
-        self._tpot_target, target = self.iteration_target()
-        for cls in CLASSES:
-            for request in [r for r in self.running if r.priority == cls]:
-                if request in self.running:  # an earlier victim is gone
-                    self._serve_running(request, target, out)
-            if cls == "offline" and target is not None:
-                self._preempt_over_budget(out)
-            self._admit_waiting(cls, target, out)
-        return out
+        self._tpot_target, self._target = self.iteration_target()
+        return super().plan()
 
     def iteration_target(self) -> tuple[float | None, float | None]:
         """(the TPOT target of decoding online requests, the step's time target), in seconds.
@@ -93,16 +88,13 @@ class ConServeScheduler(Scheduler):
         §4.5: "the latency SLO (TPOT for batches containing decode phase requests, TTFT
         otherwise)", the tightest over the online requests; (None, None) in the offline batching
         mode, or when no online request has a target."""
-        online = [r for r in (*self.running, *self.waiting) if r.priority == "online"]
-        tpot = [r.slo.tpot for r in online if r.num_output_tokens > 0 and r.slo.tpot is not None]
-        ttft = [r.slo.ttft for r in online if r.num_output_tokens == 0 and r.slo.ttft is not None]
-        tpot_target = min(tpot) if tpot else None
-        return tpot_target, tpot_target if tpot else (min(ttft) if ttft else None)
+        tpot = min(self._targets["tpot"], default=None)
+        return tpot, tpot if tpot is not None else min(self._targets["ttft"], default=None)
 
-    def _allowance(self, request: Request, target: float | None) -> int:
-        """How many tokens `request` may take now: what it lacks, within the token budget and,
-        for offline requests, within the step's time target (SLOAWARESCHEDULE)."""
-        want = min(request.num_tokens - request.num_computed_tokens, self._tokens)
+    def _allowance(self, request: Request) -> int:
+        """What it lacks, within the token budget and, for offline requests, within the step's
+        time target (SLOAWARESCHEDULE)."""
+        want = super()._allowance(request)
         if want <= 0:
             return 0
         if request.priority == "online":
@@ -110,7 +102,7 @@ class ConServeScheduler(Scheduler):
                 return want
             return max(self._fit(request.num_computed_tokens, want, self._tpot_target),
                        min(want, self.MIN_ONLINE_CHUNK))
-        return want if target is None else self._fit(request.num_computed_tokens, want, target)
+        return want if self._target is None else self._fit(request.num_computed_tokens, want, self._target)
 
     def _fit(self, prefix: int, want: int, target: float) -> int:
         """The largest chunk (at most `want` tokens over `prefix`) that keeps the step's predicted
@@ -128,67 +120,42 @@ class ConServeScheduler(Scheduler):
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def _serve_running(self, request: Request, target: float | None, out: SchedulerOutput) -> None:
-        num_new = self._allowance(request, target)
-        if num_new == 0:
-            return  # over the budget: offline ones are preempted next (co-serving mode)
-        if self._make_room(request, num_new, out, online_victims=True):
-            self._schedule(request, num_new, out)
-        else:  # nobody left to preempt but the request itself
-            self.running.remove(request)
-            self._preempt(request, out)
-
-    def _preempt_over_budget(self, out: SchedulerOutput) -> None:
-        """PREEMPTOVERBUDGETOFFLINE: running offline requests the budget left out, newest first,
-        give their device memory to online work (cheaply, over checkpoints)."""
+    def _after_running(self, cls: str, out: SchedulerOutput) -> None:
+        """PREEMPTOVERBUDGETOFFLINE (Alg. 1 lines 16, 26-34): running offline requests the
+        budget left out, newest first, give their device memory to online work (cheaply, over
+        checkpoints: the KV manager keeps their checkpointed prefix)."""
+        if cls != "offline" or self._target is None:
+            return
         for request in reversed([r for r in self.running if r.priority == "offline"]):
             if request.request_id not in self._served:
-                self.running.remove(request)
-                self._preempt(request, out)
-
-    def _admit_waiting(self, cls: str, target: float | None, out: SchedulerOutput) -> None:
-        # No offline admission in a step that preempted: it would only thrash.
-        while (self.waiting and self.waiting[0].priority == cls and self._tokens > 0
-               and len(self.running) < self.config.max_num_seqs and not (cls == "offline" and out.preempted)):
-            request = self.waiting[0]
-            num_new = self._allowance(request, target)
-            if num_new == 0 or any(request is r for r in out.preempted):
-                return
-            # Only an online arrival may preempt, and only offline work.
-            if not (self.can_chunk(request, num_new) or
-                    (cls == "online" and self._make_room(request, num_new, out, online_victims=False))):
-                return
-            self.waiting.remove(request)  # not popleft: preempted victims went to the head
-            self.admit(request)
-            self._schedule(request, num_new, out)
-
-    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput, online_victims: bool) -> bool:
-        """Preempt until `request` can take `num_new` more tokens: the newest running offline
-        request not served this step, else (if allowed) the newest such online one. A request
-        with its chunk for this step is never preempted in it. False if no victim is left."""
-        while not self.can_chunk(request, num_new):
-            candidates = [r for r in self.running if r is not request and r.request_id not in self._served]
-            offline = [r for r in candidates if r.priority == "offline"]
-            victims = offline or (candidates if online_victims else [])
-            if not victims:
-                return False
-            self.running.remove(victims[-1])
-            self._preempt(victims[-1], out)
-        return True
-
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.preempt(request)  # PREEMPTSCHEDULING: the KV manager keeps its checkpoint
-        out.preempted.append(request)
+                self._evict(request, out)
 
     def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         self._seconds += self.cost_model.chunk_cost(request.num_computed_tokens, num_new)
-        out.chunks.append(self.chunk(request, num_new))
-        self._served.add(request.request_id)
-        self._tokens -= num_new
+        super()._schedule(request, num_new, out)
+
+    # -- the online targets, by phase --------------------------------------------------------
+    def _track(self, request: Request, phase: str | None) -> None:
+        """Move `request`'s target to `phase` ("ttft", "tpot", or None: untracked)."""
+        old = self._phase.pop(request.request_id, None)
+        if old is not None:
+            counter = self._targets[old[0]]
+            counter[old[1]] -= 1
+            if not counter[old[1]]:
+                del counter[old[1]]
+        target = None if phase is None or request.priority != "online" else getattr(request.slo, phase)
+        if target is not None:
+            self._phase[request.request_id] = (phase, target)
+            self._targets[phase][target] += 1
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        super().finish_request(request, status)
+        self._track(request, None)
 
     # -- Algorithm 2: ONRECVONLINEREQUEST --------------------------------------------------
     def add_request(self, request: Request) -> None:
         super().add_request(request)
+        self._track(request, "tpot" if request.num_output_tokens else "ttft")
         if request.priority == "online" and self.should_preempt_running_batch(request):
             self.preempt_running_batch = True
             self.num_running_batch_preemptions += 1

@@ -49,11 +49,23 @@ class PriorityScheduler(Scheduler):
             for request in [r for r in self.running if r.priority == cls]:
                 if request.request_id not in self._preempted and self._budget > 0:  # a victim is gone
                     self._serve_running(request, out)
+            self._after_running(cls, out)
             self._admit_waiting(cls, out)
         return out
 
+    # -- what a subclass may change (ConServe: a time budget) --------------------------------
+    def _allowance(self, request: Request) -> int:
+        """How many tokens `request` may take now: what it lacks, within the token budget."""
+        return min(request.num_tokens - request.num_computed_tokens, self._budget)
+
+    def _after_running(self, cls: str, out: SchedulerOutput) -> None:
+        """Called once a class's running requests are served, before its waiting ones are."""
+
+    # -- the passes ----------------------------------------------------------------------------
     def _serve_running(self, request: Request, out: SchedulerOutput) -> None:
-        num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+        num_new = self._allowance(request)
+        if num_new <= 0:
+            return
         if self._make_room(request, num_new, out, online_victims=True):
             self._schedule(request, num_new, out)
         else:  # nobody left to preempt but the request itself
@@ -63,7 +75,10 @@ class PriorityScheduler(Scheduler):
         while (self.waiting and self.waiting[0].priority == cls and self._budget > 0
                and len(self.running) < self.config.max_num_seqs and not (cls == "offline" and out.preempted)):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+            num_new = self._allowance(request)
+            # A victim of this step sits at the head of the queue: taking it back would thrash.
+            if num_new <= 0 or request.request_id in self._preempted:
+                return
             # Only an online arrival may preempt, and only offline work.
             if not (self.can_chunk(request, num_new) or
                     (cls == "online" and self._make_room(request, num_new, out, online_victims=False))):
@@ -73,15 +88,21 @@ class PriorityScheduler(Scheduler):
             self._schedule(request, num_new, out)
 
     def _make_room(self, request: Request, num_new: int, out: SchedulerOutput, online_victims: bool) -> bool:
-        """Preempt until `request` can take `num_new` more tokens; False if no victim is left."""
+        """Preempt until `request` can take `num_new` more tokens: the newest running offline
+        request not served this step, else (if allowed) the newest such online one. A request
+        with its chunk for this step is never preempted in it. False if no victim is left."""
         while not self.can_chunk(request, num_new):
-            candidates = [r for r in self.running if r is not request and r.request_id not in self._served]
-            offline = [r for r in candidates if r.priority == "offline"]
-            victims = offline or (candidates if online_victims else [])
-            if not victims:
+            victim = self._newest_unserved(request, "offline")
+            if victim is None and online_victims:
+                victim = self._newest_unserved(request, "online")
+            if victim is None:
                 return False
-            self._evict(victims[-1], out)  # the newest
+            self._evict(victim, out)
         return True
+
+    def _newest_unserved(self, request: Request, cls: str) -> Request | None:
+        return next((r for r in reversed(self.running) if r.priority == cls and r is not request
+                     and r.request_id not in self._served), None)
 
     def _evict(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
