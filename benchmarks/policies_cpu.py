@@ -6,7 +6,9 @@ under each policy, each with its own default KV manager, in this process. Online
 requests (document-like prompts of 128-256 tokens, 32 output tokens) are all queued at the
 start, as a batch job is. The KV cache is small enough that the classes compete for memory.
 Printed per policy and class: TTFT p50/p99, TPOT p50/p99, SLO attainment (default targets:
-online TTFT 1 s and TPOT 0.1 s, offline none) and output throughput, as a markdown table; with
+online TTFT 1 s and TPOT 0.1 s, offline none) and output throughput, as a markdown table, with
+the ratio of the measured step time to the cost model's prediction (how well the policies that
+budget time by the model can keep their promises); with
 `--plot DIR` (needs matplotlib) also a PNG of online TTFT p99 and offline throughput per policy.
 
 Wall-clock numbers on a shared 2-core CPU are noisy: compare policies within one run.
@@ -61,7 +63,8 @@ def run_policy(policy: str, model: str, requests, args) -> dict:
             time.sleep(min(0.01, pending[0][0] - now))
     stats = engine.stats()
     return {"policy": policy, "kv_manager": POLICY_MEMORY[policy], "seconds": time.monotonic() - start,
-            "preemptions": stats.num_preemptions, "kv_events": stats.kv_events, "per_class": stats.per_class}
+            "preemptions": stats.num_preemptions, "kv_events": stats.kv_events, "per_class": stats.per_class,
+            "cost_model_ratio": stats.cost_model_ratio}
 
 
 def fmt(column: str, value) -> str:
@@ -73,12 +76,12 @@ def fmt(column: str, value) -> str:
 
 
 def print_table(results: list[dict]) -> None:
-    print("| policy | class | " + " | ".join(COLUMNS) + " | preemptions |")
-    print("|---|---|" + "---|" * (len(COLUMNS) + 1))
+    print("| policy | class | " + " | ".join(COLUMNS) + " | preemptions | measured / predicted step |")
+    print("|---|---|" + "---|" * (len(COLUMNS) + 2))
     for r in results:
         for cls, summary in r["per_class"].items():
             cells = " | ".join(fmt(c, summary.get(c)) for c in COLUMNS)
-            print(f"| {r['policy']} | {cls} | {cells} | {r['preemptions']} |")
+            print(f"| {r['policy']} | {cls} | {cells} | {r['preemptions']} | {fmt('', r['cost_model_ratio'])} |")
 
 
 def plot(results: list[dict], directory: str) -> None:

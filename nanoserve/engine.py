@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
@@ -38,6 +39,17 @@ class EngineStats:
     kv_events: dict[str, int] = field(default_factory=dict)  # the memory manager's mechanism counters
     # Per request class ("online", "offline"): finished, SLO attainment, TTFT/TPOT p50/p99, tok/s.
     per_class: dict[str, dict] = field(default_factory=dict)
+    # Wall-clock seconds of the steps that ran a batch, and what the policy's cost model predicted
+    # for them: the SLO-budgeting policies are only as good as this ratio is close to 1.
+    step_seconds_total: float = 0.0
+    predicted_step_seconds_total: float = 0.0
+
+    @property
+    def cost_model_ratio(self) -> float | None:
+        """Measured over predicted step time (None before any step ran)."""
+        if self.predicted_step_seconds_total <= 0:
+            return None
+        return self.step_seconds_total / self.predicted_step_seconds_total
 
 
 class Engine:
@@ -54,6 +66,8 @@ class Engine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.step_seconds_total = 0.0
+        self.predicted_step_seconds_total = 0.0
         self.requests_finished_total = 0
         self.class_metrics = {priority: ClassMetrics() for priority in PRIORITIES}
         # Debug aid (the test suite turns it on): check the allocator's invariants every step.
@@ -147,11 +161,14 @@ class Engine:
             requests_finished_total=self.requests_finished_total,
             kv_events=dict(self.kv.events),
             per_class={priority: m.summary() for priority, m in self.class_metrics.items()},
+            step_seconds_total=self.step_seconds_total,
+            predicted_step_seconds_total=self.predicted_step_seconds_total,
         )
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one step; return outputs of those that changed."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -164,6 +181,9 @@ class Engine:
         if not result.preempted:
             self.scheduler.update_after_step(batch)
             outputs = self._postprocess(batch, result, self.clock())
+            # The whole step, as a client's TPOT sees it: scheduling, forward, sampling, output.
+            self.step_seconds_total += time.perf_counter() - started
+            self.predicted_step_seconds_total += self.scheduler.cost_model.predict_output(batch)
         if self.check_invariants:
             self.kv.check_invariants()
         return outputs

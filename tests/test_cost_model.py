@@ -146,3 +146,20 @@ def test_profile_cli_end_to_end(tiny_dir, tmp_path, capsys):
     assert all(s["seconds"] > 0 for s in data["samples"])
     model = CostModel.load(out)
     assert model.predict([(0, 64)]) > 0
+
+
+def test_engine_reports_measured_over_predicted_step_time(tiny_dir):
+    engine = build_engine(EngineArgs(model=str(tiny_dir), device="cpu", kv_cache_tokens=2048))
+    assert engine.stats().cost_model_ratio is None  # no step yet
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    stats = engine.stats()
+    # Three steps (a prefill and two decodes), each priced by the policy's model.
+    assert steps == 3 and stats.step_seconds_total > 0
+    expected = (engine.scheduler.cost_model.predict([(0, 4)]) + engine.scheduler.cost_model.predict([(4, 1)])
+                + engine.scheduler.cost_model.predict([(5, 1)]))
+    assert stats.predicted_step_seconds_total == pytest.approx(expected)
+    assert stats.cost_model_ratio == pytest.approx(stats.step_seconds_total / expected)

@@ -282,6 +282,7 @@ def test_metrics_format(server: LiveServer):
     m = server.metrics()
     assert m["nanoserve_kv_blocks_total"] == 8192 // 16
     assert m["nanoserve_generation_tokens_total"] > 0 and m["nanoserve_prompt_tokens_total"] > 0
+    assert m["nanoserve_step_seconds_total"] > 0 and m["nanoserve_predicted_step_seconds_total"] > 0
 
 
 def test_zz_no_leaks_at_end(server: LiveServer, client: OpenAI):

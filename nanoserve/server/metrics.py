@@ -143,6 +143,11 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
                  "Share of finished requests of a class that met their TTFT and TPOT targets.",
                  [f"nanoserve_slo_attainment_ratio{_labels({**model, 'priority': c})} {_number(s['slo_attainment'])}"
                   for c, s in sorted(stats.per_class.items()) if s.get("slo_attainment") is not None]),
+        *simple("nanoserve_step_seconds_total", "counter", "Wall-clock seconds of engine steps that ran a batch.",
+                stats.step_seconds_total),
+        *simple("nanoserve_predicted_step_seconds_total", "counter",
+                "The policy's cost model's prediction for the same steps (compare with the measured total).",
+                stats.predicted_step_seconds_total),
         *_metric("nanoserve_request_success_total", "counter", "Requests finished, by finish reason.",
                  [f"nanoserve_request_success_total{_labels({**model, 'finished_reason': r})} {n}"
                   for r, n in sorted(server.finished.items())]),
