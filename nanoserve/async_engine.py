@@ -25,6 +25,7 @@ from typing import AsyncIterator
 from nanoserve.engine import Engine, EngineStats
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
+from nanoserve.slo import SLO
 
 log = logging.getLogger("nanoserve.engine")
 
@@ -42,6 +43,7 @@ class _Add:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     priority: str = "online"
+    slo: SLO | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
+
+    def default_slo(self, priority: str) -> SLO:
+        """The latency targets of a request class (the config is immutable: safe from any thread)."""
+        return self.engine.config.slo_for(priority)
 
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its latest step."""
@@ -102,7 +108,8 @@ class AsyncEngine:
         return token_ids
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: str = "online") -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: str = "online",
+                       slo: SLO | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Raises ValueError before streaming
         for a request that can never be served, EngineError if the engine fails mid-way."""
         token_ids = self.prepare(prompt, params)
@@ -111,7 +118,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(request_id, token_ids, prompt if isinstance(prompt, str) else None,
-                             params, sink, asyncio.get_running_loop(), priority))
+                             params, sink, asyncio.get_running_loop(), priority, slo))
         finished = False
         try:
             while True:
@@ -151,7 +158,7 @@ class AsyncEngine:
         self._sinks[message.request_id] = (message.sink, message.loop)
         try:
             self.engine.add_request(message.token_ids, message.params, message.request_id,
-                                    prompt_text=message.prompt, priority=message.priority)
+                                    prompt_text=message.prompt, priority=message.priority, slo=message.slo)
         except Exception as exc:  # e.g. a duplicate id: the request's own problem
             self._deliver(message.request_id, exc)
 

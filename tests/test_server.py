@@ -269,6 +269,23 @@ def test_priority_field_sets_the_request_class(server: LiveServer, client: OpenA
     assert 'nanoserve_slo_attainment_ratio{model_name="' in text and 'priority="offline"} 1' in text
 
 
+def test_slo_field_sets_the_request_targets(server: LiveServer, client: OpenAI):
+    def attained() -> tuple[int, int]:
+        summary = server.engine.stats().per_class["online"]
+        return summary["finished"], round(summary["finished"] * (summary["slo_attainment"] or 0))
+
+    def ask(slo: dict) -> None:
+        out = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=3,
+                                        extra_body={"slo": slo, **NO_EOS})
+        assert out.usage.completion_tokens == 3
+
+    for slo, met in (({"ttft": 1e-9}, 0), ({"ttft": 600.0, "tpot": 600.0}, 1)):  # unattainable, then certain
+        finished, met_before = attained()
+        ask(slo)
+        assert server.wait_until(lambda _: attained()[0] == finished + 1)
+        assert attained()[1] == met_before + met
+
+
 def test_metrics_format(server: LiveServer):
     resp = httpx.get(server.url + "/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -29,6 +29,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from nanoserve.async_engine import AsyncEngine, EngineError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
+from nanoserve.slo import SLO
 from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError, install_error_handlers, model_not_found
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
@@ -45,6 +46,7 @@ class Choice:
     params: SamplingParams
     request_id: str
     priority: str = "online"
+    slo: SLO | None = None  # None: the class's targets
 
 
 class EventStream(StreamingResponse):
@@ -124,6 +126,9 @@ class OpenAIServer:
         Without max_tokens a choice may use the rest of the context, as in vLLM."""
         choices: list[Choice] = []
         n = req.n or 1
+        slo = None
+        if req.slo is not None:  # targets left out keep the class's defaults
+            slo = replace(self.engine.default_slo(req.priority), **req.slo.model_dump(exclude_unset=True))
         for ids in prompts:
             budget = max_tokens if max_tokens is not None else max(1, self.engine.max_model_len - len(ids))
             for j in range(n):
@@ -135,7 +140,7 @@ class OpenAIServer:
                         long = "context length" in str(exc)
                         raise APIError(str(exc), param=max_tokens_field if long and max_tokens is not None
                                        else prompt_field) from exc
-                choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}", req.priority))
+                choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}", req.priority, slo))
         return choices
 
     # -- running -----------------------------------------------------------------------------
@@ -146,7 +151,7 @@ class OpenAIServer:
         async def pump(choice: Choice) -> None:
             try:
                 async for out in self.engine.generate(choice.token_ids, choice.params, choice.request_id,
-                                                      priority=choice.priority):
+                                                      priority=choice.priority, slo=choice.slo):
                     queue.put_nowait((choice.index, out))
             except Exception as exc:  # CancelledError passes: it means we are being torn down
                 queue.put_nowait((choice.index, exc))

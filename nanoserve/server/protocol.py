@@ -30,12 +30,22 @@ MAX_TOP_LOGPROBS = 20  # the chat API's limit
 Temperature = Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]
 TopP = Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)]
 Penalty = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # torch seeds are 64-bit; n > 1 derives seed + i per choice, so stay inside int64.
 Seed = Annotated[StrictInt, Field(ge=-(2 ** 63), le=2 ** 63 - 1 - MAX_N)]
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
+
+
+class SLOTargets(BaseModel):
+    """nanoserve's per-request latency targets in seconds; a target left out keeps the class's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft: Seconds | None = None
+    tpot: Seconds | None = None
 
 
 class _SamplingRequest(BaseModel):
@@ -57,6 +67,7 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     priority: Literal["online", "offline"] = "online"  # nanoserve's request class (vLLM takes a priority too)
+    slo: SLOTargets | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Penalty | None = None
