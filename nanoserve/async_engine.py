@@ -60,6 +60,13 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
         self.last_error: str | None = None
+        self._deferred: list[_Abort | None] = []  # inbox messages that must wait for the step's end
+        # ConServe's Alg. 2 runs when an online request arrives, which may be in the middle of a
+        # forward pass; the runner's safe points let this loop take arrivals in then. Only for
+        # a policy that can ask to stop the forward: others see the arrival one step later.
+        flag = getattr(engine.executor, "preemption", None)
+        if flag is not None and hasattr(engine.scheduler, "preempt_running_batch"):
+            flag.on_safe_point = self._admit_arrivals
 
     # -- facts handlers need -------------------------------------------------------------
     @property
@@ -162,13 +169,32 @@ class AsyncEngine:
         except Exception as exc:  # e.g. a duplicate id: the request's own problem
             self._deliver(message.request_id, exc)
 
+    def _admit_arrivals(self) -> None:
+        """At a safe point of a forward in flight: add the requests that arrived since the step
+        began, so the policy can decide (Alg. 2) whether this forward should stop. Aborts and
+        shutdown wait for the step's end: the forward still reads the aborted requests' KV."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _Add):
+                self._handle(message)
+            else:
+                self._deferred.append(message)
+
+    def _next_message(self, block: bool) -> _Add | _Abort | None:
+        if self._deferred:
+            return self._deferred.pop(0)
+        return self._inbox.get(block=block, timeout=0.5 if block else None)
+
     def _loop(self) -> None:
         while True:
             # Block for work when idle; otherwise drain whatever arrived during the last step.
             block = not self.engine.has_unfinished_requests()
             try:
                 while True:
-                    message = self._inbox.get(block=block, timeout=0.5 if block else None)
+                    message = self._next_message(block)
                     if message is None:
                         self._fail_all(EngineError("the server is shutting down"))
                         return

@@ -8,10 +8,14 @@ tight pool with mixed online/offline arrivals, which must match fcfs.
 """
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.async_engine import AsyncEngine
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
@@ -231,6 +235,52 @@ def test_online_arrival_stops_a_pure_offline_forward_within_k_layers(llama4_dir)
     expected = reference.generate(OFFLINE_PROMPTS + [ONLINE_PROMPT], PARAMS, use_tqdm=False)
     for ref, rid in zip(expected, ["off0", "off1", "off2", "on"]):
         assert_close_greedy(ref, outputs[rid], f"after layer-wise preemption: {rid}", max_tokens=8)
+
+
+def test_server_loop_admits_an_arrival_mid_forward_and_stops_the_offline_batch(llama4_dir):
+    """The server's engine thread is inside a pure-offline forward when an online request comes
+    in from the event loop: at the next safe point the loop adds it, Alg. 2 asks to stop, and
+    the forward stops there instead of finishing first."""
+    llm = LLM(llama4_dir, device="cpu", dtype="float32", policy="conserve", kv_cache_tokens=512, block_size=B,
+              preempt_every_layers=2)
+    runner = llm.engine.executor
+    async_engine = AsyncEngine(llm.engine)
+    in_forward, arrived = threading.Event(), threading.Event()
+
+    def hold_first_forward(module, args, output):  # layer 0 of the first forward waits for the arrival
+        if not in_forward.is_set():
+            in_forward.set()
+            assert arrived.wait(30)
+
+    handle = runner.model.model.layers[0].register_forward_hook(hold_first_forward)
+
+    async def collect(prompt, rid, **kwargs):
+        final = None
+        async for out in async_engine.generate(prompt, PARAMS, rid, **kwargs):
+            final = out
+        return final
+
+    async def scenario():
+        offline = [asyncio.create_task(collect(p, f"off{i}", priority="offline"))
+                   for i, p in enumerate(OFFLINE_PROMPTS)]
+        await asyncio.to_thread(in_forward.wait, 30)
+        online = asyncio.create_task(collect(ONLINE_PROMPT, "on", priority="online", slo=SLO(ttft=1e-3, tpot=1.0)))
+        await asyncio.sleep(0.2)  # let the handler put the request in the inbox
+        arrived.set()
+        return await asyncio.gather(*offline, online)
+
+    async_engine.start()
+    try:
+        outputs = asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
+        handle.remove()
+    assert runner.preemption.num_preempted == 1 and runner.preemption.stopped_after == 2
+    assert llm.engine.scheduler.num_running_batch_preemptions == 1
+    reference = LLM(llama4_dir, device="cpu", dtype="float32", kv_cache_tokens=4096, block_size=B)
+    expected = reference.generate(OFFLINE_PROMPTS + [ONLINE_PROMPT], PARAMS, use_tqdm=False)
+    for ref, out in zip(expected, outputs):
+        assert_close_greedy(ref, out, f"after a mid-forward arrival: {out.request_id}", max_tokens=8)
 
 
 def test_a_batch_with_online_work_is_never_stopped(llama4_dir):

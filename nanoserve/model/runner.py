@@ -25,7 +25,7 @@ there and `execute` returns `ExecutorOutput(preempted=True)`, which the engine d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -84,6 +84,10 @@ class PreemptionFlag:
 
     every: int = 8
     num_layers: int = 0
+    # Called at each safe point before the flag is read. The server's engine loop sets it to
+    # admit the requests that arrived since the step began (Alg. 2 runs "on arrival"), so the
+    # policy can ask for this very forward to stop. It runs on the thread running the forward.
+    on_safe_point: Callable[[], None] | None = None
     requested: bool = False
     stopped_after: int | None = None  # layers the last preempted forward had completed
     num_preempted: int = 0  # forwards stopped so far
@@ -96,7 +100,11 @@ class PreemptionFlag:
         self.requested = True
 
     def safe_point(self, layers_done: int) -> None:
-        if self.requested and layers_done % self.every == 0 and layers_done < self.num_layers:
+        if layers_done % self.every or layers_done >= self.num_layers:
+            return
+        if self.on_safe_point is not None:
+            self.on_safe_point()
+        if self.requested:
             self.requested = False
             self.stopped_after = layers_done
             self.num_preempted += 1

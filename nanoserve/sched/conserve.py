@@ -29,9 +29,10 @@ at its next safe point, every k layers (`ModelRunner.request_preemption`, `Preem
 step (no request advances) and the next `plan` serves the online request first. The runner can
 only stop the whole forward, so Alg. 2's victim loop reduces to "all of the batch"; nothing is
 lost, since the stopped requests keep their KV and run again. The scheduler never touches the
-model: it only raises the flag. In nanoserve's engines arrivals are added between steps, when
-no batch is in flight, so the flag matters when `add_request` is called during a step (from
-another thread or, in the tests, from a layer hook).
+model: it only raises the flag. Arrivals reach `add_request` mid-forward in the server: its
+engine loop (`nanoserve/async_engine.py`) takes them in at the runner's safe points
+(`PreemptionFlag.on_safe_point`); `LLM.generate` adds all requests up front, so offline
+`generate` calls never need it.
 
 Prefetch (§4.4, "background prefetching"): the checkpointing manager has no prefetch-ahead call,
 so a resumed request's checkpoint is loaded by `reserve` in the step that resumes it (its loads
