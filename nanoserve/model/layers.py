@@ -79,16 +79,22 @@ class MergedLinear(nn.Linear):
     """Several HF projections that read the same input (q/k/v, gate/up), run as one matmul.
 
     The output is the parts concatenated in order; `load_part` copies one HF tensor into its rows.
+    Under tensor parallelism each part is column-split: `part_shards` gives, per part, the
+    (start, length) of the HF rows this rank holds (default: all of them).
     """
 
-    def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool):
-        super().__init__(in_features, sum(part_sizes), bias=bias)
-        self.part_sizes = list(part_sizes)
-        self.part_offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
+    def __init__(self, in_features: int, part_sizes: Sequence[int], bias: bool,
+                 part_shards: Sequence[tuple[int, int]] | None = None):
+        shards = list(part_shards) if part_shards is not None else [(0, size) for size in part_sizes]
+        local = [length for _, length in shards]
+        super().__init__(in_features, sum(local), bias=bias)
+        self.part_sizes = local
+        self.part_offsets = [sum(local[:i]) for i in range(len(local))]
+        self.part_shards = shards
 
-    def load_part(self, part: int, param_name: str, tensor: torch.Tensor) -> None:
+    def load_part(self, part: int, param_name: str, tensor) -> None:
         start, size = self.part_offsets[part], self.part_sizes[part]
-        getattr(self, param_name).data[start : start + size].copy_(tensor)
+        getattr(self, param_name).data[start : start + size].copy_(tensor.narrow(0, *self.part_shards[part]))
 
 
 # (HF module name, fused module name, part index) used by Llama-family models.
@@ -134,9 +140,15 @@ def load_named_weights(
         else:
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name} does not match any model parameter")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-            params[name].data.copy_(tensor)
+            module_name, param_name = name.rsplit(".", 1) if "." in name else ("", name)
+            module = modules[module_name]
+            if hasattr(module, "load_weight"):  # a tensor-parallel layer takes its own slice
+                module.load_weight(param_name, tensor)
+            else:
+                if params[name].shape != tuple(tensor.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                                     f"{tuple(params[name].shape)}")
+                params[name].data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.materialize())
             pending.discard(name)
     if pending:
         raise KeyError(f"parameters missing from the checkpoint: {sorted(pending)[:8]}")

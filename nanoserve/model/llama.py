@@ -15,6 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.dist.parallel import (
+    SINGLE, ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, divide, even_shard, local_kv_heads,
+    qkv_shards,
+)
 from nanoserve.model.attention import ForwardContext, PagedAttention
 from nanoserve.model.layers import (
     LLAMA_STACKED, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights,
@@ -22,14 +26,20 @@ from nanoserve.model.layers import (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """Under tensor parallelism, this rank's query heads and the KV heads they read."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, layer_idx)
+        self.head_dim = cfg.head_dim
+        self.num_heads = divide(cfg.num_heads, tp.size, "the number of attention heads")
+        self.num_kv_heads = local_kv_heads(cfg.num_kv_heads, tp.size)
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        full_q, full_kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [full_q, full_kv, full_kv], cfg.attention_bias,
+                                     qkv_shards(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp))
+        self.o_proj = RowParallelLinear(full_q, cfg.hidden_size, cfg.o_proj_bias, tp)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, layer_idx)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for per-head q/k normalisation before RoPE (Qwen3). Llama has none."""
@@ -45,11 +55,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        shard = even_shard(cfg.intermediate_size, tp, "the MLP width")
+        self.intermediate_size = shard[1]
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, [shard, shard])
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -59,12 +70,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = self.attention_cls(cfg, layer_idx)
+        self.self_attn = self.attention_cls(cfg, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
@@ -76,10 +87,10 @@ class LlamaModel(nn.Module):
     # only while it runs a pure-offline batch; called after each layer, it may raise to stop.
     safe_point: Callable[[int], None] | None = None
 
-    def __init__(self, cfg: ModelConfig, layer_cls: type[LlamaDecoderLayer]):
+    def __init__(self, cfg: ModelConfig, layer_cls: type[LlamaDecoderLayer], tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
@@ -98,19 +109,18 @@ class LlamaForCausalLM(nn.Module):
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.layer_cls)
+        self.model = LlamaModel(cfg, self.layer_cls, tp)
         # Tied models reuse the embedding matrix as the LM head and own no separate weight.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.lm_head is None else [])

@@ -16,6 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.dist.parallel import (
+    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, divide,
+    qkv_shards,
+)
 from nanoserve.model.attention import ForwardContext, PagedAttention
 from nanoserve.model.layers import MergedLinear, load_named_weights
 
@@ -25,12 +29,14 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = SINGLE):
         super().__init__()
         h = cfg.hidden_size
-        self.qkv_proj = MergedLinear(h, [h, h, h], bias=cfg.attention_bias)
-        self.out_proj = nn.Linear(h, h, bias=cfg.attention_bias)
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5, layer_idx)
+        heads = divide(cfg.num_heads, tp.size, "the number of attention heads")
+        self.qkv_proj = MergedLinear(h, [h, h, h], cfg.attention_bias,
+                                     qkv_shards(cfg.num_heads, cfg.num_heads, cfg.head_dim, tp))
+        self.out_proj = RowParallelLinear(h, h, cfg.attention_bias, tp)
+        self.attn = PagedAttention(heads, heads, cfg.head_dim, cfg.head_dim**-0.5, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
@@ -38,14 +44,14 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.pre_norm = cfg.do_layer_norm_before
         affine = cfg.raw.get("layer_norm_elementwise_affine", True)
-        self.self_attn = OPTAttention(cfg, layer_idx)
+        self.self_attn = OPTAttention(cfg, layer_idx, tp)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
         self.act = ACTIVATIONS[cfg.raw.get("activation_function", "relu")]
 
@@ -63,10 +69,10 @@ class OPTDecoder(nn.Module):
     # ConServe's preemption safe point (conserve.txt §5): see LlamaModel.safe_point.
     safe_point: Callable[[int], None] | None = None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         embed_dim = cfg.word_embed_proj_dim or cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, embed_dim, tp)
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size)
         projected = embed_dim != cfg.hidden_size
         self.project_in = nn.Linear(embed_dim, cfg.hidden_size, bias=False) if projected else None
@@ -74,7 +80,7 @@ class OPTDecoder(nn.Module):
         has_final_norm = cfg.do_layer_norm_before and not cfg.remove_final_layer_norm
         affine = cfg.raw.get("layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine) if has_final_norm else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -93,25 +99,24 @@ class OPTDecoder(nn.Module):
 
 
 class OPTModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        self.decoder = OPTDecoder(cfg)
+        self.decoder = OPTDecoder(cfg, tp)
 
 
 class OPTForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = cfg
-        self.model = OPTModel(cfg)
+        self.model = OPTModel(cfg, tp)
         embed_dim = cfg.word_embed_proj_dim or cfg.hidden_size
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(embed_dim, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, embed_dim, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.decoder.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return (self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Early OPT checkpoints name tensors "decoder.*" rather than "model.decoder.*".

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 
 from nanoserve.config import ModelConfig
+from nanoserve.dist.parallel import SINGLE, TPGroup
 from nanoserve.model.layers import RMSNorm
 from nanoserve.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__(cfg, layer_idx)
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = SINGLE):
+        super().__init__(cfg, layer_idx, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
