@@ -7,6 +7,12 @@
         -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
 
 Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`.
+
+Tensor parallelism: `--tp 2` starts a second process on this machine. Under torchrun every
+rank runs this script; rank 0 serves and the others execute its steps:
+
+    torchrun --nnodes 1 --nproc-per-node 2 examples/serve.py --model DIR
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr HOST0 examples/serve.py --model DIR
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import uvicorn  # noqa: E402
 
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
+from nanoserve.config import resolve_device  # noqa: E402
+from nanoserve.dist.launch import run_worker, torchrun_rank  # noqa: E402
 from nanoserve.memory import KV_MANAGER_NAMES  # noqa: E402
 from nanoserve.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from nanoserve.sched import SCHEDULERS  # noqa: E402
@@ -53,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="attention kernels (default: triton on CUDA, torch on CPU)")
     p.add_argument("--preempt-every-layers", type=int, default=8,
                    help="conserve: a pure-offline forward checks for an online arrival every k layers")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="shard the model over this many processes (under torchrun: the world size)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -60,13 +70,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    launched = torchrun_rank()
+    if launched is not None:
+        rank, world = launched
+        args.tensor_parallel_size = world
+        if rank != 0:  # a worker: rank 0 sends the plan and every step
+            run_worker(rank, world, resolve_device(args.device))
+            return
     engine = build_engine(EngineArgs(
         model=args.model, device=args.device, dtype=args.dtype, policy=args.policy,
         kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
         kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens, cost_model=args.cost_model,
-        preempt_every_layers=args.preempt_every_layers,
+        preempt_every_layers=args.preempt_every_layers, tensor_parallel_size=args.tensor_parallel_size,
     ))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, served_model_name=args.served_model_name)
@@ -80,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         async_engine.shutdown()  # also when uvicorn exits on Ctrl-C or fails to bind
+        engine.shutdown()  # and its tensor-parallel workers
 
 
 if __name__ == "__main__":

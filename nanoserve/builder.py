@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
+from nanoserve.dist.launch import RankPlan
+from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.engine import Engine
 from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
 from nanoserve.memory.arena import ArenaConfig, MemoryArena
@@ -16,8 +18,8 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import KVManager
 from nanoserve.model.attention import default_attention_backend, get_attention_backend
 from nanoserve.model.layer_peer import move_weights_to_host
-from nanoserve.model.loader import load_model, resolve_model_path
-from nanoserve.model.runner import ModelRunner
+from nanoserve.model.loader import load_config, load_model, resolve_model_path
+from nanoserve.model.runner import Executor, ModelRunner
 from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.tokenizer import Tokenizer
@@ -47,11 +49,14 @@ class EngineArgs:
     kv_manager_options: dict | None = None  # knobs of the chosen manager
     host_kv_tokens: int | None = None  # host KV store size; default: as many as the device holds
     preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
+    tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
 
 
 def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """How many KV blocks fit the user's token or byte budget, or the device's free memory."""
-    block_bytes = cfg.kv_bytes_per_token(dtype) * args.block_size
+    """How many KV blocks fit the user's token or byte budget, or the device's free memory
+    (under tensor parallelism, one rank's: each holds its KV heads of every block)."""
+    heads = local_kv_heads(cfg.num_kv_heads, args.tensor_parallel_size)
+    block_bytes = cfg.kv_bytes_per_token(dtype) * heads // cfg.num_kv_heads * args.block_size
     if args.kv_cache_tokens is not None:
         if args.kv_cache_tokens < args.block_size:
             raise ValueError(f"kv_cache_tokens must be at least block_size ({args.block_size})")
@@ -78,33 +83,41 @@ def build_engine(args: EngineArgs) -> Engine:
         path = resolve_model_path(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model, cfg = load_model(path, device, dtype)
+    cfg = load_config(path)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
 
     scheduler_class(args.policy)  # an unknown policy fails before any memory is allocated
     kv_manager = args.kv_manager or POLICY_MEMORY[args.policy]
+    if args.tensor_parallel_size < 1:
+        raise ValueError("tensor_parallel_size must be >= 1")
+    if args.tensor_parallel_size > 1 and kv_manager == "arena":
+        raise ValueError("the arena KV manager (KunServe's drop) runs on one device per instance; "
+                         "use tensor_parallel_size=1")
     num_blocks = kv_cache_blocks(args, cfg, device, dtype)
-    capacity = num_blocks * args.block_size
-    host_store = None
+    host_blocks = 0
     if kv_manager in NEEDS_HOST_STORE:
-        host_tokens = args.host_kv_tokens if args.host_kv_tokens is not None else capacity
-        host_store = HostKVStore(host_tokens // args.block_size, args.block_size, cfg.num_layers,
-                                 cfg.num_kv_heads, cfg.head_dim, dtype)
-    backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
+        host_tokens = args.host_kv_tokens if args.host_kv_tokens is not None else num_blocks * args.block_size
+        host_blocks = host_tokens // args.block_size
+    plan = RankPlan(args, str(path), num_blocks, host_blocks)
+    executor: Executor
     if kv_manager == "arena":
         # KunServe (§4.1): weights and KV in one arena, so it is built from the loaded model.
         # The weights go to the host first (the device keeps one copy, the arena's); that host
         # copy feeds the pipeline peer on a drop and the arena on a restore (§4.2, §4.4).
+        model, _ = load_model(path, device, dtype)
         host_weights = move_weights_to_host(model)
         arena = MemoryArena(model, ArenaConfig.from_model_config(cfg, args.block_size, dtype, num_blocks), device)
         kv: KVManager = ArenaKV(arena)
-        runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed,
-                             arena=arena, host_weights=host_weights, preempt_every_layers=args.preempt_every_layers)
+        executor = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, attention_backend(args, device),
+                               args.seed, arena=arena, host_weights=host_weights,
+                               preempt_every_layers=args.preempt_every_layers)
     else:
-        kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, host_store,
+        if args.tensor_parallel_size == 1:
+            runner = executor = build_rank_runner(plan, device, SINGLE)
+        else:
+            runner, executor = _start_tensor_parallel(plan, device)
+        kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, runner.host_store,
                                                              args.kv_manager_options or {}))
-        runner = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, backend, args.seed, host_store,
-                             preempt_every_layers=args.preempt_every_layers)
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                         kv.max_request_tokens)
     sched_config = SchedulerConfig(
@@ -113,4 +126,45 @@ def build_engine(args: EngineArgs) -> Engine:
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
-    return Engine(make_scheduler(sched_config, kv, cost_model), runner, tokenizer, eos, model_name=str(args.model or path.name))
+    return Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
+                  model_name=str(args.model or path.name))
+
+
+def attention_backend(args: EngineArgs, device: torch.device):
+    return get_attention_backend(args.attention_backend or default_attention_backend(device), device)
+
+
+def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup) -> ModelRunner:
+    """One rank's model shard, KV cache share and host store (all of them with one rank)."""
+    args = plan.args
+    dtype = resolve_dtype(args.dtype, device)
+    model, cfg = load_model(Path(plan.model_path), device, dtype, tp)
+    host_store = None
+    if plan.host_blocks:
+        host_store = HostKVStore(plan.host_blocks, args.block_size, cfg.num_layers,
+                                 local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype)
+    return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),
+                       args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp)
+
+
+def _start_tensor_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, Executor]:
+    """Become rank 0 of the tensor-parallel group (starting ranks 1..N-1 unless torchrun did),
+    send the workers the plan, and wrap this rank's runner in the executor that sends them each
+    step."""
+    from nanoserve.dist.executor import DriverExecutor
+    from nanoserve.dist.launch import WorkerPool, join_group, rank_device, send_plan, stop_driver, torchrun_rank
+
+    world = plan.args.tensor_parallel_size
+    launched = torchrun_rank()
+    if launched is not None and launched != (0, world):
+        raise ValueError(f"under torchrun the engine is built by rank 0 of {world}; got (rank, world) {launched}")
+    pool = None if launched else WorkerPool(world, device)
+    device = rank_device(device, 0)
+    tp, control = join_group(0, world, device, None if pool is None else pool.init_method)
+    try:
+        send_plan(plan, control)
+        runner = build_rank_runner(plan, device, tp)
+    except BaseException:
+        stop_driver(control, pool)
+        raise
+    return runner, DriverExecutor(runner, control, pool)

@@ -148,6 +148,12 @@ class Engine:
         self._finish(request, RequestStatus.FINISHED_ABORTED, self.clock())
         return self._output(request)
 
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, if it has any (tensor parallelism)."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

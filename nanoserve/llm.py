@@ -30,6 +30,16 @@ class LLM:
             max_num_seqs=max_num_seqs, seed=seed, **engine_kwargs,
         ))
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (a no-op on one device)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.dist.parallel import SINGLE, TPGroup
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.opt import OPTForCausalLM
 from nanoserve.model.qwen2 import Qwen2ForCausalLM
@@ -115,8 +116,24 @@ def load_config(path: Path) -> ModelConfig:
     return parse_config(json.loads((path / "config.json").read_text()))
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) from every weight file of a checkpoint, one tensor at a time."""
+class CheckpointSlice:
+    """A safetensors tensor not read yet: `narrow` reads only the rows a tensor-parallel rank
+    keeps, `materialize` the whole tensor. Valid while its file is open (one loading pass)."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def iter_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) from every weight file of a checkpoint, one tensor at a time.
+    With `lazy`, safetensors tensors come as `CheckpointSlice`s, read when loaded."""
     from safetensors import safe_open
 
     safetensor_files = sorted(path.glob("*.safetensors"))
@@ -128,7 +145,7 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in safetensor_files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointSlice(f, name) if lazy else f.get_tensor(name)
         return
     bin_files = sorted(path.glob("pytorch_model*.bin"))
     if not bin_files:
@@ -139,12 +156,14 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         del state
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig]:
+def load_model(path: Path, device: torch.device, dtype: torch.dtype,
+               tp: TPGroup = SINGLE) -> tuple[nn.Module, ModelConfig]:
+    """The model, or under tensor parallelism this rank's shard of it (reading only its slices)."""
     config = load_config(path)
     model_cls = MODEL_CLASSES[config.raw["architectures"][0]][1]
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_cls(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     with torch.no_grad():
-        model.load_weights(iter_weights(path))
+        model.load_weights(iter_weights(path, lazy=True))
     return model.eval().requires_grad_(False), config

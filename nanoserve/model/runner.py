@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
@@ -112,8 +113,9 @@ class PreemptionFlag:
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
-                       dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+                       dtype: torch.dtype, tp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer; under tensor parallelism, for this rank's KV heads only."""
+    shape = (num_blocks, block_size, local_kv_heads(cfg.num_kv_heads, tp_size), cfg.head_dim)
     return [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
             for _ in range(cfg.num_layers)]
 
@@ -122,11 +124,15 @@ class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
-                 host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8):
+                 host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8,
+                 tp: TPGroup = SINGLE):
         """With `arena` (KunServe), the KV caches are the arena's views and `host_weights` (every
         parameter by name, on the host) feeds the peer on a drop and the arena on a restore.
-        `preempt_every_layers`: how often a pure-offline forward checks the preemption flag."""
+        `preempt_every_layers`: how often a pure-offline forward checks the preemption flag.
+        `tp`: this rank's tensor-parallel group; only rank 0 samples (every rank computes the
+        gathered logits, as the gather is collective)."""
         self.model = model
+        self.tp = tp
         # ConServe's layer-wise preemption: the modules whose layer loop has a safe point.
         self.preemption = PreemptionFlag(preempt_every_layers, model_config.num_layers)
         self._safe_point_hosts = [m for m in model.modules() if hasattr(type(m), "safe_point")]
@@ -137,7 +143,7 @@ class ModelRunner:
         self.backend = backend
         self.arena, self.host_weights, self.peer = arena, host_weights, None
         if arena is None:
-            self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, device, dtype)
+            self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, device, dtype, tp.size)
         else:
             if host_weights is None:
                 raise ValueError("a runner over an arena needs host_weights to drop and restore layers")
@@ -248,14 +254,18 @@ class ModelRunner:
             return ExecutorOutput()
         prepared = self.prepare(batch)
         try:
-            # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3).
-            hidden = self.run_model(prepared, preemptible=all(c.request.priority == "offline" for c in batch.chunks))
+            # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
+            # only on one rank: ranks stopping at different layers would leave a collective waiting.
+            preemptible = self.tp.size == 1 and all(c.request.priority == "offline" for c in batch.chunks)
+            hidden = self.run_model(prepared, preemptible=preemptible)
         except ForwardPreempted:
             return ExecutorOutput(preempted=True)
         sampling = [c.request for c in batch.chunks if c.samples]
         if not sampling:
             return ExecutorOutput()
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
+        if self.tp.rank != 0:
+            return ExecutorOutput()
         for request in sampling:
             if request.params.seed is not None and request.generator is None:
                 request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)

@@ -1,0 +1,164 @@
+"""Tensor parallelism (nanoserve/dist/parallel.py, executor.py, launch.py).
+
+Two levels: in one process, each rank's shard is loaded (a `TPGroup` with a rank but no
+process group: loading needs no collectives) and compared with the slices of the HF tensors it
+should hold, and a step survives the trip through its wire message; across 2 and 4 real gloo
+processes on the CPU, greedy outputs match a single process for every architecture, a dead
+worker is an error and not a hang, and shutdown leaves no process behind.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import build_tiny_model
+from nanoserve import LLM, SamplingParams
+from nanoserve.dist.executor import StepMessage, WorkerFailure
+from nanoserve.dist.parallel import TPGroup, kv_head_shard, local_kv_heads
+from nanoserve.model.loader import load_model
+from nanoserve.request import Request
+from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from test_invariance import assert_close_greedy
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [300, 20, 5]]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    dirs = {}
+    for arch in ("llama", "qwen2", "qwen3", "opt"):
+        dirs[arch] = tmp_path_factory.mktemp(f"tp-{arch}")
+        build_tiny_model(arch, dirs[arch])
+    return dirs
+
+
+# -- one process: shard arithmetic and loading -------------------------------------------------
+def test_kv_heads_split_or_replicate():
+    assert local_kv_heads(8, 2) == 4 and local_kv_heads(2, 4) == 1
+    # Four ranks over two KV heads: ranks 0-1 keep head 0, ranks 2-3 head 1 (their query heads').
+    assert [kv_head_shard(2, 16, TPGroup(r, 4)) for r in range(4)] == [(0, 16), (0, 16), (16, 16), (16, 16)]
+    with pytest.raises(ValueError, match="divisible"):
+        local_kv_heads(3, 2)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_each_rank_loads_exactly_its_slices(tiny_dirs, tp_size):
+    hf = load_file(str(tiny_dirs["llama"] / "model.safetensors"))
+    q, k = hf["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
+    o, down = hf["model.layers.1.self_attn.o_proj.weight"], hf["model.layers.1.mlp.down_proj.weight"]
+    embed, head_dim = hf["model.embed_tokens.weight"], 16
+    rows = -(-embed.shape[0] // tp_size)
+    for rank in range(tp_size):
+        model, cfg = load_model(tiny_dirs["llama"], torch.device("cpu"), torch.float32, TPGroup(rank, tp_size))
+        layer0, layer1 = model.model.layers[0], model.model.layers[1]
+        qkv = layer0.self_attn.qkv_proj.weight
+        q_rows, kv_start = q.shape[0] // tp_size, kv_head_shard(cfg.num_kv_heads, head_dim, TPGroup(rank, tp_size))[0]
+        assert torch.equal(qkv[:q_rows], q[rank * q_rows:(rank + 1) * q_rows])
+        assert torch.equal(qkv[q_rows:q_rows + head_dim * layer0.self_attn.num_kv_heads],
+                           k[kv_start:kv_start + head_dim * layer0.self_attn.num_kv_heads])
+        cols = o.shape[1] // tp_size
+        assert torch.equal(layer1.self_attn.o_proj.weight, o[:, rank * cols:(rank + 1) * cols])
+        cols = down.shape[1] // tp_size
+        assert torch.equal(layer1.mlp.down_proj.weight, down[:, rank * cols:(rank + 1) * cols])
+        assert torch.equal(model.model.embed_tokens.weight, embed[rank * rows:(rank + 1) * rows])
+
+
+def test_a_step_survives_its_wire_message(tiny_dirs):
+    from nanoserve.builder import EngineArgs, build_engine
+
+    engine = build_engine(EngineArgs(model=str(tiny_dirs["llama"]), device="cpu", kv_cache_tokens=256))
+    runner = engine.executor
+    requests = [Request(f"r{i}", list(range(1, 20 + i)), PARAMS) for i in range(2)]
+    batch = SchedulerOutput([ScheduledChunk(requests[0], 4, 15, [3, 7]), ScheduledChunk(requests[1], 19, 1, [1, 2], True)])
+    sent, received = runner.prepare(batch), runner.prepare(StepMessage.of(batch).batch())
+    for a, b in [(sent.input_ids, received.input_ids), (sent.positions, received.positions),
+                 (sent.ctx.slot_mapping, received.ctx.slot_mapping), (sent.ctx.block_tables, received.ctx.block_tables),
+                 (sent.ctx.directions, received.ctx.directions)]:
+        assert torch.equal(a, b)
+    assert sent.sample_rows == received.sample_rows == [14, 15]
+
+
+# -- several processes: same answers, failures, shutdown -----------------------------------------
+@pytest.mark.parametrize("arch,tp_size", [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen3", 2), ("opt", 2)])
+def test_greedy_outputs_match_a_single_process(tiny_dirs, arch, tp_size):
+    directory = str(tiny_dirs[arch])
+    expected = LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024).generate(
+        PROMPTS, PARAMS, use_tqdm=False)
+    with LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=tp_size) as llm:
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        pool = llm.engine.executor
+    for ref, out in zip(expected, outputs):
+        assert_close_greedy(ref, out, f"{arch} tp={tp_size}", max_tokens=PARAMS.max_tokens)
+    assert pool.failed == "the engine was shut down"
+
+
+def test_a_dead_worker_is_an_error_not_a_hang(tiny_dirs):
+    llm = LLM(str(tiny_dirs["llama"]), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2)
+    try:
+        assert len(llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)) == 1
+        executor = llm.engine.executor
+        (worker,) = executor.pool.processes
+        worker.kill()
+        worker.wait(30)
+        started = time.monotonic()
+        with pytest.raises(WorkerFailure, match="worker"):
+            llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+        assert time.monotonic() - started < 60
+        assert llm.engine.kv.num_used_blocks == 0  # the failed request was aborted, its blocks freed
+    finally:
+        llm.shutdown()
+
+
+def test_shutdown_stops_every_worker(tiny_dirs):
+    llm = LLM(str(tiny_dirs["qwen2"]), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2)
+    processes = llm.engine.executor.pool.processes
+    llm.shutdown()
+    assert all(p.poll() is not None for p in processes)
+    llm.shutdown()  # twice is fine
+
+
+def test_torchrun_runs_the_server_with_rank_0_serving(tiny_dirs, tmp_path):
+    """The README's multi-process command: every rank runs serve.py, rank 0 answers."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, root = free_port(), Path(__file__).resolve().parents[1]
+    log = open(tmp_path / "torchrun.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "examples/serve.py", "--model", str(tiny_dirs["llama"]),
+                             "--device", "cpu", "--dtype", "float32", "--kv-cache-tokens", "1024", "--port", str(port)],
+                            cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("the server did not come up:\n" + (tmp_path / "torchrun.log").read_text()[-3000:])
+        body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert "nanoserve_engine_alive" in metrics
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+        log.close()
