@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from nanoserve.memory.bidirectional_blocks import BidirectionalBlocks
+from nanoserve.memory.bidirectional_growth import FastGrowth
 from nanoserve.memory.bidirectional_index import (NOBODY, DropResult, HostLedger, PageKey, PreemptedPage, SeqId,
                                                   SeqState)
 from nanoserve.memory.blocks import NoFreeBlocksError
@@ -42,17 +42,20 @@ class _Plan:
     restored: list[int] = field(default_factory=list)  # pages whose host copies are released
 
 
-class BidirectionalBlockManager(BidirectionalBlocks):
+class BidirectionalBlockManager(FastGrowth):
     def can_allocate(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> bool:
         """Whether `allocate` would succeed without dropping anyone."""
         try:
             return (self._in_place(seq_id, num_tokens, best_effort) is not None
+                    or self._fresh_pages(seq_id, num_tokens, best_effort) is not None
                     or self._plan_growth(seq_id, num_tokens, best_effort, NOBODY) is not None)
         except ValueError:
             return False
 
     def can_grow(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> bool:
         """Whether `grow` would succeed; exact, and changes nothing."""
+        if self._in_place(seq_id, num_tokens, best_effort) is not None:
+            return True  # most decode steps
         if not (self.has(seq_id) and self._seqs[seq_id].host_pages):
             return self.can_allocate(seq_id, num_tokens, best_effort=best_effort)
         # Growth after a restore depends on where the restore puts the pages and which host
@@ -76,13 +79,24 @@ class BidirectionalBlockManager(BidirectionalBlocks):
         load writes a slot of this sequence that nothing else in the call reads. The restored
         pages' host blocks are freed only at the end, so no save reuses a host slot a load reads.
         """
+        state = self._in_place(seq_id, num_tokens, best_effort)
+        if state is not None:  # most decode steps: nothing to restore, plan or copy
+            self._grow_in_place(state, num_tokens)
+            return []
+        state = self._seqs.get(seq_id)
+        if state is None or not state.host_pages:  # nothing to restore: `allocate` alone is all or nothing
+            try:
+                return self.allocate(seq_id, num_tokens, best_effort=best_effort)
+            except ValueError as error:  # as `can_grow` would have said: it cannot grow
+                raise NoFreeBlocksError(f"cannot grow {seq_id!r} to {num_tokens} positions") from error
         if not self.can_grow(seq_id, num_tokens, best_effort=best_effort):
             raise NoFreeBlocksError(f"no room to restore and grow {seq_id!r} to {num_tokens} positions")
         return self._grow(seq_id, num_tokens, best_effort)
 
     def _grow(self, seq_id: SeqId, num_tokens: int, best_effort: bool) -> list[KVCopy]:
         held: list[int] = []  # host blocks the restore's loads read, freed after the growth
-        copies = self._restore(seq_id, num_tokens, held) if self.has(seq_id) else []
+        state = self._seqs.get(seq_id)
+        copies = self._restore(seq_id, num_tokens, held) if state is not None and state.host_pages else []
         copies += self.allocate(seq_id, num_tokens, best_effort=best_effort)
         if held:
             self.host.free(seq_id, held)
@@ -99,9 +113,11 @@ class BidirectionalBlockManager(BidirectionalBlocks):
         """
         state = self._in_place(seq_id, num_tokens, best_effort)
         if state is not None:  # most decode steps: no new page, nobody on the block's other side
-            if num_tokens > state.num_tokens:
-                state.num_tokens = num_tokens
-                self._stale.add(state.pages[-1])  # type: ignore[arg-type]
+            self._grow_in_place(state, num_tokens)
+            return []
+        count = self._fresh_pages(seq_id, num_tokens, best_effort)
+        if count is not None:  # a page boundary crossed, or a new sequence: free blocks, in order
+            self._grow_onto_free(seq_id, num_tokens, best_effort, count)
             return []
         plan, copies = self._plan_growth(seq_id, num_tokens, best_effort, NOBODY), []
         chosen = self._victims_to_drop(seq_id, num_tokens, victims) if plan is None and not best_effort else None
@@ -134,15 +150,6 @@ class BidirectionalBlockManager(BidirectionalBlocks):
         return self._drop(seq_id, host_reserve=0)
 
     # -- planning (reads state, changes nothing) -----------------------------------------
-    def _in_place(self, seq_id: SeqId, num_tokens: int, best_effort: bool) -> SeqState | None:
-        """The sequence, if its growth adds no page and its last block has nobody on the other side."""
-        state = self._seqs.get(seq_id)
-        if (state is None or state.best_effort != best_effort or state.host_pages
-                or num_tokens > len(state.pages) * self.block_size):
-            return None
-        other = self._rt if best_effort else self._be
-        return state if num_tokens <= state.num_tokens or other[state.pages[-1]] is None else None
-
     def _plan_growth(self, seq_id: SeqId, num_tokens: int, best_effort: bool, gone: frozenset) -> _Plan | None:
         """Growth as if the sequences in `gone` had been dropped; None if it does not fit."""
         state = self._seqs.get(seq_id)

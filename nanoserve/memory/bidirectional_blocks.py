@@ -78,8 +78,9 @@ class BidirectionalBlocks:
         return self._seqs[seq_id].num_tokens
 
     def block_table(self, seq_id: SeqId) -> list[int]:
-        pages = self._seqs[seq_id].pages
-        if None in pages:
+        state = self._seqs[seq_id]
+        pages = state.pages
+        if state.host_pages and None in pages:  # only a page in the preemption table can be off the device
             raise ValueError(f"{seq_id!r} is swapped out; call ensure_resident first")
         return list(pages)  # type: ignore[arg-type]
 
@@ -88,6 +89,14 @@ class BidirectionalBlocks:
         state = self._seqs.get(seq_id)
         pages = state.host_pages if state else ()
         return sorted(p for page in pages for p in self.preemption_table[(seq_id, page)].host_slots)
+
+    def host_positions(self) -> dict[SeqId, int]:
+        """How many positions (`missing_positions`) each sequence with any has on the host. Reads
+        only the preemption table, so it costs nothing while nobody is checkpointed or swapped."""
+        counts: dict[SeqId, int] = defaultdict(int)
+        for (seq_id, _), entry in self.preemption_table.items():
+            counts[seq_id] += len(entry.host_slots)
+        return counts
 
     def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
         """Flat device slots of positions [start, end), in the sequence's direction."""

@@ -56,15 +56,15 @@ class BidirectionalKV(KVManager):
         return self.blocks.num_blocks - self.blocks.num_free_blocks
 
     # -- the step --------------------------------------------------------------------------
-    @staticmethod
-    def _best_effort(request: Request) -> bool:
+    # The per-chunk calls below test `priority` inline: BROS makes them for every request it
+    # schedules, a thousand a step.
+    def right_to_left(self, request: Request) -> bool:
         return request.priority == "offline"
 
-    def right_to_left(self, request: Request) -> bool:
-        return self._best_effort(request)
-
     def order(self, running: list[Request]) -> list[Request]:
-        return sorted(running, key=self._best_effort)  # stable: RT, then BE, each in FCFS order
+        # Stable: RT, then BE, each in FCFS order (two filters beat a keyed sort).
+        rt = [r for r in running if r.priority != "offline"]
+        return rt if len(rt) == len(running) else rt + [r for r in running if r.priority == "offline"]
 
     def step_copies(self, running: list[Request]) -> list[KVCopy]:
         # A new step: last step's forward is done, so no sequence's slots are in use any more.
@@ -72,10 +72,10 @@ class BidirectionalKV(KVManager):
         return []
 
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
-        return self.blocks.can_grow(request.request_id, num_tokens, best_effort=self._best_effort(request))
+        return self.blocks.can_grow(request.request_id, num_tokens, best_effort=request.priority == "offline")
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
-        copies = self.blocks.grow(request.request_id, num_tokens, best_effort=self._best_effort(request))
+        copies = self.blocks.grow(request.request_id, num_tokens, best_effort=request.priority == "offline")
         self.blocks.pinned.add(request.request_id)  # its chunk's forward reads these slots
         return copies
 

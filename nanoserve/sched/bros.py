@@ -4,17 +4,18 @@
 Each step maximises BE work while every RT request's next token can still meet its deadline
 (problem (1)-(8), §4.1), with the greedy priority packing of Alg. 1 (§4.2):
 
-    _deadline / _residual   Eq. (6). An RT request's next token is due at arrival + TTFT (no
-                            token yet) or last token + TPOT. Its residual is the time each
-                            iteration it still needs may take ("assuming the remaining tokens are
-                            scheduled in the following iterations consecutively"): slack / the
-                            number of token-budget chunks left before it samples.
-    _rt_candidates          Alg. 1 lines 3-4 with the request-pulling optimisation (Fig. 8):
-                            only the running ("pending") RT requests are sorted by slack; the
-                            waiting queue is already in arrival, hence TTFT-deadline, order and
-                            is merged in, not sorted (it is sorted only if a preempted or
-                            per-request-SLO request breaks that order). The oldest RT request
-                            goes first whatever its urgency (progress, see _make_room_for_rt).
+    _due, _pack_rt          Eq. (6). An RT request's next token is due at arrival + TTFT (no
+                            token yet) or last token + TPOT (`bros_queue.Deadlines`, kept as
+                            tokens come). Its residual is the time each iteration it still needs
+                            may take ("assuming the remaining tokens are scheduled in the
+                            following iterations consecutively"): slack / the number of
+                            token-budget chunks left before it samples.
+    _rt_candidates          Alg. 1 lines 3-4 with request pulling (Fig. 8; `bros_queue.py`): only
+                            the running ("pending") RT requests are sorted; waiting ones are
+                            pulled from a heap filed by deadline as they join the queue, only as
+                            many as the batch takes (preempted and per-request-SLO requests
+                            included). The oldest RT request goes first whatever its urgency
+                            (progress, see _make_room_for_rt).
     _select_rt              Alg. 1 lines 5-15: add the most urgent RT requests while the batch
                             size (7), the token budget and max_num_seqs allow and the cost model's
                             iteration time (2)-(5) stays within the smallest residual of the RT
@@ -22,6 +23,8 @@ Each step maximises BE work while every RT request's next token can still meet i
                             risk of lines 11-12: stop, with no BE work this step.
     _be_candidates          Alg. 1 line 17: BE requests by fewest KV slots on the host (their
                             swap-in cost, `missing_positions`); running before waiting on ties.
+                            Only checkpointed or swapped requests have any: the running ones are
+                            sorted, the waiting ones pulled from a heap.
     _select_be              Alg. 1 lines 18-33: add BE requests while the time budget holds (a
                             BE prefill chunk shrinks to fit it); when the batch is full, a BE
                             request replaces the least urgent RT request that can afford to sit
@@ -38,6 +41,10 @@ Each step maximises BE work while every RT request's next token can still meet i
                             request given a chunk this step is never preempted. An RT request
                             the memory cannot take even after evictions is passed over for the
                             next one (FindPreemptBlock found nothing).
+    _replay_rt, _replay_be  The real pass replays the draft's decisions where they provably carry
+                            over (each chunk fits as it is, no decision hinged on the replaced RT
+                            requests); the first request that needs more hands over to the usual
+                            packing, past the requests already packed.
     _make_room_for_rt       §5.2's last resort: when an RT request finds no room (or no seat),
                             running requests without a chunk are swapped out: BE ones, newest
                             first, then RT ones younger than it, least urgent first. Only
@@ -55,114 +62,49 @@ the forward pass: max(T_exec, T_swap)); swap cost enters only through the BE ord
 """
 from __future__ import annotations
 
-import heapq
-import itertools
+from typing import Iterator
 
-from nanoserve.memory.bidirectional_kv import BidirectionalKV
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import Scheduler, SchedulerOutput
-from nanoserve.sched.bros_batch import INF, Batch, is_rt
+from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.bros_batch import INF, WAITING, Batch, is_rt
+from nanoserve.sched.bros_queue import PulledQueues
 
 
-
-class BROSScheduler(Scheduler):
+class BROSScheduler(PulledQueues):
     initial_batch_size = 8  # §4.2 "start with a conservative batch size"
     batch_size_step = 1  # additive increase per step without SLO risk
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batch_size = self._initial_size()
-        self._last_token_time: dict[str, float] = {}  # request id -> when its latest token came
-        self._arrivals: dict[str, int] = {}  # request id -> its place in arrival order
-        self._count = itertools.count()
         self.slo_risk = False  # whether the last plan hit lines 11-12 (for tests and stats)
 
     def _initial_size(self) -> int:
         return max(1, min(self.initial_batch_size, self.config.max_num_seqs))
 
-    # -- bookkeeping -----------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self._arrivals[request.request_id] = next(self._count)
-        super().add_request(request)
-
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        super().update_after_step(output)
-        # The engine appends the sampled tokens right after this, at the same clock reading.
-        now = self.clock()
-        for chunk in output.chunks:
-            if chunk.samples:
-                self._last_token_time[chunk.request.request_id] = now
-
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        super().finish_request(request, status)
-        self._last_token_time.pop(request.request_id, None)
-        self._arrivals.pop(request.request_id, None)
-
-    # -- Eq. (6): deadlines and residual time ------------------------------------------------
-    def _deadline(self, request: Request) -> float:
-        slo = request.slo
-        if request.first_token_time is None:
-            return request.arrival_time + slo.ttft if slo.ttft is not None else INF
-        if slo.tpot is None:
-            return INF
-        last = self._last_token_time.get(request.request_id)
-        if last is None:  # not seen by this scheduler: assume it kept its TPOT pace
-            last = request.first_token_time + slo.tpot * (request.num_output_tokens - 1)
-        return last + slo.tpot
-
-    def _residual(self, request: Request, now: float) -> float:
-        """Time each iteration may take if `request`'s next token is to be on time."""
-        lacking = request.num_tokens - request.num_computed_tokens
-        iterations = max(1, -(-lacking // self.config.max_num_batched_tokens))
-        return (self._deadline(request) - now) / iterations
-
-    def _host_slots(self, request: Request) -> int:
-        if isinstance(self.kv, BidirectionalKV) and self.kv.blocks.has(request.request_id):
-            return len(self.kv.blocks.missing_positions(request.request_id))
-        return 0
-
-    # -- Alg. 1 lines 3-4, Fig. 8 ----------------------------------------------------------
-    def _rt_candidates(self, now: float) -> list[Request]:
-        slack = {id(r): self._deadline(r) - now for r in self.running if is_rt(r)}
-        for r in self.waiting:
-            if is_rt(r):
-                slack[id(r)] = self._deadline(r) - now
-        pending = sorted((r for r in self.running if is_rt(r)), key=lambda r: slack[id(r)])
-        waiting = [r for r in self.waiting if is_rt(r)]
-        if any(slack[id(a)] > slack[id(b)] for a, b in zip(waiting, waiting[1:])):
-            waiting.sort(key=lambda r: slack[id(r)])  # a preempted request or its own SLO broke the order
-        # Poll both queues, always taking the more urgent head (stable: pending first on ties).
-        order = list(heapq.merge(pending, waiting, key=lambda r: slack[id(r)]))
-        # The oldest RT request leads, whatever its urgency: it may evict any other request, so
-        # it always advances, and requests that urgency alone orders cannot evict one another
-        # in a loop (a guarantee the paper leaves implicit; FCFS has it for its head).
-        if order:
-            oldest = min(order, key=self._seniority)
-            order.remove(oldest)
-            order.insert(0, oldest)
-        return order
-
-    def _be_candidates(self) -> list[Request]:
-        queued = [r for r in self.running if not is_rt(r)] + [r for r in self.waiting if not is_rt(r)]
-        rank = {id(r): (self._host_slots(r), r.status != RequestStatus.RUNNING) for r in queued}
-        return sorted(queued, key=lambda r: rank[id(r)])
-
     # -- the plan ----------------------------------------------------------------------------
     def plan(self) -> SchedulerOutput:
         now = self.clock()
+        self._sync_queues()
         self.running = self.kv.order(self.running)  # RT first, as the bidirectional manager needs
         # Alg. 1 on paper first (no KV touched): which RT requests BE requests replace.
         draft = Batch(self, now)
-        self._select_rt(draft)
+        draft.capped = self._select_rt(draft)
+        draft.rt_stop, draft.host_version = draft.stop, self._host_slots_version()
         if not draft.stop:
             self._select_be(draft, replace=True)
         # Then for real, reserving as it packs: RT chunks before any BE chunk. An RT request the
-        # memory cannot take (even after evictions) is passed over for the next one.
+        # memory cannot take (even after evictions) is passed over for the next one. Where the
+        # memory takes each chunk as it is, the real pass decides as the draft did: replay it.
         batch = Batch(self, now, out=SchedulerOutput(), draft=draft)
-        capped = self._select_rt(batch, skip=draft.replaced, cap=self.batch_size - len(draft.replaced))
+        capped = self._replay_rt(batch, draft)
+        replay_be = capped is not None and draft.host_version == self._host_slots_version()
+        if capped is None:
+            capped = self._select_rt(batch, skip=draft.replaced | batch.held, cap=self.batch_size - len(draft.replaced))
         if not batch.stop:
-            self._select_be(batch, replace=False)
-        rt_left_waiting = any(is_rt(r) and not batch.holds(r) for r in self.waiting)
+            if not (replay_be and self._replay_be(batch, draft)):
+                self._select_be(batch, replace=False, skip=set(batch.held))
+        rt_left_waiting = len(self._rt_waiting) > 0  # those admitted left the queue
         self._adapt_batch_size(batch.risk, capped or not rt_left_waiting)
         self.slo_risk = batch.risk
         return batch.out
@@ -171,43 +113,81 @@ class BROSScheduler(Scheduler):
         """Alg. 1 lines 5-15, up to `cap` RT requests (the batch size less the seats the draft
         gave BE requests). Returns whether an RT request was left out for lack of batch room."""
         cap = self.batch_size if cap is None else cap
-        for request in self._rt_candidates(batch.now):
-            if id(request) in skip or batch.evicted(request):
+        candidates = self._rt_candidates()
+        try:
+            return self._pack_rt(batch, candidates, skip, cap)
+        finally:
+            candidates.close()  # puts back the waiting requests it pulled but did not admit
+
+    def _pack_rt(self, batch: Batch, candidates: Iterator[Request], skip: set[int], cap: int) -> bool:
+        # Locals and inline arithmetic: this loop runs for every RT request in the batch, twice.
+        chunk_cost, iteration, gone, held = self.cost_model.chunk_cost, self.cost_model.iteration, batch.gone, batch.held
+        now, due, per_iteration, draft = batch.now, self._due, self.config.max_num_batched_tokens, batch.out is None
+        for request in candidates:
+            if id(request) in skip or id(request) in gone:
                 continue
-            if len(batch) >= cap:
+            if len(held) >= cap:
                 return True
-            num_new = batch.chunk_size(request)
-            if num_new == 0:
+            computed = request.num_computed_tokens
+            lacking = len(request.token_ids) - computed
+            num_new = lacking if lacking < batch.tokens_left else batch.tokens_left
+            if num_new <= 0:
                 break  # the token budget is spent
-            residual = self._residual(request, batch.now)
+            # Eq. (6)'s residual: the time each iteration it still needs may take, for its next
+            # token to be on time ("assuming the remaining tokens are scheduled consecutively").
+            residual = (due[request] - now) / -(-lacking // per_iteration)
             late = residual <= 0  # already late: served first, but it cannot bound the batch
             residual = INF if late else residual
-            if batch.rt and batch.cost_with(request, num_new) > min(batch.budget, residual):
+            cost = chunk_cost(computed, num_new)
+            if batch.rt and batch.chunk_cost + cost + iteration > min(batch.budget, residual):
                 batch.risk = batch.stop = True  # lines 11-12: it would push someone past a deadline
                 break
-            if not self._grant_rt(batch, request, num_new, residual):
+            # The draft counts seats; for real, KV is found (evicting if need be) and reserved.
+            if not (batch.has_seat(request) if draft else self._make_room_for_rt(batch, request, num_new)):
+                batch.seatless = True
                 continue  # no seat or no KV for it (FindPreemptBlock found nothing)
+            batch.add(request, num_new, cost, residual, late=late)
             batch.risk |= late
-            if batch.cost > batch.budget:
+            if batch.chunk_cost + iteration > batch.budget:
                 batch.risk = batch.stop = True  # even the most urgent request alone is at risk
                 break
         return False
 
-    def _select_be(self, batch: Batch, replace: bool) -> None:
-        """Alg. 1 lines 17-33."""
-        for request in self._be_candidates():
+    def _select_be(self, batch: Batch, replace: bool, skip: set[int] = frozenset()) -> None:
+        """Alg. 1 lines 17-33 (past the requests in `skip`, which a replay already packed)."""
+        candidates = self._be_candidates()
+        try:
+            self._pack_be(batch, candidates, replace, skip)
+        finally:
+            candidates.close()
+
+    def _pack_be(self, batch: Batch, candidates: Iterator[Request], replace: bool, skip: set[int]) -> None:
+        # Locals, and the whole chunk tried inline before any bisection: this loop runs for
+        # every BE request in the batch, twice.
+        gone, held, batch_size, draft = batch.gone, batch.held, self.batch_size, batch.out is None
+        chunk_cost, iteration = self.cost_model.chunk_cost, self.cost_model.iteration
+        for request in candidates:
             if batch.tokens_left <= 0:
                 break
-            if batch.evicted(request):
+            if id(request) in gone or id(request) in skip:
                 continue
+            batch.unsettled |= batch.constrained  # a decision the real pass may take otherwise, not the last
             replaced = None
-            if len(batch) >= self.batch_size:
+            if len(held) >= batch_size:
                 replaced = self._replace_least_urgent_rt(batch) if replace else None
                 if replaced is None:
                     break
-            num_new = batch.largest_chunk_within_budget(request)
-            if num_new > 0 and self._grant_be(batch, request, num_new):
+            computed = request.num_computed_tokens
+            lacking = len(request.token_ids) - computed
+            num_new = min(lacking, batch.tokens_left)
+            cost = chunk_cost(computed, num_new) if num_new > 0 else 0.0
+            if num_new > 0 and batch.chunk_cost + cost + iteration > batch.budget:
+                num_new, cost = batch.largest_chunk_within_budget(request)  # a BE prefill chunk shrinks to fit
+            if num_new > 0 and (batch.has_seat(request) if draft else self._admit_be(batch, request, num_new)):
+                batch.add(request, num_new, cost)
+                batch.constrained = num_new < lacking
                 continue
+            batch.constrained = True
             if replaced is not None:
                 batch.restore(replaced)  # the swap would not fit the time budget: undo it
                 break
@@ -215,14 +195,47 @@ class BROSScheduler(Scheduler):
     def _replace_least_urgent_rt(self, batch: Batch):
         """Take out the least urgent RT request (never the most urgent) that can sit this
         iteration out: after it, each iteration it still needs may take as long as this one."""
-        est = batch.cost
-        for request in reversed(batch.rt[1:]):
-            deadline = self._deadline(request)
-            lacking = request.num_tokens - request.num_computed_tokens
-            iterations = max(1, -(-lacking // self.config.max_num_batched_tokens))
-            if deadline < INF and (deadline - batch.now - est) / iterations >= est:
-                return batch.remove(request)
+        est, rt, now, due, per_iteration = batch.cost, batch.rt, batch.now, self._due, self.config.max_num_batched_tokens
+        for at in range(len(rt) - 1, 0, -1):
+            request = rt[at]
+            deadline = due[request]
+            lacking = len(request.token_ids) - request.num_computed_tokens
+            iterations = max(1, -(-lacking // per_iteration))
+            if deadline < INF and (deadline - now - est) / iterations >= est:
+                return batch.remove(at)
         return None
+
+    # -- replaying the draft -------------------------------------------------------------------
+    # Exact where it runs: RT decisions carry over once no candidate lacked a seat (a replaced
+    # RT request never shortened another's chunk: BE work needs token budget left), BE decisions
+    # once all but the last granted a whole chunk (the real batch, with fewer RT requests, has
+    # at least as much room), and the BE order held (no RT growth checkpointed a BE slot).
+    def _replay_rt(self, batch: Batch, draft: Batch) -> bool | None:
+        """The draft's RT requests, for real; whether one was left out for lack of batch room, or
+        None if the replay stopped short."""
+        if draft.seatless:
+            return None
+        max_seqs = self.config.max_num_seqs
+        for request, (num_new, cost, residual, late) in zip(draft.rt, draft.rt_chunks):
+            if (request.status is WAITING and len(self.running) >= max_seqs) or not self.can_chunk(request, num_new):
+                return None
+            batch.add(request, num_new, cost, residual, late=late)
+            batch.risk |= late
+        batch.risk |= draft.rt_stop
+        batch.stop = draft.rt_stop
+        return draft.capped
+
+    def _replay_be(self, batch: Batch, draft: Batch) -> bool:
+        """The draft's BE requests, for real, if its decisions carry over; False where the
+        replay stopped short (or did not start)."""
+        if draft.unsettled:
+            return False
+        max_seqs = self.config.max_num_seqs
+        for request, (num_new, cost) in zip(draft.be, draft.be_chunks):
+            if (request.status is WAITING and len(self.running) >= max_seqs) or not self.can_chunk(request, num_new):
+                return False
+            batch.add(request, num_new, cost)
+        return True
 
     def _adapt_batch_size(self, risk: bool, may_grow: bool) -> None:
         """§4.2: additive increase while no RT request waits (except for batch room), reset on
@@ -233,20 +246,9 @@ class BROSScheduler(Scheduler):
             self.batch_size = min(self.batch_size + self.batch_size_step, self.config.max_num_seqs)
 
     # -- reserving KV: RT first, then BE -----------------------------------------------------
-    def _grant_rt(self, batch: Batch, request: Request, num_new: int, residual: float) -> bool:
-        if batch.out is None:  # the draft: seats counted, KV not
-            if not batch.has_seat(request):
-                return False
-        elif not self._make_room_for_rt(batch, request, num_new):
-            return False
-        batch.add(request, num_new, residual)
-        return True
-
-    def _grant_be(self, batch: Batch, request: Request, num_new: int) -> bool:
-        if batch.out is None:
-            if not batch.has_seat(request):
-                return False
-        elif request.status == RequestStatus.WAITING:
+    def _admit_be(self, batch: Batch, request: Request, num_new: int) -> bool:
+        """Whether `request` can have its chunk's KV (for real)."""
+        if request.status == RequestStatus.WAITING:
             # Admit new BE work only where it fits as things are; never evict for it.
             if len(self.running) >= self.config.max_num_seqs or not self.can_chunk(request, num_new):
                 return False
@@ -259,7 +261,6 @@ class BROSScheduler(Scheduler):
                 self._evict(batch, victim)
                 if victim is request:
                     return False
-        batch.add(request, num_new)
         return True
 
     def _make_room_for_rt(self, batch: Batch, request: Request, num_new: int) -> bool:
@@ -276,19 +277,25 @@ class BROSScheduler(Scheduler):
         return True
 
     def _rt_victim(self, batch: Batch, request: Request) -> Request | None:
-        spare = [r for r in self.running if not batch.holds(r) and r is not request]
-        be = [r for r in reversed(spare) if not is_rt(r)]  # newest first
+        planned = batch.draft.holds
+        be_planned = None  # the newest BE request the draft served, if none it did not
+        for r in reversed(self.running):  # newest first
+            if not is_rt(r) and r is not request and not batch.holds(r):
+                if not planned(r):
+                    return r
+                be_planned = be_planned or r
+        if be_planned is not None:
+            return be_planned
         # RT victims are only ever younger than the request: the oldest RT request can never be
         # evicted, so RT requests cannot evict each other in a loop (urgency alone could).
-        mine = self._seniority(request)
-        rt = sorted((r for r in spare if is_rt(r) and self._seniority(r) > mine), key=self._deadline, reverse=True)
-        for group in (be, rt):
-            if group:
-                return min(group, key=batch.draft.holds)  # stable: the first one not planned, if any
-        return None
-
-    def _seniority(self, request: Request) -> tuple[float, int]:
-        return request.arrival_time, self._arrivals.get(request.request_id, 0)
+        # The latest deadline goes first, the earliest in the queue on ties; unplanned first.
+        mine, best = self._seniority(request), {}
+        for r in self.running:
+            if is_rt(r) and r is not request and not batch.holds(r) and self._seniority(r) > mine:
+                group = planned(r)
+                if group not in best or self._due[r] > self._due[best[group]]:
+                    best[group] = r
+        return best.get(False, best.get(True))
 
     def _evict(self, batch: Batch, victim: Request) -> None:
         self.running.remove(victim)

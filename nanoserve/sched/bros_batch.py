@@ -6,6 +6,7 @@ a draft batch (no `out`) only plans and reserves no KV.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from nanoserve.request import Request, RequestStatus
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from nanoserve.sched.bros import BROSScheduler
 
 INF = math.inf
+RUNNING, WAITING = RequestStatus.RUNNING, RequestStatus.WAITING
 
 
 def is_rt(request: Request) -> bool:
@@ -23,7 +25,8 @@ def is_rt(request: Request) -> bool:
 
 class Batch:
     """A step's batch while it is being packed: chunks, their predicted cost (Eq. (2)-(5), summed
-    chunk by chunk: the cost model is linear) and the time budget (the smallest residual, Eq. (6))."""
+    chunk by chunk: the cost model is linear) and the time budget (the smallest residual, Eq. (6)).
+    Plain attributes, read and updated in place: BROS's loops touch them for every candidate."""
 
     def __init__(self, scheduler: BROSScheduler, now: float, out: SchedulerOutput | None = None,
                  draft: Batch | None = None):
@@ -32,91 +35,117 @@ class Batch:
         self.draft = draft
         self.gone: set[int] = set()  # evicted this step
         self.replaced: set[int] = set()  # RT requests a BE request replaced (in a draft)
+        self.held: set[int] = set()  # the requests given a chunk
         self.rt: list[Request] = []  # urgency order
+        self.rt_chunks: list[tuple[int, float, float, bool]] = []  # (tokens, cost, residual, late), as `rt`
         self.be: list[Request] = []
-        self.sizes: dict[int, int] = {}
-        self.residuals: dict[int, float] = {}
+        self.be_chunks: list[tuple[int, float]] = []  # (tokens, cost), as `be`
         self.chunk_cost = 0.0
+        self.budget = INF  # the smallest residual, kept as RT requests come and go
+        self.budget_holders = 0  # RT requests whose residual is the budget (residuals often tie)
         self.tokens_left = scheduler.config.max_num_batched_tokens
         self.free_seats = scheduler.config.max_num_seqs - len(scheduler.running)
-        self.evictable = sum(not is_rt(r) for r in scheduler.running)  # RT may evict BE for a seat
         self.admitted = 0  # waiting requests in the batch
         self.risk = False  # SLO risk: reset the batch size
         self.stop = False  # lines 11-12's early return: no BE work this step
+        # What the real pass needs to know to replay a draft (see BROSScheduler._replay_rt).
+        self.capped = self.rt_stop = False  # the RT packing's outcome
+        self.seatless = False  # an RT request was passed over for lack of a seat
+        self.constrained = False  # the last BE decision gave less than a whole chunk
+        self.unsettled = False  # ... and a BE decision after it followed
+        self.host_version = 0  # the host-slot counts BE requests were ordered by
 
     def __len__(self) -> int:
-        return len(self.rt) + len(self.be)
+        return len(self.held)
 
     def holds(self, request: Request) -> bool:
-        return id(request) in self.sizes
+        return id(request) in self.held
 
     def evicted(self, request: Request) -> bool:
         return id(request) in self.gone
 
     @property
     def cost(self) -> float:
-        return self.chunk_cost + self.model.iteration if self.sizes else 0.0
+        return self.chunk_cost + self.model.iteration if self.held else 0.0
 
-    @property
-    def budget(self) -> float:
-        return min(self.residuals.values(), default=INF)
-
-    def chunk_size(self, request: Request) -> int:
-        return max(0, min(request.num_tokens - request.num_computed_tokens, self.tokens_left))
-
-    def cost_with(self, request: Request, num_new: int) -> float:
-        return self.chunk_cost + self.model.chunk_cost(request.num_computed_tokens, num_new) + self.model.iteration
-
-    def largest_chunk_within_budget(self, request: Request) -> int:
+    def largest_chunk_within_budget(self, request: Request) -> tuple[int, float]:
         """The longest chunk (up to what it lacks and the token budget) that keeps the batch
-        within the time budget; 0 if none does. Cost grows with the chunk, so bisect."""
-        hi, budget = self.chunk_size(request), self.budget
-        if hi == 0 or self.cost_with(request, hi) <= budget:
-            return hi
+        within the time budget, and its cost; (0, 0.0) if none does. Cost grows with the chunk,
+        so bisect."""
+        computed, chunk_cost = request.num_computed_tokens, self.model.chunk_cost
+        hi = min(request.num_tokens - computed, self.tokens_left)
+        if hi <= 0:
+            return 0, 0.0
+        cost = chunk_cost(computed, hi)
+        if self.chunk_cost + cost + self.model.iteration <= self.budget:
+            return hi, cost
         lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.cost_with(request, mid) <= budget:
+            if self.chunk_cost + chunk_cost(computed, mid) + self.model.iteration <= self.budget:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return lo, chunk_cost(computed, lo) if lo else 0.0
+
+    @cached_property
+    def evictable(self) -> int:
+        """Running BE requests: an RT request may evict one for a seat (counted only if asked)."""
+        return sum(r.priority != "online" for r in self.scheduler.running)
 
     def has_seat(self, request: Request) -> bool:
         """Room under max_num_seqs: a waiting RT request may evict a running BE one for it."""
-        if request.status == RequestStatus.RUNNING:
+        if request.status is RUNNING or self.admitted < self.free_seats:
             return True
-        return self.admitted < self.free_seats + (self.evictable if is_rt(request) else 0)
+        return is_rt(request) and self.admitted < self.free_seats + self.evictable
 
-    def add(self, request: Request, num_new: int, residual: float | None = None, at: int | None = None) -> None:
-        waiting = request.status == RequestStatus.WAITING
-        if self.out is not None:  # for real: admit it and reserve its chunk's KV now
+    def add(self, request: Request, num_new: int, cost: float, residual: float | None = None,
+            at: int | None = None, late: bool = False) -> None:
+        """Put `request` in with a chunk of `num_new` tokens costing `cost`; an RT request brings
+        its residual. For real, this admits it and reserves its chunk's KV."""
+        waiting = request.status is WAITING
+        if self.out is not None:
             if waiting:
                 self.scheduler.waiting.remove(request)
                 self.scheduler.admit(request)
             self.out.chunks.append(self.scheduler.chunk(request, num_new))
-        self.sizes[id(request)] = num_new
-        self.chunk_cost += self.model.chunk_cost(request.num_computed_tokens, num_new)
+        self.held.add(id(request))
+        self.chunk_cost += cost
         self.tokens_left -= num_new
-        self.admitted += waiting
+        if waiting:
+            self.admitted += 1
         if residual is None:
             self.be.append(request)
-        else:
-            self.rt.insert(len(self.rt) if at is None else at, request)
-            self.residuals[id(request)] = residual
+            self.be_chunks.append((num_new, cost))
+            return
+        at = len(self.rt) if at is None else at
+        self.rt.insert(at, request)
+        self.rt_chunks.insert(at, (num_new, cost, residual, late))
+        if residual < self.budget:
+            self.budget, self.budget_holders = residual, 1
+        elif residual == self.budget:
+            self.budget_holders += 1
 
-    def remove(self, request: Request) -> tuple[Request, int, float, int]:
-        """Take an RT request out of a draft; returns what `restore` needs to put it back."""
+    def remove(self, at: int) -> tuple[Request, int, float, float, bool, int]:
+        """Take the RT request at `at` out of a draft; returns what `restore` needs to put it back."""
         assert self.out is None, "a chunk already reserved is never taken back"
-        at, num_new, residual = self.rt.index(request), self.sizes.pop(id(request)), self.residuals.pop(id(request))
-        self.rt.remove(request)
-        self.chunk_cost -= self.model.chunk_cost(request.num_computed_tokens, num_new)
+        request = self.rt.pop(at)
+        num_new, cost, residual, late = self.rt_chunks.pop(at)
+        self.held.discard(id(request))
+        self.chunk_cost -= cost
         self.tokens_left += num_new
-        self.admitted -= request.status != RequestStatus.RUNNING
+        if request.status is not RUNNING:
+            self.admitted -= 1
         self.replaced.add(id(request))
-        return request, num_new, residual, at
+        if residual == self.budget:
+            self.budget_holders -= 1
+            if not self.budget_holders:  # it was the last with the smallest: find the next
+                residuals = [chunk[2] for chunk in self.rt_chunks]
+                self.budget = min(residuals, default=INF)
+                self.budget_holders = residuals.count(self.budget)
+        return request, num_new, cost, residual, late, at
 
-    def restore(self, removed: tuple[Request, int, float, int]) -> None:
-        request, num_new, residual, at = removed
+    def restore(self, removed: tuple[Request, int, float, float, bool, int]) -> None:
+        request, num_new, cost, residual, late, at = removed
         self.replaced.discard(id(request))
-        self.add(request, num_new, residual, at)
+        self.add(request, num_new, cost, residual, at, late)

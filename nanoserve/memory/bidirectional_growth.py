@@ -1,0 +1,76 @@
+"""The growth BROS's bidirectional block manager does most, without planning (bros.txt §5.2):
+a sequence growing inside its last page, or onto fresh pages taken from free blocks. Every
+decode step grows each running sequence by one position and a scheduler asks before it reserves,
+so these run twice per request per step; the general planner (`_plan_growth`, `_commit` in
+`bidirectional.py`) would reach the same placement through far more work.
+
+Both paths apply only where nothing else can happen: the sequence has nothing on the host, and
+its last page grows (if at all) clear of the page on the other side of its block, so there is
+nothing to save, move or restore. Then FindBlock and FindPreemptBlock both take free blocks
+first, lowest id first, which is what `_grow_onto_free` takes. Blocks whose fill grows are only
+marked `_stale` (see `bidirectional_blocks.py`); blocks leaving FREE are refiled at once.
+"""
+from __future__ import annotations
+
+from nanoserve.memory.bidirectional_blocks import BidirectionalBlocks
+from nanoserve.memory.bidirectional_index import FREE, SeqId, SeqState
+
+
+def _any_block(block: int) -> bool:
+    return True
+
+
+class FastGrowth(BidirectionalBlocks):
+    def _in_place(self, seq_id: SeqId, num_tokens: int, best_effort: bool) -> SeqState | None:
+        """The sequence, if its growth adds no page and stays clear of the page on the other side
+        of its last block (if any): nothing to save, move or restore, so nothing to plan."""
+        state, B = self._seqs.get(seq_id), self.block_size
+        if (state is None or state.best_effort != best_effort or state.host_pages
+                or num_tokens > len(state.pages) * B):
+            return None
+        if num_tokens <= state.num_tokens:
+            return state
+        other = (self._rt if best_effort else self._be)[state.pages[-1]]
+        # RT fills [0, f) and BE [B - f, B): they meet only if the two fills exceed the block.
+        return state if other is None or num_tokens - (len(state.pages) - 1) * B + self._fill(*other) <= B else None
+
+    def _fresh_pages(self, seq_id: SeqId, num_tokens: int, best_effort: bool) -> int | None:
+        """How many new pages growth to `num_tokens` adds, when that is all there is to plan: the
+        sequence (if known) is resident and of this class, its last page grows (if at all) clear
+        of the other side's page, and there are free blocks for the new pages (FindBlock and
+        FindPreemptBlock both take free blocks first, lowest id first). None: plan it."""
+        state, B, have = self._seqs.get(seq_id), self.block_size, 0
+        if state is not None:
+            if state.best_effort != best_effort or state.host_pages:
+                return None
+            have, old = len(state.pages), state.num_tokens
+            if old % B and num_tokens > old:
+                other = (self._rt if best_effort else self._be)[state.pages[-1]]
+                if other is not None and min(B, num_tokens - (have - 1) * B) + self._fill(*other) > B:
+                    return None
+        count = max(0, -(-num_tokens // B) - have)
+        return count if count <= self._index.sizes[FREE] else None
+
+    def _grow_in_place(self, state: SeqState, num_tokens: int) -> None:
+        """Growth `_in_place` allowed: more of the last page, so only its block's key goes stale."""
+        if num_tokens > state.num_tokens:
+            state.num_tokens = num_tokens
+            self._stale.add(state.pages[-1])  # type: ignore[arg-type]
+
+    def _grow_onto_free(self, seq_id: SeqId, num_tokens: int, best_effort: bool, count: int) -> None:
+        """`_commit` of the plan `_fresh_pages` stands for: `count` new pages on the lowest free
+        blocks. The new blocks are filed at once (they leave FREE); the last page, if its fill grows,
+        is only marked stale, as for growth in place."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = SeqState(best_effort)
+        B, sides, pages, index = self.block_size, (self._be if best_effort else self._rt), state.pages, self._index
+        if pages and num_tokens > state.num_tokens:
+            self._stale.add(pages[-1])  # type: ignore[arg-type]
+        state.num_tokens = num_tokens = max(num_tokens, state.num_tokens)
+        for block in index.first(FREE, count, _any_block):
+            page = len(pages)
+            sides[block] = (seq_id, page)
+            pages.append(block)
+            fill = min(B, num_tokens - page * B)  # `_key` of a block with one page, all on the device
+            index.put(block, ("be", fill) if best_effort else ("rt", fill) if fill < B else None)

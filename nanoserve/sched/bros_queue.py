@@ -1,0 +1,257 @@
+"""The queues BROS pulls requests from instead of sorting them each step (bros.txt §4.2, Fig. 8
+"request pulling": partial sorting and queue polling).
+
+With thousands of requests waiting, Alg. 1 needs only the few at the front of each order: the
+batch takes at most its batch size, usually far fewer waiting requests. So the waiting requests
+are not sorted, nor even scanned, per step: each class keeps a `PolledQueue`, a min-heap filed
+once, when a request joins the queue, under its rank in Alg. 1's order:
+
+    RT (online)        its next token's deadline (Eq. (6); fixed while it waits)
+    BE (offline)       its KV slots on the host (line 17's swap-in cost; fixed while it waits:
+                       a waiting request is either swapped out whole or has no KV at all)
+
+ties going to the request further ahead in the scheduler's waiting deque (`QueuePositions`).
+A step pulls requests in that order and puts back those it did not admit, so it touches only the
+requests it considers. In the common case (arrivals with one SLO) the RT heap's order is just the
+queue's; the heap also serves the exceptions the paper glosses over, requests preempted back to
+the head and requests with their own SLO, without ever checking that the queue is sorted.
+
+A request leaves its heap lazily: `discard` forgets its entry, which the heap drops when it
+surfaces (or when stale entries outnumber live ones).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any, Iterator
+
+from nanoserve.memory.bidirectional_kv import BidirectionalKV
+from nanoserve.request import Request, RequestStatus
+from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.sched.bros_batch import INF, is_rt
+
+Rank = Any  # anything ordered: a deadline, a slot count, a seniority tuple
+_Entry = tuple[Rank, int, Request]  # (rank, queue position, request)
+
+
+class QueuePositions:
+    """Where requests stand in a deque that takes arrivals at the back and preempted requests at
+    the front: later arrivals count up, later preemptions count down, so comparing two numbers
+    compares the two requests' places in the deque (removals never reorder it)."""
+
+    def __init__(self) -> None:
+        self._back = itertools.count(0)
+        self._front = itertools.count(-1, -1)
+
+    def back(self) -> int:
+        return next(self._back)
+
+    def front(self) -> int:
+        return next(self._front)
+
+
+class PolledQueue:
+    """Requests by (rank, position), pulled lazily without sorting or scanning the rest."""
+
+    def __init__(self) -> None:
+        self._heap: list[_Entry] = []
+        self._entries: dict[Request, _Entry] = {}  # the live entry of each request in the queue
+        self._pulling = False  # a pull holds entries outside the heap: no compaction meanwhile
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request: Request) -> bool:
+        return request in self._entries
+
+    def push(self, request: Request, rank: Rank, position: int) -> None:
+        """File `request` (again, replacing any earlier entry) under `rank`."""
+        entry = (rank, position, request)
+        self._entries[request] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * len(self._entries) + 64 and not self._pulling:
+            self._heap[:] = self._entries.values()  # mostly stale: keep the live entries
+            heapq.heapify(self._heap)
+
+    def discard(self, request: Request) -> None:
+        self._entries.pop(request, None)
+
+    def first(self) -> Request | None:
+        """The request at the front, without taking it out."""
+        heap, entries = self._heap, self._entries
+        while heap and entries.get(heap[0][2]) is not heap[0]:
+            heapq.heappop(heap)  # stale: its request left the queue
+        return heap[0][2] if heap else None
+
+    def pull(self) -> Iterator[tuple[Rank, Request]]:
+        """(rank, request) in order, popped only as far as the caller reads. Requests still in
+        the queue when the iterator closes go back in; entries filed meanwhile are pulled too."""
+        assert not self._pulling, "one pull at a time"
+        heap, entries, taken = self._heap, self._entries, []
+        self._pulling = True
+        try:
+            while heap:
+                entry = heapq.heappop(heap)
+                if entries.get(entry[2]) is entry:
+                    taken.append(entry)
+                    yield entry[0], entry[2]
+        finally:
+            self._pulling = False
+            for entry in taken:
+                if entries.get(entry[2]) is entry:  # not admitted, finished or refiled meanwhile
+                    heapq.heappush(heap, entry)
+
+    def key(self, request: Request) -> tuple[Rank, int] | None:
+        """`request`'s (rank, position), if it is in the queue."""
+        entry = self._entries.get(request)
+        return None if entry is None else entry[:2]
+
+    def requests(self) -> list[Request]:
+        """Every request in the queue, in order (for tests and checks; sorts)."""
+        return [entry[2] for entry in sorted(self._entries.values(), key=lambda e: e[:2])]
+
+
+class Deadlines(dict):
+    """RT request -> when its next token is due (Eq. (6)): arrival + TTFT before its first token,
+    the last token + TPOT after. Kept up to date as tokens come (`sampled`), so sorting by it costs
+    a lookup per request; one not seen before is assumed to have kept its TPOT pace."""
+
+    def __missing__(self, request: Request) -> float:
+        slo = request.slo
+        if request.first_token_time is None:
+            due = request.arrival_time + slo.ttft if slo.ttft is not None else INF
+        else:
+            due = request.first_token_time + slo.tpot * request.num_output_tokens if slo.tpot is not None else INF
+        self[request] = due
+        return due
+
+    def sampled(self, request: Request, now: float) -> None:
+        """`request` got a token at `now`: the next is due a TPOT later."""
+        tpot = request.slo.tpot
+        self[request] = now + tpot if tpot is not None else INF
+
+
+class PulledQueues(Scheduler):
+    """The scheduler's side of request pulling: files each request in its class's queue as it
+    arrives, is preempted, admitted or finished, and yields Alg. 1's candidates in order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._positions = QueuePositions()
+        self._rt_waiting = PolledQueue()  # waiting RT requests by deadline
+        self._be_waiting = PolledQueue()  # waiting BE requests by KV slots on the host
+        self._rt_by_age = PolledQueue()  # every RT request, running or waiting, by seniority
+        self._due = Deadlines()
+        self._arrivals = itertools.count()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        if is_rt(request):
+            self._rt_by_age.push(request, request.arrival_time, next(self._arrivals))
+        self._file(request, self._positions.back())
+
+    def preempt(self, request: Request) -> None:
+        super().preempt(request)
+        self._file(request, self._positions.front())
+
+    def admit(self, request: Request) -> None:
+        super().admit(request)
+        self._unfile(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        super().finish_request(request, status)
+        self._unfile(request)
+        self._rt_by_age.discard(request)
+        self._due.pop(request, None)
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        super().update_after_step(output)
+        # The engine appends the sampled tokens right after this, at the same clock reading.
+        now = self.clock()
+        for chunk in output.chunks:
+            if chunk.samples and is_rt(chunk.request):
+                self._due.sampled(chunk.request, now)
+
+    def _file(self, request: Request, position: int) -> None:
+        if is_rt(request):
+            self._rt_waiting.push(request, self._due[request], position)
+        else:
+            self._be_waiting.push(request, self._host_slots(request), position)
+
+    def _unfile(self, request: Request) -> None:
+        (self._rt_waiting if is_rt(request) else self._be_waiting).discard(request)
+
+    def _sync_queues(self) -> None:
+        """Refile the waiting deque if something changed it behind the scheduler's back (a cheap
+        count check; the normal paths above keep the two in step)."""
+        if len(self._rt_waiting) + len(self._be_waiting) != len(self.waiting):
+            self._rt_waiting, self._be_waiting = PolledQueue(), PolledQueue()
+            for request in self.waiting:
+                self._file(request, self._positions.back())
+
+    def _host_slots(self, request: Request) -> int:
+        if isinstance(self.kv, BidirectionalKV) and self.kv.blocks.has(request.request_id):
+            return len(self.kv.blocks.missing_positions(request.request_id))
+        return 0
+
+    def _host_slots_version(self) -> int:
+        """Changes whenever RT growth checkpoints BE slots, which reorders BE requests."""
+        return self.kv.blocks.checkpointed_slots if isinstance(self.kv, BidirectionalKV) else 0
+
+    def _seniority(self, request: Request) -> tuple[float, int]:
+        return self._rt_by_age.key(request) or (request.arrival_time, 0)
+
+    # -- Alg. 1's orders -----------------------------------------------------------------------
+    def _rt_candidates(self) -> Iterator[Request]:
+        """Lines 3-4 with request pulling (Fig. 8): the running ("pending") RT requests sorted by
+        deadline, polled against the waiting ones (pending first on ties). The oldest RT request
+        goes first whatever its urgency: it may evict any other request, so it always advances,
+        and requests that urgency alone orders cannot evict one another in a loop (a guarantee
+        the paper leaves implicit; FCFS has it for its head)."""
+        due = self._due
+        pending = sorted([r for r in self.running if is_rt(r)], key=due.__getitem__)
+        oldest = self._rt_by_age.first()
+        if oldest is not None:
+            yield oldest
+        waiting = self._rt_waiting.pull()
+        try:
+            head = next(waiting, None)
+            for request in pending:
+                deadline = due[request]
+                while head is not None and head[0] < deadline:
+                    if head[1] is not oldest:
+                        yield head[1]
+                    head = next(waiting, None)
+                if request is not oldest:
+                    yield request
+            while head is not None:
+                if head[1] is not oldest:
+                    yield head[1]
+                head = next(waiting, None)
+        finally:
+            waiting.close()  # puts back the waiting requests not admitted
+
+    def _be_candidates(self) -> Iterator[Request]:
+        """Line 17: BE requests by fewest KV slots on the host (their swap-in cost), running before
+        waiting on ties, each in queue order. Only swapped or overwritten requests have host
+        slots: the running ones among them are sorted, the rest polled."""
+        on_host = self.kv.blocks.host_positions() if isinstance(self.kv, BidirectionalKV) else {}
+        running = [r for r in self.running if not is_rt(r)]
+        swapped: list[tuple[int, Request]] = []
+        if on_host:
+            swapped = sorted(((on_host[r.request_id], r) for r in running if r.request_id in on_host),
+                             key=lambda pair: pair[0])
+            running = [r for r in running if r.request_id not in on_host]
+        yield from running
+        waiting, i = self._be_waiting.pull(), 0
+        try:
+            for slots, request in waiting:
+                while i < len(swapped) and swapped[i][0] <= slots:
+                    yield swapped[i][1]
+                    i += 1
+                yield request
+            for _, request in swapped[i:]:
+                yield request
+        finally:
+            waiting.close()
