@@ -55,7 +55,7 @@ class ExactAllocConfig:
             raise ValueError("need block_size, min_new_prediction >= 1; padding_ratio, pipeline_buffer >= 0; reserved_fraction < 1")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per running request, read every step: compact
 class _Seq:
     predicted_len: int
     reservation: int                 # token slots promised at admission
@@ -79,6 +79,7 @@ class ExactAllocator:
         self._reserve, self._free = stack[:self.reserve_target], stack[self.reserve_target:]
         self._seqs: dict[Hashable, _Seq] = {}
         self._lenders: list[tuple[int, int, Hashable]] = []  # a heap of possible hosts: see `_lend`
+        self.num_guests = 0  # requests in a host's region: while there are none, no order matters (`ExactKV.order`)
         # Counters, so tests and benchmarks can see which mechanism ran.
         self.admissions = self.hosted_placements = self.reserved_pool_draws = self.preemptions = 0
         self.hosted_evictions = self.hosted_drops = self.restores = 0
@@ -115,8 +116,9 @@ class ExactAllocator:
         return list(self._seqs[seq_id].children)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """A copy; empty while the request is evicted."""
-        return list(self._seqs[seq_id].table)
+        """The live table, not a copy (asked for every running request every step): callers must not modify it.
+        Empty while the request is evicted; it only grows in place, and an eviction or a restore replaces it."""
+        return self._seqs[seq_id].table
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
         """Flat cache slots of written positions [start, end): past the write head may be a guest's."""
@@ -136,6 +138,13 @@ class ExactAllocator:
         fits = self.blocks_for(seq.written + num_tokens) - blocks <= len(self._reserve)
         return fits and (seq.resident or blocks <= len(self._free))
 
+    def can_write(self, seq_id: Hashable, end: int) -> bool:
+        """`can_grow` to `end` written positions; most calls (a decode inside the table) answer at once."""
+        seq = self._seqs[seq_id]
+        if seq.resident and end <= len(seq.table) * self.block_size:
+            return True
+        return self.can_grow(seq_id, max(0, end - seq.written))
+
     # -- mutations: each is all or nothing, raising NoFreeBlocksError and changing nothing -----
     def admit(self, seq_id: Hashable, prompt_len: int, predicted_len: int, *, allow_hosting: bool = True) -> Hashable | None:
         """Reserve the whole predicted footprint, in a host's region if one fits (§3.4) or from the
@@ -150,6 +159,7 @@ class ExactAllocator:
             seq = _Seq(predicted_len, need, host.table[start:end], end - start, host=host_id, region_start=start)
             host.children.insert(0, seq_id)  # its region ends where the first guest's begins
             self.hosted_placements += 1
+            self.num_guests += 1
         else:
             blocks = self.blocks_for(need)
             if blocks > len(self._free):
@@ -159,6 +169,16 @@ class ExactAllocator:
         self.admissions += 1
         self._lend(seq_id, seq)
         return seq.host
+
+    def write_within(self, seq_id: Hashable, end: int) -> bool:
+        """`grow` to `end` written positions if that takes nothing (resident, inside its table, short
+        of its first guest): most decodes, in one call. False: nothing changed, `grow` decides."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or not seq.resident or end > len(seq.table) * self.block_size or (
+                seq.children and self._seqs[seq.children[0]].region_start * self.block_size < end):
+            return False
+        seq.written = max(seq.written, end)
+        return True
 
     def grow(self, seq_id: Hashable, num_tokens: int) -> list[KVCopy]:
         """Mark `num_tokens` more positions written, past the reservation from the reserved pool
@@ -258,6 +278,7 @@ class ExactAllocator:
             saved = self._slots(self.host_store.allocate(seq_id, host_blocks), 0, seq.written)
             copies.append(KVCopy("save", tuple(self.slot_mapping(seq_id, 0, seq.written)), tuple(saved)))
         self._give_back(self._owned(seq))
+        self.num_guests -= seq.host is not None
         seq.table, seq.children, seq.host, seq.resident = [], [], None, False
         return copies
 
@@ -270,6 +291,8 @@ class ExactAllocator:
         if not seq.resident:
             return 0
         host = self._seqs[seq.host] if seq.host is not None else None
+        # Its own place as a guest goes, and so do its guests' if it owned their regions (below).
+        self.num_guests -= (host is not None) + (len(seq.children) if host is None else 0)
         adopted: set[int] = set()
         if host is not None:
             i = host.children.index(seq_id)
@@ -312,5 +335,6 @@ class ExactAllocator:
                 assert child.table[:child.base] == seq.table[child.region_start:edge], f"{child_id!r}: region is not the host's blocks"
                 assert edge <= seq.base, f"{child_id!r}: region outside the host's original allocation"
         assert len(slots) == len(set(slots)), "two live positions share a KV slot"
+        assert self.num_guests == sum(s.host is not None for s in self._seqs.values()), "num_guests is off"
         # With every block accounted for above, a full reserved pool means everything else is free.
         assert self._seqs or len(self._reserve) == self.reserve_target, "blocks leaked with no requests left"

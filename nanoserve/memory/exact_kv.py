@@ -54,6 +54,9 @@ class ExactKV(KVManager):
         self.block_size = alloc.block_size
         self.predicted_len = predicted_len
         self._predicted: dict[str, int] = {}  # asked once per request; L_new after a preemption
+        # `prediction`'s answer and the request's tokens it was for: the admission pass asks again
+        # each step for the requests it tries, and the answer only changes with those two.
+        self._clamped: dict[str, tuple[int, int]] = {}
         self._admitted_at: dict[str, int] = {}  # tokens at admission: what came after was generated
         self._requests: dict[str, Request] = {}  # admitted ones, to send a dropped guest back to 0
         self._served: set[str] = set()  # given slots this step: their slots must not be taken
@@ -76,7 +79,10 @@ class ExactKV(KVManager):
     # -- predictions -----------------------------------------------------------------------
     def prediction(self, request: Request) -> int:
         """The RL that `request`'s admission reserves for, beyond its current tokens."""
-        rid, alloc = request.request_id, self.alloc
+        rid, alloc, num_tokens = request.request_id, self.alloc, request.num_tokens
+        cached = self._clamped.get(rid)
+        if cached is not None and cached[0] == num_tokens:
+            return cached[1]
         if rid not in self._predicted:  # once: can_reserve and reserve must agree
             fixed = self.predicted_len or request.params.max_tokens
             self._predicted[rid] = self.predicted_len(request) if callable(self.predicted_len) else fixed
@@ -85,16 +91,19 @@ class ExactKV(KVManager):
         predicted = min(predicted, max(1, request.params.max_tokens - request.num_output_tokens))
         # A reservation larger than the admission pool could never be admitted; a shorter one
         # is only an under-prediction, which the reserved pool and preemption handle (§3.2.2).
-        pool = (alloc.num_blocks - alloc.reserve_target) * self.block_size - request.num_tokens
+        pool = (alloc.num_blocks - alloc.reserve_target) * self.block_size - num_tokens
         predicted = max(1, min(predicted, math.floor(pool / (1 + alloc.config.padding_ratio))))
-        while predicted > 1 and alloc.reservation_tokens(request.num_tokens, predicted) > pool + request.num_tokens:
+        while predicted > 1 and alloc.reservation_tokens(num_tokens, predicted) > pool + num_tokens:
             predicted -= 1  # the padding's rounding up: a step or two at most
+        self._clamped[rid] = (num_tokens, predicted)
         return predicted
 
     # -- the step --------------------------------------------------------------------------
     def order(self, running: list[Request]) -> list[Request]:
         """Hosts before their guests, FCFS otherwise. FCFS's admission order already is (a guest
         is admitted after its host, and re-lent only to its host's own host): this guards others."""
+        if not self.alloc.num_guests:  # nothing to reorder (returned as is, as KVManager.order does)
+            return running
         by_id, seen, ordered = {r.request_id: r for r in running}, set(), []
 
         def place(request: Request) -> None:
@@ -118,10 +127,13 @@ class ExactKV(KVManager):
         rid = request.request_id
         if not self.alloc.has(rid):
             return self.alloc.can_admit(request.num_tokens, self.prediction(request))
-        return self.alloc.can_grow(rid, max(0, num_tokens - self.alloc.num_written(rid)))
+        return self.alloc.can_write(rid, num_tokens)
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
         rid = request.request_id
+        if self.alloc.write_within(rid, num_tokens):  # a decode inside its reservation: no copies
+            self._served.add(rid)
+            return []
         if not self.can_reserve(request, num_tokens):
             raise NoFreeBlocksError(f"{rid!r}: no room for {num_tokens} tokens")
         copies: list[KVCopy] = []
@@ -154,6 +166,7 @@ class ExactKV(KVManager):
             return 0, []
         generated = request.num_tokens - self._admitted_at.pop(rid)
         self._predicted[rid] = self.alloc.preempt(rid, generated)
+        self._clamped.pop(rid, None)
         del self._requests[rid]
         return 0, []
 
@@ -164,7 +177,7 @@ class ExactKV(KVManager):
         observe = getattr(self.predicted_len, "observe", None)
         if callable(observe) and request.status.finished:
             observe(request)
-        for table in (self._predicted, self._admitted_at, self._requests):
+        for table in (self._predicted, self._clamped, self._admitted_at, self._requests):
             table.pop(rid, None)
 
     def _nested_guests(self, rid: str) -> list[str]:

@@ -7,14 +7,15 @@ step's target forward size (TFS). One step of Algorithm 1 (§3.5) maps onto `pla
 
     Alg. 1 / paper                           here
     ---------------------------------------  ----------------------------------------------------
-    the running batch's GTs (time-synced     `_generation_batch`: every admitted request that is
+    the running batch's GTs (time-synced     `_split_tasks`: every admitted request that is
     groups, §3.2.2) advance one token each   decoding (lacks one token) gets one token
     line 5: PTs from Q_P until Σ L_p = TFS   `_fill_prompts`: admitted requests still prefilling
     (§3.2.1), TFS from the cost model        (or recomputing) share `target_forward_size` minus
                                              the decodes, ordered (§3.3), bisect for the longest
                                              whole prompt that fits, else a chunk
     line 1-2: when a GT group completes,     `_admit_groups`: the generation queue Q_G is the
-    GT groups from Q_G until Σ L_r = A_KVC   waiting queue (new and preempted requests), grouped
+    GT groups from Q_G until Σ L_r = A_KVC   waiting queue (new and preempted requests, indexed
+                                             in `_queue`, sched/ecoserve_queue.py), grouped
                                              by equal predicted RL (`predicted_rl`: the manager's
                                              `prediction` if it has one, L_new after a
                                              preemption, else max_tokens); ordered (§3.3), bisect
@@ -23,8 +24,12 @@ step's target forward size (TFS). One step of Algorithm 1 (§3.5) maps onto `pla
     line 3: hosted GTs (KVCPipeline, §3.4)   the manager places an admitted request in a host's
                                              unused allocation when one fits (exact_kv), so a
                                              request longer than the free KV is still tried
-    lines 7-9: Ordering of new/preempted     `_gt_key` / `_pt_key`: re-sorted every step
-    GTs (§3.3)
+    lines 7-9: Ordering of new/preempted     `_gt_key`: kept by `_queue`, which keys a request
+    GTs (§3.3)                               once as it joins Q_G (only its deadline bucket moves
+                                             while it waits, and `advance` moves just those), so
+                                             a step touches only what it admits or moves;
+                                             `_pt_key`: the few prefilling requests, re-sorted
+                                             every step
     under-prediction (§3.2.2)                padding and the reserved pool are the manager's; a
                                              running request it says cannot grow is preempted
                                              offload-free (`self.preempt`), gets L_new as its
@@ -34,8 +39,9 @@ Ordering (§3.3), for both queues: ascending deadline bucket (the SLO deadline o
 next token: arrival + TTFT before the first token, then first token + TPOT per later token;
 slack < 0.5 s, < 2 s, later, no target), then descending occupied-KV bucket (tokens whose KV
 the request holds, or held before a preemption, in `kv_bucket_tokens` ranges), then descending
-length (predicted RL for GTs, remaining prompt for PTs). Within one (deadline, occupied) bucket
-the tasks are thus sorted by length, and `bisect` finds the one closest below the room left.
+length (predicted RL for GTs, remaining prompt for PTs), then arrival; ties on all of it keep
+the waiting deque's order (preempted requests at its front). Within one (deadline, occupied)
+bucket the tasks are thus sorted by length, and `bisect` finds the one closest below the room left.
 
 Adaptations to this framework, where a request's KV lives from admission to finish:
 - exact_kv reserves prompt + padded RL at admission, so a GT group's admission and its PT's
@@ -65,6 +71,7 @@ from nanoserve.memory.manager import KVManager
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import Scheduler, SchedulerOutput
 from nanoserve.sched.cost_model import CostModel
+from nanoserve.sched.ecoserve_queue import GenerationQueue, deadline_bucket
 
 
 def _lacking(request: Request) -> int:
@@ -82,31 +89,58 @@ class EcoServeScheduler(Scheduler):
         super().__init__(config, kv, cost_model, clock)
         # Seconds one iteration may take: by default the online TPOT target (None: no time cap).
         self.tfs_target = config.online_slo.tpot if tfs_target == "online_tpot" else tfs_target
-        self._rl: dict[str, int] = {}  # this step's predictions
+        # Q_G: `self.waiting` indexed by `_gt_key`. Requests that joined `self.waiting` since the
+        # last admission pass wait in `_unqueued` (True: at the deque's front), in deque order, and
+        # are keyed at the next one: that is when a full re-sort would have asked the predictor.
+        self._queue = GenerationQueue(self.deadline_buckets)
+        self._unqueued: dict[Request, bool] = {}
+
+    # -- the waiting queue: `self.waiting` for the engine and base class, `_queue` for the order
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self._unqueued[request] = False
+
+    def preempt(self, request: Request) -> None:
+        super().preempt(request)
+        self._unqueued[request] = True
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        if request in self._unqueued:
+            del self._unqueued[request]
+        elif request in self._queue:
+            self._queue.remove(request)
+        super().finish_request(request, status)
+
+    def _queue_arrivals(self) -> None:
+        for request, at_front in self._unqueued.items():
+            self._queue.add(request, deadline=self.next_token_deadline(request),
+                            occupied_bucket=self._occupied_bucket(request),
+                            predicted_rl=self.predicted_rl(request), at_front=at_front)
+        self._unqueued.clear()
 
     # -- the step (Algorithm 1) ------------------------------------------------------------
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self.running = self.kv.order(self.running)
-        self._rl = {}
+        running = self.running = self.kv.order(self.running)
         now = self.clock()
         budget = self.config.max_num_batched_tokens
 
-        decodes = self._generation_batch(budget)
+        decodes, decode_batch, prompts = self._split_tasks(budget)
         budget -= len(decodes)
-        tfs = self.target_forward_size([(r.num_computed_tokens, 1) for r in decodes])
+        tfs = self.target_forward_size(decode_batch)
         prompt_budget = min(budget, max(tfs - len(decodes), self.min_prefill_tokens))
-        allotted = {r.request_id: 1 for r in decodes}
-        for request, num_new in self._fill_prompts([r for r in self.running if _lacking(r) > 1], prompt_budget, now):
-            allotted[request.request_id] = num_new
+        allotted = dict.fromkeys(decodes, 1)
+        for request, num_new in self._fill_prompts(prompts, prompt_budget, now):
+            allotted[request] = num_new
             prompt_budget -= num_new
 
         # Serve in the manager's order; preempt whoever it says cannot grow (§3.2.2).
-        for request in list(self.running):
-            num_new = allotted.get(request.request_id)
+        for request in list(running):
+            num_new = allotted.get(request)
             if num_new is None:
                 continue
-            num_new = min(num_new, _lacking(request))  # a dropped guest lacks more, never less
+            # A dropped guest lacks more, never less. (`_lacking` inline: 1,000 times a step.)
+            num_new = min(num_new, len(request.token_ids) - request.num_computed_tokens)
             if self.can_chunk(request, num_new):
                 out.chunks.append(self.chunk(request, num_new))
             else:
@@ -118,9 +152,23 @@ class EcoServeScheduler(Scheduler):
             self._admit_groups(out, prompt_budget, now)
         return out
 
-    def _generation_batch(self, budget: int) -> list[Request]:
-        """The running GTs, one token each, in the manager's order (budget permitting)."""
-        return [r for r in self.running if _lacking(r) == 1][:max(budget, 0)]
+    def _split_tasks(self, budget: int) -> tuple[list[Request], list[tuple[int, int]], list[Request]]:
+        """The running GTs (one token lacking; the first `budget` of them), the same as the cost
+        model's (prefix, 1) chunks, and the PTs (more lacking), in the manager's order: one pass,
+        as it reads every running request."""
+        decodes: list[Request] = []
+        decode_batch: list[tuple[int, int]] = []
+        prompts: list[Request] = []
+        for request in self.running:
+            # len(token_ids) is `num_tokens` without a property call: this runs 1,000s of times a step.
+            lacking = len(request.token_ids) - request.num_computed_tokens
+            if lacking == 1:
+                decodes.append(request)
+                decode_batch.append((request.num_computed_tokens, 1))
+            elif lacking > 1:
+                prompts.append(request)
+        budget = max(budget, 0)
+        return decodes[:budget], decode_batch[:budget], prompts
 
     def target_forward_size(self, decodes: list[tuple[int, int]]) -> int:
         """The TFS: decodes plus the largest prefill chunk whose predicted iteration time stays
@@ -129,9 +177,15 @@ class EcoServeScheduler(Scheduler):
         room = cap - len(decodes)
         if self.tfs_target is None or room <= 0:
             return cap
+        model = self.cost_model
+        # A batch costs the sum of its chunks' costs plus one iteration constant (Eq. 3), so the
+        # decodes are priced once, not once per bisect probe: 1,000 decodes, 13 probes.
+        with_decodes = model.predict(decodes) if decodes else 0.0
 
         def cost(chunk: int) -> float:
-            return self.cost_model.predict(decodes + ([(0, chunk)] if chunk else []))
+            if not decodes:
+                return model.predict([(0, chunk)] if chunk else [])
+            return with_decodes + (model.chunk_cost(0, chunk) if chunk else 0.0)
 
         # cost() never decreases with the chunk (coefficients are >= 0): bisect over sizes.
         largest = bisect_right(range(room + 1), self.tfs_target, key=cost) - 1
@@ -153,34 +207,40 @@ class EcoServeScheduler(Scheduler):
     def _admit_groups(self, out: SchedulerOutput, budget: int, now: float) -> None:
         """Alg. 1 lines 2-3: equal-RL GT groups from the waiting queue, in §3.3 order, until the
         KV is full; each admitted request starts its prompt with what is left of the TFS."""
-        failures = 0
-        for bucket in self._buckets(list(self.waiting), self._gt_key, now):
-            while bucket and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                if failures >= self.max_failed_admissions:
-                    return
+        self._queue.advance(now)  # first: arrivals are placed by their slack at `now`
+        self._queue_arrivals()
+        failures, free_kv = 0, self._free_kv_tokens()
+        for group in self._queue.groups():
+            refused: set[Request] = set()  # by can_chunk this step: passed over, as if popped
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
                 # The group whose RL is closest below the free KV; if none, the shortest (it may
                 # still be hosted in a running request's unused allocation, §3.4).
-                i = bisect_left(bucket, -self._free_kv_tokens(), key=lambda r: -self.predicted_rl(r))
-                request = bucket.pop(min(i, len(bucket) - 1))
+                request = self._queue.closest_below(group, free_kv, refused)
+                if request is None:
+                    break
+                if failures >= self.max_failed_admissions:
+                    return
                 num_new = min(_lacking(request), budget)
                 if not self.can_chunk(request, num_new):
                     failures += 1
+                    refused.add(request)
                     continue
+                self._queue.remove(request)
                 self.waiting.remove(request)
                 self.admit(request)
                 out.chunks.append(self.chunk(request, num_new))
                 budget -= num_new
+                free_kv = self._free_kv_tokens()
 
     # -- Ordering (§3.3) -------------------------------------------------------------------
     def predicted_rl(self, request: Request) -> int:
         """The request's predicted remaining response length: the KV manager's (exact_kv: the
-        predictor's, or L_new after a preemption), else what max_tokens allows."""
-        rid = request.request_id
-        if rid not in self._rl:
-            prediction = getattr(self.kv, "prediction", None)
-            self._rl[rid] = (prediction(request) if callable(prediction)
-                             else max(1, request.params.max_tokens - request.num_output_tokens))
-        return self._rl[rid]
+        predictor's, or L_new after a preemption), else what max_tokens allows. Fixed while the
+        request waits: the queue asks once, when the request joins it."""
+        prediction = getattr(self.kv, "prediction", None)
+        if callable(prediction):
+            return prediction(request)
+        return max(1, request.params.max_tokens - request.num_output_tokens)
 
     def next_token_deadline(self, request: Request) -> float:
         """When the request's next token is due under its SLO (inf: no target)."""
@@ -190,8 +250,7 @@ class EcoServeScheduler(Scheduler):
         return request.first_token_time + slo.tpot * request.num_output_tokens if slo.tpot is not None else math.inf
 
     def _deadline_bucket(self, request: Request, now: float) -> int:
-        slack = self.next_token_deadline(request) - now
-        return len(self.deadline_buckets) + 1 if math.isinf(slack) else bisect_right(self.deadline_buckets, slack)
+        return deadline_bucket(self.next_token_deadline(request) - now, self.deadline_buckets)
 
     def _occupied_bucket(self, request: Request) -> int:
         """KV the request holds, or held before a preemption (§3.2.2: such a GT goes first)."""
@@ -200,6 +259,7 @@ class EcoServeScheduler(Scheduler):
         return occupied // self.kv_bucket_tokens
 
     def _gt_key(self, request: Request, now: float) -> tuple:
+        """The §3.3 order of the waiting queue; `_queue` keeps it (ties: deque order)."""
         return (self._deadline_bucket(request, now), -self._occupied_bucket(request),
                 -self.predicted_rl(request), request.arrival_time)
 
