@@ -8,8 +8,9 @@
 
 Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`.
 
-Tensor parallelism: `--tp 2` starts a second process on this machine. Under torchrun every
-rank runs this script; rank 0 serves and the others execute its steps:
+Parallelism: `--tp 2` (tensor) or `--pp 2` (pipeline), or both, start the extra processes on
+this machine. Under torchrun every rank runs this script (tensor size = ranks / --pp); rank 0
+serves and the others execute its steps:
 
     torchrun --nnodes 1 --nproc-per-node 2 examples/serve.py --model DIR
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr HOST0 examples/serve.py --model DIR
@@ -28,7 +29,7 @@ import uvicorn  # noqa: E402
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
 from nanoserve.config import resolve_device  # noqa: E402
-from nanoserve.dist.launch import run_worker, torchrun_rank  # noqa: E402
+from nanoserve.dist.launch import Topology, run_worker, torchrun_rank  # noqa: E402
 from nanoserve.memory import KV_MANAGER_NAMES  # noqa: E402
 from nanoserve.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from nanoserve.sched import SCHEDULERS  # noqa: E402
@@ -63,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="conserve: a pure-offline forward checks for an online arrival every k layers")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="shard the model over this many processes (under torchrun: the world size)")
+    p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
+                   help="split the layers into this many pipeline stages, one process (group) each")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -73,9 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     launched = torchrun_rank()
     if launched is not None:
         rank, world = launched
-        args.tensor_parallel_size = world
+        topology = Topology(world // args.pipeline_parallel_size, args.pipeline_parallel_size)
+        if topology.world_size != world:
+            raise SystemExit(f"--pp {args.pipeline_parallel_size} does not divide the {world} torchrun ranks")
+        args.tensor_parallel_size = topology.tensor_parallel_size
         if rank != 0:  # a worker: rank 0 sends the plan and every step
-            run_worker(rank, world, resolve_device(args.device))
+            run_worker(rank, topology, resolve_device(args.device))
             return
     engine = build_engine(EngineArgs(
         model=args.model, device=args.device, dtype=args.dtype, policy=args.policy,
@@ -84,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
         kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens, cost_model=args.cost_model,
         preempt_every_layers=args.preempt_every_layers, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     ))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, served_model_name=args.served_model_name)

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
-from nanoserve.dist.launch import RankPlan
+from nanoserve.dist.launch import RankPlan, Topology
 from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
+from nanoserve.dist.pipeline import partition_layers, stage_layouts
 from nanoserve.engine import Engine
 from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
 from nanoserve.memory.arena import ArenaConfig, MemoryArena
@@ -50,13 +51,15 @@ class EngineArgs:
     host_kv_tokens: int | None = None  # host KV store size; default: as many as the device holds
     preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
     tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
+    pipeline_parallel_size: int = 1  # stages of consecutive layers, one process (group) each
 
 
 def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
     """How many KV blocks fit the user's token or byte budget, or the device's free memory
     (under tensor parallelism, one rank's: each holds its KV heads of every block)."""
     heads = local_kv_heads(cfg.num_kv_heads, args.tensor_parallel_size)
-    block_bytes = cfg.kv_bytes_per_token(dtype) * heads // cfg.num_kv_heads * args.block_size
+    layers = len(partition_layers(cfg.num_layers, args.pipeline_parallel_size)[0])  # stage 0 holds the most
+    block_bytes = cfg.kv_bytes_per_token(dtype) * heads * layers // (cfg.num_kv_heads * cfg.num_layers) * args.block_size
     if args.kv_cache_tokens is not None:
         if args.kv_cache_tokens < args.block_size:
             raise ValueError(f"kv_cache_tokens must be at least block_size ({args.block_size})")
@@ -88,17 +91,19 @@ def build_engine(args: EngineArgs) -> Engine:
 
     scheduler_class(args.policy)  # an unknown policy fails before any memory is allocated
     kv_manager = args.kv_manager or POLICY_MEMORY[args.policy]
-    if args.tensor_parallel_size < 1:
-        raise ValueError("tensor_parallel_size must be >= 1")
-    if args.tensor_parallel_size > 1 and kv_manager == "arena":
+    topology = Topology(args.tensor_parallel_size, args.pipeline_parallel_size)
+    if topology.world_size > 1 and kv_manager == "arena":
         raise ValueError("the arena KV manager (KunServe's drop) runs on one device per instance; "
-                         "use tensor_parallel_size=1")
+                         "use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    if topology.pipeline_parallel_size > 1 and kv_manager in NEEDS_HOST_STORE:
+        raise ValueError(f"the {kv_manager} KV manager moves K/V to the host, which pipeline stages do not "
+                         "support yet; use pipeline_parallel_size=1")
     num_blocks = kv_cache_blocks(args, cfg, device, dtype)
-    host_blocks = 0
+    host_blocks = None
     if kv_manager in NEEDS_HOST_STORE:
         host_tokens = args.host_kv_tokens if args.host_kv_tokens is not None else num_blocks * args.block_size
         host_blocks = host_tokens // args.block_size
-    plan = RankPlan(args, str(path), num_blocks, host_blocks)
+    plan = RankPlan(args, str(path), num_blocks, host_blocks, topology)
     executor: Executor
     if kv_manager == "arena":
         # KunServe (§4.1): weights and KV in one arena, so it is built from the loaded model.
@@ -112,10 +117,10 @@ def build_engine(args: EngineArgs) -> Engine:
                                args.seed, arena=arena, host_weights=host_weights,
                                preempt_every_layers=args.preempt_every_layers)
     else:
-        if args.tensor_parallel_size == 1:
+        if topology.world_size == 1:
             runner = executor = build_rank_runner(plan, device, SINGLE)
         else:
-            runner, executor = _start_tensor_parallel(plan, device)
+            runner, executor = _start_parallel(plan, device)
         kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, runner.host_store,
                                                              args.kv_manager_options or {}))
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
@@ -134,37 +139,43 @@ def attention_backend(args: EngineArgs, device: torch.device):
     return get_attention_backend(args.attention_backend or default_attention_backend(device), device)
 
 
-def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup) -> ModelRunner:
-    """One rank's model shard, KV cache share and host store (all of them with one rank)."""
+def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup, stage: int = 0) -> ModelRunner:
+    """One rank's model shard (its pipeline stage's layers, its tensor-parallel slices), KV cache
+    share and host store (all of them with one rank)."""
     args = plan.args
     dtype = resolve_dtype(args.dtype, device)
-    model, cfg = load_model(Path(plan.model_path), device, dtype, tp)
+    layout = None
+    if plan.topology.pipeline_parallel_size > 1:
+        layout = stage_layouts(load_config(Path(plan.model_path)).num_layers,
+                               plan.topology.pipeline_parallel_size)[stage]
+    model, cfg = load_model(Path(plan.model_path), device, dtype, tp, layout)
     host_store = None
-    if plan.host_blocks:
+    if plan.host_blocks is not None:
         host_store = HostKVStore(plan.host_blocks, args.block_size, cfg.num_layers,
                                  local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype)
     return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),
-                       args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp)
+                       args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp,
+                       stage_layers=None if layout is None else layout.layers)
 
 
-def _start_tensor_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, Executor]:
-    """Become rank 0 of the tensor-parallel group (starting ranks 1..N-1 unless torchrun did),
-    send the workers the plan, and wrap this rank's runner in the executor that sends them each
-    step."""
+def _start_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, Executor]:
+    """Become rank 0 (starting ranks 1..N-1 unless torchrun did), send the workers the plan, and
+    wrap this rank's runner in the executor that sends them each step."""
     from nanoserve.dist.executor import DriverExecutor
     from nanoserve.dist.launch import WorkerPool, join_group, rank_device, send_plan, stop_driver, torchrun_rank
 
-    world = plan.args.tensor_parallel_size
+    topology = plan.topology
     launched = torchrun_rank()
-    if launched is not None and launched != (0, world):
-        raise ValueError(f"under torchrun the engine is built by rank 0 of {world}; got (rank, world) {launched}")
-    pool = None if launched else WorkerPool(world, device)
+    if launched is not None and launched != (0, topology.world_size):
+        raise ValueError(f"under torchrun the engine is built by rank 0 of {topology.world_size} "
+                         f"(tensor x pipeline parallel size); got (rank, world) {launched}")
+    pool = None if launched else WorkerPool(topology, device)
     device = rank_device(device, 0)
-    tp, control = join_group(0, world, device, None if pool is None else pool.init_method)
+    tp, control = join_group(0, topology, device, None if pool is None else pool.init_method)
     try:
         send_plan(plan, control)
         runner = build_rank_runner(plan, device, tp)
     except BaseException:
         stop_driver(control, pool)
         raise
-    return runner, DriverExecutor(runner, control, pool)
+    return runner, DriverExecutor(runner, control, pool, topology)

@@ -1,10 +1,12 @@
-"""Tensor parallelism (nanoserve/dist/parallel.py, executor.py, launch.py).
+"""Tensor and pipeline parallelism (nanoserve/dist/parallel.py, pipeline.py, executor.py,
+launch.py).
 
-Two levels: in one process, each rank's shard is loaded (a `TPGroup` with a rank but no
-process group: loading needs no collectives) and compared with the slices of the HF tensors it
-should hold, and a step survives the trip through its wire message; across 2 and 4 real gloo
-processes on the CPU, greedy outputs match a single process for every architecture, a dead
-worker is an error and not a hang, and shutdown leaves no process behind.
+Two levels: in one process, each rank's shard or stage is loaded (a `TPGroup` with a rank but
+no process group: loading needs no collectives) and compared with the slices of the HF tensors
+it should hold, micro-batch cutting is checked with hypothesis, and a step survives the trip
+through its wire message; across 2 and 4 real gloo processes on the CPU, greedy outputs match a
+single process for every architecture under TP, PP and TP x PP, a dead worker is an error and
+not a hang, and shutdown leaves no process behind.
 """
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.dist.executor import StepMessage, WorkerFailure
 from nanoserve.dist.parallel import TPGroup, kv_head_shard, local_kv_heads
+from nanoserve.dist.pipeline import MissingLayer, partition_layers, split_microbatches, stage_layouts
 from nanoserve.model.loader import load_model
 from nanoserve.request import Request
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
@@ -67,6 +72,44 @@ def test_each_rank_loads_exactly_its_slices(tiny_dirs, tp_size):
         assert torch.equal(model.model.embed_tokens.weight, embed[rank * rows:(rank + 1) * rows])
 
 
+def test_layers_split_into_contiguous_stages():
+    assert partition_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert partition_layers(2, 2) == [range(0, 1), range(1, 2)]
+    with pytest.raises(ValueError):
+        partition_layers(2, 3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_a_stage_loads_only_its_layers(tiny_dirs, arch):
+    first, last = stage_layouts(2, 2)
+    for layout in (first, last):
+        model, _ = load_model(tiny_dirs[arch], torch.device("cpu"), torch.float32, stage=layout)
+        body = model.model.decoder if arch == "opt" else model.model
+        held = [not isinstance(layer, MissingLayer) for layer in body.layers]
+        assert held == [layout.is_first, layout.is_last]
+        assert (body.embed_tokens is not None) == (layout.is_first or model.lm_head is None)
+        names = {n for n, _ in model.named_parameters()}
+        assert all(".layers.1." not in n for n in names) if layout.is_first else all(".layers.0." not in n for n in names)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1, max_size=8), st.integers(1, 6))
+def test_microbatches_cut_by_token_count(chunks, count):
+    requests = [Request(f"r{i}", list(range(1, n + 2 + (not samples))), PARAMS) for i, (n, samples) in enumerate(chunks)]
+    scheduled = [ScheduledChunk(r, 1, n, [0]) for r, (n, _) in zip(requests, chunks)]
+    microbatches = split_microbatches(scheduled, count)
+    total = sum(n for n, _ in chunks)
+    assert 1 <= len(microbatches) <= min(count, total)
+    sizes = [sum(c.num_tokens for c in mb) for mb in microbatches]
+    assert sum(sizes) == total and max(sizes) - min(sizes) <= max(n for n, _ in chunks)
+    pieces = [c for mb in microbatches for c in mb]  # in order: each request's pieces contiguous
+    for request, chunk in zip(requests, scheduled):
+        mine = [p for p in pieces if p.request is request]
+        assert mine[0].start == chunk.start and mine[-1].end == chunk.end
+        assert all(a.end == b.start for a, b in zip(mine, mine[1:]))
+        assert [p.samples for p in mine] == [False] * (len(mine) - 1) + [chunk.samples]
+
+
 def test_a_step_survives_its_wire_message(tiny_dirs):
     from nanoserve.builder import EngineArgs, build_engine
 
@@ -83,17 +126,27 @@ def test_a_step_survives_its_wire_message(tiny_dirs):
 
 
 # -- several processes: same answers, failures, shutdown -----------------------------------------
-@pytest.mark.parametrize("arch,tp_size", [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen3", 2), ("opt", 2)])
-def test_greedy_outputs_match_a_single_process(tiny_dirs, arch, tp_size):
+@pytest.mark.parametrize("arch,tp_size,pp_size", [
+    ("llama", 2, 1), ("llama", 4, 1), ("qwen2", 2, 1), ("qwen3", 2, 1), ("opt", 2, 1),
+    ("llama", 1, 2), ("qwen2", 1, 2), ("opt", 1, 2), ("llama", 2, 2),
+])
+def test_greedy_outputs_match_a_single_process(tiny_dirs, arch, tp_size, pp_size):
     directory = str(tiny_dirs[arch])
-    expected = LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024).generate(
-        PROMPTS, PARAMS, use_tqdm=False)
-    with LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=tp_size) as llm:
+    expected = LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024,
+                   max_num_batched_tokens=8).generate(PROMPTS, PARAMS, use_tqdm=False)
+    # A small token budget chunks the prompts, so micro-batches cut chunks and mix prefill pieces
+    # with decodes.
+    with LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=8,
+             tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size) as llm:
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        pool = llm.engine.executor
+        executor = llm.engine.executor
+        stats = executor.pipeline_stats() if pp_size > 1 else None
     for ref, out in zip(expected, outputs):
-        assert_close_greedy(ref, out, f"{arch} tp={tp_size}", max_tokens=PARAMS.max_tokens)
-    assert pool.failed == "the engine was shut down"
+        assert_close_greedy(ref, out, f"{arch} tp={tp_size} pp={pp_size}", max_tokens=PARAMS.max_tokens)
+    assert executor.failed == "the engine was shut down"
+    if stats is not None:
+        assert len(stats["stage_busy_seconds"]) == pp_size and all(b > 0 for b in stats["stage_busy_seconds"])
+        assert 0.0 <= stats["bubble_ratio"] < 1.0
 
 
 def test_a_dead_worker_is_an_error_not_a_hang(tiny_dirs):

@@ -1,13 +1,13 @@
-"""A tensor-parallel worker process, started by `WorkerPool` (nanoserve/dist/launch.py):
+"""A worker process of a parallel engine, started by `WorkerPool` (nanoserve/dist/launch.py):
 
-    python -m nanoserve.dist RANK WORLD_SIZE DEVICE INIT_METHOD PARENT_PID
+    python -m nanoserve.dist RANK TP_SIZE PP_SIZE DEVICE INIT_METHOD PARENT_PID
 """
 import sys
 
 import torch
 
-from nanoserve.dist.launch import exit_with_parent, run_worker
+from nanoserve.dist.launch import Topology, exit_with_parent, run_worker
 
-rank, world_size, device, init_method, parent_pid = sys.argv[1:6]
+rank, tp_size, pp_size, device, init_method, parent_pid = sys.argv[1:7]
 exit_with_parent(int(parent_pid))
-run_worker(int(rank), int(world_size), torch.device(device), init_method)
+run_worker(int(rank), Topology(int(tp_size), int(pp_size)), torch.device(device), init_method)

@@ -23,7 +23,8 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from nanoserve.dist.launch import WorkerPool, stop_driver
+from nanoserve.dist.launch import Topology, WorkerPool, stop_driver
+from nanoserve.dist.pipeline import PipelineStage, split_microbatches
 from nanoserve.memory.host import KVCopy
 from nanoserve.model.runner import ExecutorOutput, ModelRunner
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
@@ -44,22 +45,33 @@ class ChunkMessage:
     priority: str
 
 
+def _chunk_message(c: ScheduledChunk) -> ChunkMessage:
+    return ChunkMessage(c.request.request_id, tuple(c.request.token_ids[c.start:c.end]), c.start,
+                        tuple(c.block_table), c.right_to_left, c.samples, c.request.priority)
+
+
 @dataclass(frozen=True)
 class StepMessage:
-    chunks: tuple[ChunkMessage, ...]
+    """One step: its micro-batches (one without a pipeline) and its KV copy groups."""
+
+    microbatches: tuple[tuple[ChunkMessage, ...], ...]
     kv_copies: tuple[tuple[KVCopy, ...], ...] = ()
 
     @classmethod
-    def of(cls, batch: SchedulerOutput) -> StepMessage:
-        return cls(tuple(ChunkMessage(c.request.request_id, tuple(c.request.token_ids[c.start:c.end]), c.start,
-                                      tuple(c.block_table), c.right_to_left, c.samples, c.request.priority)
-                         for c in batch.chunks),
+    def of(cls, batch: SchedulerOutput, microbatches: list[list[ScheduledChunk]] | None = None) -> StepMessage:
+        return cls(tuple(tuple(_chunk_message(c) for c in mb) for mb in (microbatches or [batch.chunks])),
                    tuple(tuple(group) for group in batch.kv_copies))
 
+    def outputs(self) -> list[SchedulerOutput]:
+        """The micro-batches as batches a runner executes (the first carries the KV copies)."""
+        out = [SchedulerOutput([ScheduledChunk(StepRequest(m), m.start, len(m.token_ids), list(m.block_table),
+                                               m.right_to_left) for m in mb]) for mb in self.microbatches]
+        out[0].kv_copies = [list(group) for group in self.kv_copies]
+        return out
+
     def batch(self) -> SchedulerOutput:
-        chunks = [ScheduledChunk(StepRequest(m), m.start, len(m.token_ids), list(m.block_table), m.right_to_left)
-                  for m in self.chunks]
-        return SchedulerOutput(chunks, kv_copies=[list(group) for group in self.kv_copies])
+        (batch,) = self.outputs()
+        return batch
 
 
 class _OffsetTokens:
@@ -90,19 +102,27 @@ class StepRequest:
         self.num_tokens = end if m.samples else end + 1  # what makes `ScheduledChunk.samples` agree
 
 
-def broadcast_message(message: StepMessage | None, group: Any) -> StepMessage | None:
+def broadcast_message(message: StepMessage | str | None, group: Any) -> StepMessage | str | None:
     holder = [message]
     dist.broadcast_object_list(holder, src=0, group=group)
     return holder[0]
 
 
 class DriverExecutor:
-    """Rank 0's executor: send the step to the workers, then run it on this rank's shard."""
+    """Rank 0's executor: send the step to the workers, then run this rank's part of it (its
+    shard, or as a pipeline, stage 0 of every micro-batch, then sample what the last stage sends
+    back)."""
 
-    def __init__(self, runner: ModelRunner, control_group: Any, pool: WorkerPool | None):
+    def __init__(self, runner: ModelRunner, control_group: Any, pool: WorkerPool | None,
+                 topology: Topology = Topology(), microbatches_per_step: int | None = None):
         self.runner = runner
         self.control_group = control_group
         self.pool = pool  # None under torchrun: the workers are not this process's children
+        self.topology = topology
+        # Token-count chunking's micro-batches per step when the scheduler gives none: one per
+        # stage, the fewest that keep every stage busy once the pipeline is full.
+        self.microbatches_per_step = microbatches_per_step or topology.pipeline_parallel_size
+        self.stage = PipelineStage(runner, 0, topology)
         self.failed: str | None = None
         self._stopped = False
         atexit.register(self.shutdown)  # an engine never shut down still lets its workers go
@@ -114,14 +134,34 @@ class DriverExecutor:
         if self.failed is not None:
             raise WorkerFailure(self.failed)
         if self.pool is not None and not self.pool.alive():
-            self.failed = "a tensor-parallel worker process has died; restart the engine"
+            self.failed = "a worker process has died; restart the engine"
             raise WorkerFailure(self.failed)
         try:
-            broadcast_message(StepMessage.of(batch), self.control_group)
-            return self.runner.execute(batch)
+            if self.topology.pipeline_parallel_size == 1:
+                broadcast_message(StepMessage.of(batch), self.control_group)
+                return self.runner.execute(batch)
+            microbatches = batch.microbatches or split_microbatches(batch.chunks, self.microbatches_per_step)
+            message = StepMessage.of(batch, microbatches)
+            broadcast_message(message, self.control_group)
+            # Rank 0 runs stage 0 on the real requests (their params and generators sample).
+            outputs = [SchedulerOutput(mb) for mb in microbatches]
+            outputs[0].kv_copies = batch.kv_copies
+            return self.stage.run(outputs)
         except RuntimeError as exc:  # gloo reports a lost peer as a RuntimeError
-            self.failed = f"tensor-parallel step failed, a worker is gone: {exc}"
+            self.failed = f"a parallel step failed, a worker is gone: {exc}"
             raise WorkerFailure(self.failed) from exc
+
+    def pipeline_stats(self) -> dict[str, Any]:
+        """Busy seconds of each stage (its tensor-parallel rank 0) over the steps so far, rank
+        0's step span, and the bubble ratio: 1 − Σ busy / (stages · span)."""
+        broadcast_message(STATS, self.control_group)
+        busy: list[Any] = [None] * self.topology.world_size
+        dist.gather_object(self.stage.busy_seconds, busy, dst=0, group=self.control_group)
+        per_stage = [busy[ranks[0]] for ranks in map(self.topology.stage_ranks,
+                                                      range(self.topology.pipeline_parallel_size))]
+        span = self.stage.span_seconds
+        ratio = 1.0 - sum(per_stage) / (len(per_stage) * span) if span > 0 else None
+        return {"stage_busy_seconds": per_stage, "span_seconds": span, "bubble_ratio": ratio}
 
     def shutdown(self) -> None:
         if not self._stopped:
@@ -130,10 +170,19 @@ class DriverExecutor:
             stop_driver(self.control_group, self.pool)
 
 
-def worker_loop(runner: ModelRunner, control_group: Any) -> None:
+STATS = "stats"  # a control message: every rank reports its pipeline busy time
+
+
+def worker_loop(runner: ModelRunner, control_group: Any, rank: int = 0, topology: Topology = Topology()) -> None:
     """Run every step rank 0 broadcasts until it sends None (shutdown)."""
+    stage = PipelineStage(runner, rank, topology)
     while True:
         message = broadcast_message(None, control_group)
         if message is None:
             return
-        runner.execute(message.batch())
+        if message == STATS:
+            dist.gather_object(stage.busy_seconds, None, dst=0, group=control_group)
+        elif topology.pipeline_parallel_size == 1:
+            runner.execute(message.batch())
+        else:
+            stage.run(message.outputs())

@@ -40,13 +40,38 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a lost worker is an error after t
 
 
 @dataclass(frozen=True)
+class Topology:
+    """Ranks laid out stage-major: rank = stage · tp + tp_rank. The ranks of one pipeline stage
+    form a tensor-parallel group; rank r sends its activations to rank r + tp."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.tensor_parallel_size
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        tp = self.tensor_parallel_size
+        return list(range(stage * tp, (stage + 1) * tp))
+
+
+@dataclass(frozen=True)
 class RankPlan:
     """What every rank needs to build its share of the engine, decided by rank 0."""
 
     args: EngineArgs
     model_path: str
     num_blocks: int
-    host_blocks: int  # 0: the KV manager keeps nothing on the host
+    host_blocks: int | None  # the host KV store's size; None: the KV manager keeps nothing there
+    topology: Topology = Topology()
 
 
 def _free_port() -> int:
@@ -61,15 +86,24 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
 
 
-def join_group(rank: int, world_size: int, device: torch.device, init_method: str | None = None) -> tuple[TPGroup, Any]:
-    """Join the default process group; returns (the tensor-parallel group, the gloo group that
-    carries step messages)."""
+def join_group(rank: int, topology: Topology, device: torch.device,
+               init_method: str | None = None) -> tuple[TPGroup, Any]:
+    """Join the default process group; returns (this rank's tensor-parallel group, the gloo
+    group that carries step messages)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+                            world_size=topology.world_size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-    return TPGroup(rank, world_size, dist.group.WORLD), control
+    tp_size = topology.tensor_parallel_size
+    if topology.pipeline_parallel_size == 1:
+        return TPGroup(rank, tp_size, dist.group.WORLD), control
+    mine = None
+    for stage in range(topology.pipeline_parallel_size):  # every rank creates every group, in order
+        group = dist.new_group(topology.stage_ranks(stage)) if tp_size > 1 else None
+        if stage == topology.stage_of(rank):
+            mine = group
+    return TPGroup(rank % tp_size, tp_size, mine), control
 
 
 def send_plan(plan: RankPlan, control: Any) -> None:
@@ -78,19 +112,19 @@ def send_plan(plan: RankPlan, control: Any) -> None:
                                group=control)
 
 
-def run_worker(rank: int, world_size: int, device: torch.device, init_method: str | None = None) -> None:
+def run_worker(rank: int, topology: Topology, device: torch.device, init_method: str | None = None) -> None:
     """A worker process: join, receive the plan, build this rank's runner, execute steps until
     told to stop."""
     from nanoserve.builder import build_rank_runner
     from nanoserve.dist.executor import worker_loop
 
     device = rank_device(device, rank)
-    tp, control = join_group(rank, world_size, device, init_method)
+    tp, control = join_group(rank, topology, device, init_method)
     try:
         holder: list[Any] = [None]
         dist.broadcast_object_list(holder, src=0, group=control)
-        runner = build_rank_runner(holder[0], device, tp)
-        worker_loop(runner, control)
+        runner = build_rank_runner(holder[0], device, tp, topology.stage_of(rank))
+        worker_loop(runner, control, rank, topology)
     finally:
         dist.destroy_process_group()
 
@@ -103,11 +137,12 @@ class WorkerPool:
     without a `__main__` guard, notebooks and test runners; a fork would copy the caller's
     thread pools and CUDA state."""
 
-    def __init__(self, world_size: int, device: torch.device):
+    def __init__(self, topology: Topology, device: torch.device):
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self.processes = [subprocess.Popen([sys.executable, "-m", "nanoserve.dist", str(rank), str(world_size),
-                                            str(device), self.init_method, str(os.getpid())])
-                          for rank in range(1, world_size)]
+        sizes = [str(topology.tensor_parallel_size), str(topology.pipeline_parallel_size)]
+        self.processes = [subprocess.Popen([sys.executable, "-m", "nanoserve.dist", str(rank), *sizes, str(device),
+                                            self.init_method, str(os.getpid())])
+                          for rank in range(1, topology.world_size)]
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.processes)

@@ -20,6 +20,7 @@ from nanoserve.dist.parallel import (
     qkv_shards,
 )
 from nanoserve.model.attention import ForwardContext, PagedAttention
+from nanoserve.dist.pipeline import MissingLayer
 from nanoserve.model.layers import (
     LLAMA_STACKED, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights,
 )
@@ -94,14 +95,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """A pipeline stage (dist/pipeline.py) passes the previous stage's `hidden` instead of
+        ids, holds only its own layers, and only the last stage keeps the final norm."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
+            if isinstance(layer, MissingLayer):
+                continue
             x = layer(x, cos, sin, ctx)
             if self.safe_point is not None:
                 self.safe_point(i + 1)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,8 +122,9 @@ class LlamaForCausalLM(nn.Module):
         # Tied models reuse the embedding matrix as the LM head and own no separate weight.
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)

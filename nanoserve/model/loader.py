@@ -20,6 +20,7 @@ from torch import nn
 
 from nanoserve.config import ModelConfig
 from nanoserve.dist.parallel import SINGLE, TPGroup
+from nanoserve.dist.pipeline import StageLayout, keep_stage
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.opt import OPTForCausalLM
 from nanoserve.model.qwen2 import Qwen2ForCausalLM
@@ -156,14 +157,20 @@ def iter_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Te
         del state
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype,
-               tp: TPGroup = SINGLE) -> tuple[nn.Module, ModelConfig]:
-    """The model, or under tensor parallelism this rank's shard of it (reading only its slices)."""
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE,
+               stage: StageLayout | None = None) -> tuple[nn.Module, ModelConfig]:
+    """The model; under tensor parallelism this rank's shard of it (reading only its slices);
+    as a pipeline stage, only its layers (the others are never read)."""
     config = load_config(path)
     model_cls = MODEL_CLASSES[config.raw["architectures"][0]][1]
     with torch.device("meta"):
         model = model_cls(config, tp)
+    skip = tuple(keep_stage(model, stage)) if stage is not None else ()
+
+    def wanted(name: str) -> bool:  # checkpoints may drop the leading "model." (early OPT)
+        return not (name if name.startswith(("model.", "lm_head.")) else f"model.{name}").startswith(skip)
+
     model = model.to(dtype=dtype).to_empty(device=device)
     with torch.no_grad():
-        model.load_weights(iter_weights(path, lazy=True))
+        model.load_weights((n, t) for n, t in iter_weights(path, lazy=True) if not skip or wanted(n))
     return model.eval().requires_grad_(False), config

@@ -21,6 +21,7 @@ from nanoserve.dist.parallel import (
     qkv_shards,
 )
 from nanoserve.model.attention import ForwardContext, PagedAttention
+from nanoserve.dist.pipeline import MissingLayer
 from nanoserve.model.layers import MergedLinear, load_named_weights
 
 POSITION_OFFSET = 2
@@ -82,12 +83,19 @@ class OPTDecoder(nn.Module):
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine) if has_final_norm else None
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if self.project_in is not None:
-            x = self.project_in(x)
-        x = x + self.embed_positions(positions + POSITION_OFFSET)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """As LlamaModel.forward: a later pipeline stage starts from `hidden`."""
+        if hidden is None:
+            x = self.embed_tokens(input_ids)
+            if self.project_in is not None:
+                x = self.project_in(x)
+            x = x + self.embed_positions(positions + POSITION_OFFSET)
+        else:
+            x = hidden
         for i, layer in enumerate(self.layers):
+            if isinstance(layer, MissingLayer):
+                continue
             x = layer(x, ctx)
             if self.safe_point is not None:
                 self.safe_point(i + 1)
@@ -112,8 +120,9 @@ class OPTForCausalLM(nn.Module):
         embed_dim = cfg.word_embed_proj_dim or cfg.hidden_size
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, embed_dim, tp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, ctx)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, ctx, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)

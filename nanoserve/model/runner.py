@@ -113,11 +113,14 @@ class PreemptionFlag:
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
-                       dtype: torch.dtype, tp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer; under tensor parallelism, for this rank's KV heads only."""
+                       dtype: torch.dtype, tp_size: int = 1,
+                       layers: range | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """One (K, V) pair per layer; under tensor parallelism, for this rank's KV heads only; in a
+    pipeline stage, for its own `layers` only (None for the others')."""
     shape = (num_blocks, block_size, local_kv_heads(cfg.num_kv_heads, tp_size), cfg.head_dim)
+    held = range(cfg.num_layers) if layers is None else layers
     return [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-            for _ in range(cfg.num_layers)]
+            if layer in held else None for layer in range(cfg.num_layers)]
 
 
 class ModelRunner:
@@ -125,14 +128,16 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
                  host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, stage_layers: range | None = None):
         """With `arena` (KunServe), the KV caches are the arena's views and `host_weights` (every
         parameter by name, on the host) feeds the peer on a drop and the arena on a restore.
         `preempt_every_layers`: how often a pure-offline forward checks the preemption flag.
         `tp`: this rank's tensor-parallel group; only rank 0 samples (every rank computes the
-        gathered logits, as the gather is collective)."""
+        gathered logits, as the gather is collective). `stage_layers`: a pipeline stage's layers
+        (dist/pipeline.py), the only ones it keeps KV for."""
         self.model = model
         self.tp = tp
+        self.stage_layers = stage_layers
         # ConServe's layer-wise preemption: the modules whose layer loop has a safe point.
         self.preemption = PreemptionFlag(preempt_every_layers, model_config.num_layers)
         self._safe_point_hosts = [m for m in model.modules() if hasattr(type(m), "safe_point")]
@@ -143,7 +148,8 @@ class ModelRunner:
         self.backend = backend
         self.arena, self.host_weights, self.peer = arena, host_weights, None
         if arena is None:
-            self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, device, dtype, tp.size)
+            self.kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, device, dtype, tp.size,
+                                                stage_layers)
         else:
             if host_weights is None:
                 raise ValueError("a runner over an arena needs host_weights to drop and restore layers")
@@ -229,14 +235,17 @@ class ModelRunner:
         self.preemption.request()
 
     @torch.inference_mode()
-    def run_model(self, prepared: PreparedBatch, preemptible: bool = False) -> torch.Tensor:
+    def run_model(self, prepared: PreparedBatch, preemptible: bool = False,
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states for every token of the batch (and K/V written to the cache). With
-        `preemptible` the safe points are armed and the forward may raise `ForwardPreempted`."""
+        `preemptible` the safe points are armed and the forward may raise `ForwardPreempted`.
+        A later pipeline stage passes the previous stage's `hidden` instead of token ids."""
         hosts = self._safe_point_hosts if preemptible else []
         for host in hosts:
             host.safe_point = self.preemption.safe_point
         try:
-            return self.model(prepared.input_ids, prepared.positions, prepared.ctx)
+            return self.model(None if hidden is not None else prepared.input_ids, prepared.positions, prepared.ctx,
+                              hidden)
         finally:
             for host in hosts:
                 host.safe_point = None
@@ -256,7 +265,8 @@ class ModelRunner:
         try:
             # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
             # only on one rank: ranks stopping at different layers would leave a collective waiting.
-            preemptible = self.tp.size == 1 and all(c.request.priority == "offline" for c in batch.chunks)
+            preemptible = (self.tp.size == 1 and self.stage_layers is None
+                           and all(c.request.priority == "offline" for c in batch.chunks))
             hidden = self.run_model(prepared, preemptible=preemptible)
         except ForwardPreempted:
             return ExecutorOutput(preempted=True)
@@ -266,6 +276,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
         if self.tp.rank != 0:
             return ExecutorOutput()
+        return self.sample(sampling, logits)
+
+    def sample(self, sampling: list, logits: torch.Tensor) -> ExecutorOutput:
+        """Draw each request's next token from its row of `logits`."""
         for request in sampling:
             if request.params.seed is not None and request.generator is None:
                 request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)

@@ -50,6 +50,9 @@ class SchedulerOutput:
     # K/V moves that must happen before this step's forward pass (checkpoints, swaps,
     # restores): one group per memory-manager call, run by the executor in this order.
     kv_copies: list[list[KVCopy]] = field(default_factory=list)
+    # Under pipeline parallelism, how the policy cuts the chunks into micro-batches (KunServe's
+    # lookahead); None lets the executor cut by token count (nanoserve/dist/pipeline.py).
+    microbatches: list[list[ScheduledChunk]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,185 @@
+"""Pipeline parallelism: consecutive layer ranges on consecutive ranks, activations sent between
+them point to point, each stage keeping the KV cache of its own layers only.
+
+    rank 0 (stage 0: embeddings, layers [0, a))  ──h──►  rank 1 (layers [a, b))  ──h──► ...
+         ▲                                                                             │
+         └───────────────── logits of the sampling rows ◄── last stage (norm, LM head) ┘
+
+A step's batch is cut into micro-batches (`split_microbatches`), and every stage runs them in
+order: while stage 1 works on micro-batch k, stage 0 already runs k+1. In-order processing is
+also what makes cutting a prompt chunk across micro-batches safe: its later piece reaches each
+layer after the earlier piece has written its K/V there. The step still ends when the last
+micro-batch leaves the last stage, so each step pays the fill and drain bubble, (S − 1) / (m +
+S − 1) of the stage-time with m equal micro-batches; unequal ones add more (Fig. 8 of
+KunServe). The scheduler decides the cut where it can (`SchedulerOutput.microbatches`:
+KunServe's cost-balanced lookahead, §4.3); otherwise it is by token count, as Sarathi-Serve and
+vLLM cut.
+
+`StageLayout` says which layers a rank holds; `keep_stage` removes the rest from a model built
+on the meta device, before any memory is allocated, and lists the checkpoint tensors to skip.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from nanoserve.dist.launch import Topology
+    from nanoserve.model.runner import ExecutorOutput, ModelRunner
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Stage `stage` of `num_stages` holds decoder layers `layers`."""
+
+    stage: int = 0
+    num_stages: int = 1
+    layers: range = range(0)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def holds(self, layer: int) -> bool:
+        return layer in self.layers
+
+
+def partition_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous, as equal as possible; the earlier stages take the remainder (the last stage
+    also runs the LM head)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for stage in range(num_stages):
+        bounds.append(bounds[-1] + base + (stage < extra))
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def stage_layouts(num_layers: int, num_stages: int) -> list[StageLayout]:
+    return [StageLayout(s, num_stages, r) for s, r in enumerate(partition_layers(num_layers, num_stages))]
+
+
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage runs: it holds no weights and the forward skips it."""
+
+
+def keep_stage(model: nn.Module, layout: StageLayout) -> list[str]:
+    """Strip `model` (on the meta device) down to `layout`'s stage; returns the name prefixes of
+    the checkpoint tensors that now have no home, for the loader to skip."""
+    if layout.num_stages == 1:
+        return []
+    body = model.model.decoder if hasattr(model.model, "decoder") else model.model  # OPT nests one more
+    prefix = "model.decoder" if body is not model.model else "model"
+    skip = []
+    for i in range(len(body.layers)):
+        if not layout.holds(i):
+            body.layers[i] = MissingLayer()
+            skip.append(f"{prefix}.layers.{i}.")
+    tied = getattr(model, "lm_head", None) is None
+    if not layout.is_first:
+        for name in ("project_in", "embed_positions"):
+            if getattr(body, name, None) is not None:
+                setattr(body, name, None)
+                skip.append(f"{prefix}.{name}.")
+        if not (layout.is_last and tied):  # a tied LM head is the embedding matrix
+            body.embed_tokens = None
+            skip.append(f"{prefix}.embed_tokens.")
+    if not layout.is_last:
+        for name in ("norm", "final_layer_norm", "project_out"):
+            if getattr(body, name, None) is not None:
+                setattr(body, name, None)
+                skip.append(f"{prefix}.{name}.")
+        if not tied:
+            model.lm_head = None
+            skip.append("lm_head.")
+    return skip
+
+
+def split_microbatches(chunks: list[ScheduledChunk], count: int) -> list[list[ScheduledChunk]]:
+    """Token-count chunking: `count` micro-batches of as equal token counts as possible, in
+    order, cutting a chunk where a boundary falls inside it (only its last piece samples)."""
+    total = sum(c.num_tokens for c in chunks)
+    count = max(1, min(count, total))
+    bounds = [total * (k + 1) // count for k in range(count)]  # cumulative token targets
+    microbatches: list[list[ScheduledChunk]] = [[] for _ in range(count)]
+    done, k = 0, 0
+    for chunk in chunks:
+        start, left = chunk.start, chunk.num_tokens
+        while left:
+            while bounds[k] <= done:
+                k += 1
+            take = min(left, bounds[k] - done)
+            microbatches[k].append(chunk._replace(start=start, num_tokens=take))
+            start, left, done = start + take, left - take, done + take
+    return [mb for mb in microbatches if mb]
+
+
+class PipelineStage:
+    """One rank's part of a pipelined step: for each micro-batch in order, take the activations
+    from the previous stage (or embed the tokens), run this stage's layers, pass them on (or,
+    on the last stage, send the sampling rows' logits to rank 0). Sends are asynchronous, so a
+    stage starts its next micro-batch while the next stage works on this one."""
+
+    def __init__(self, runner: ModelRunner, rank: int, topology: Topology):
+        self.runner, self.rank = runner, rank
+        tp, stages = topology.tensor_parallel_size, topology.pipeline_parallel_size
+        stage = topology.stage_of(rank)
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.prev, self.next = rank - tp, rank + tp
+        self.last_stage_leader = (stages - 1) * tp  # its tensor-parallel rank 0 sends the logits
+        self.dtype = next(runner.model.parameters()).dtype
+        self.busy_seconds = 0.0  # computing, not waiting for activations
+        self.span_seconds = 0.0  # rank 0: whole steps, from the first micro-batch to the last logits
+
+    def run(self, microbatches: list[SchedulerOutput]) -> ExecutorOutput:
+        from nanoserve.model.runner import ExecutorOutput
+
+        started = time.perf_counter()
+        runner, cfg = self.runner, self.runner.model_config
+        sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until their sends complete
+        sampling: list[list] = []
+        for mb in microbatches:
+            prepared = runner.prepare(mb)
+            sampling.append([c.request for c in mb.chunks if c.samples])
+            if self.is_first:
+                begin = time.perf_counter()
+                hidden = runner.run_model(prepared)
+            else:
+                hidden = torch.empty(len(prepared.positions), cfg.hidden_size, dtype=self.dtype, device=runner.device)
+                dist.recv(hidden, src=self.prev)
+                begin = time.perf_counter()
+                hidden = runner.run_model(prepared, hidden=hidden)
+            if not self.is_last:
+                sends.append((dist.isend(hidden, dst=self.next), hidden))
+            elif prepared.sample_rows:
+                logits = runner.model.compute_logits(hidden[prepared.sample_rows]).contiguous()
+                if runner.tp.rank == 0:
+                    sends.append((dist.isend(logits, dst=0), logits))
+            self.busy_seconds += time.perf_counter() - begin
+        out = ExecutorOutput()
+        if self.rank == 0:
+            rows = []
+            for requests in sampling:  # the last stage sends them in micro-batch order
+                if requests:
+                    rows.append(torch.empty(len(requests), cfg.vocab_size, dtype=self.dtype, device=runner.device))
+                    dist.recv(rows[-1], src=self.last_stage_leader)
+            requests = [r for group in sampling for r in group]
+            if requests:
+                out = runner.sample(requests, torch.cat(rows))
+        for work, _ in sends:
+            work.wait()
+        if self.rank == 0:
+            self.span_seconds += time.perf_counter() - started
+        return out
