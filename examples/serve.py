@@ -34,6 +34,7 @@ from nanoserve.memory import KV_MANAGER_NAMES  # noqa: E402
 from nanoserve.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from nanoserve.sched import SCHEDULERS  # noqa: E402
 from nanoserve.server import create_app  # noqa: E402
+from nanoserve.slo import DEFAULT_SLOS, SLO  # noqa: E402
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -66,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shard the model over this many processes (under torchrun: the world size)")
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
                    help="split the layers into this many pipeline stages, one process (group) each")
+    p.add_argument("--online-ttft", type=float, default=DEFAULT_SLOS["online"].ttft,
+                   help="seconds to the first token an online request is promised (its class default)")
+    p.add_argument("--online-tpot", type=float, default=DEFAULT_SLOS["online"].tpot,
+                   help="seconds per later output token an online request is promised")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens, cost_model=args.cost_model,
         preempt_every_layers=args.preempt_every_layers, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        online_slo=SLO(ttft=args.online_ttft, tpot=args.online_tpot),
     ))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, served_model_name=args.served_model_name)

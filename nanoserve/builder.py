@@ -23,6 +23,7 @@ from nanoserve.model.loader import load_config, load_model, resolve_model_path
 from nanoserve.model.runner import Executor, ModelRunner
 from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
 from nanoserve.sched.cost_model import CostModel
+from nanoserve.slo import DEFAULT_SLOS, SLO
 from nanoserve.tokenizer import Tokenizer
 
 CPU_KV_BYTES = 2 << 30  # default KV budget on a CPU
@@ -52,6 +53,9 @@ class EngineArgs:
     preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
     tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
     pipeline_parallel_size: int = 1  # stages of consecutive layers, one process (group) each
+    calibrate_cost_model: bool = True  # scale the cost model by measured step times (cost_model.py)
+    online_slo: SLO | None = None  # the online class's default targets; None: DEFAULT_SLOS
+    offline_slo: SLO | None = None
 
 
 def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
@@ -128,11 +132,12 @@ def build_engine(args: EngineArgs) -> Engine:
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, policy=args.policy,
+        online_slo=args.online_slo or DEFAULT_SLOS["online"], offline_slo=args.offline_slo or DEFAULT_SLOS["offline"],
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     return Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
-                  model_name=str(args.model or path.name))
+                  model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model)
 
 
 def attention_backend(args: EngineArgs, device: torch.device):

@@ -54,8 +54,12 @@ class EngineStats:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer | None,
-                 eos_token_ids: frozenset[int] = frozenset(), model_name: str = "model"):
+                 eos_token_ids: frozenset[int] = frozenset(), model_name: str = "model",
+                 calibrate_cost_model: bool = False):
+        """`calibrate_cost_model`: scale the policy's cost model by how long steps really take
+        (`sched.cost_model.Calibration`); for a real executor, not a mock one."""
         self.model_name = model_name
+        self.calibrate_cost_model = calibrate_cost_model
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -188,8 +192,12 @@ class Engine:
             self.scheduler.update_after_step(batch)
             outputs = self._postprocess(batch, result, self.clock())
             # The whole step, as a client's TPOT sees it: scheduling, forward, sampling, output.
-            self.step_seconds_total += time.perf_counter() - started
-            self.predicted_step_seconds_total += self.scheduler.cost_model.predict_output(batch)
+            measured = time.perf_counter() - started
+            predicted = self.scheduler.cost_model.predict_output(batch)  # by the model the policy used
+            self.step_seconds_total += measured
+            self.predicted_step_seconds_total += predicted
+            if self.calibrate_cost_model:
+                self.scheduler.calibrate(batch, measured)
         if self.check_invariants:
             self.kv.check_invariants()
         return outputs

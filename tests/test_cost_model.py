@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
 
@@ -12,7 +13,8 @@ from nanoserve.builder import EngineArgs, build_engine
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
-from nanoserve.sched.cost_model import FEATURES, CostModel, Sample, evaluate, features, fit
+from nanoserve.model.runner import ExecutorOutput
+from nanoserve.sched.cost_model import FEATURES, Calibration, CostModel, Sample, evaluate, features, fit
 from nanoserve.sched.profile import FULL, QUICK, Profiler, main, synthetic_batches
 
 # Roughly a small model on a GPU: 1 ms per iteration, 20 µs per prefill token...
@@ -149,7 +151,8 @@ def test_profile_cli_end_to_end(tiny_dir, tmp_path, capsys):
 
 
 def test_engine_reports_measured_over_predicted_step_time(tiny_dir):
-    engine = build_engine(EngineArgs(model=str(tiny_dir), device="cpu", kv_cache_tokens=2048))
+    engine = build_engine(EngineArgs(model=str(tiny_dir), device="cpu", kv_cache_tokens=2048,
+                                     calibrate_cost_model=False))
     assert engine.stats().cost_model_ratio is None  # no step yet
     engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
     steps = 0
@@ -163,3 +166,45 @@ def test_engine_reports_measured_over_predicted_step_time(tiny_dir):
                 + engine.scheduler.cost_model.predict([(5, 1)]))
     assert stats.predicted_step_seconds_total == pytest.approx(expected)
     assert stats.cost_model_ratio == pytest.approx(stats.step_seconds_total / expected)
+
+
+def test_calibration_follows_the_measured_factor_within_bounds():
+    fitted = CostModel(prefill_tokens=1e-3, decode_seqs=1e-3, iteration=1e-2)
+    calibration = Calibration(fitted, weight=0.5)
+    batch = [(0, 8), (5, 1)]
+    for _ in range(30):
+        model = calibration.observe(batch, measured=2 * fitted.predict(batch))
+    assert calibration.factor == pytest.approx(2.0, rel=1e-6)
+    assert model.predict(batch) == pytest.approx(2 * fitted.predict(batch))
+    for _ in range(30):
+        calibration.observe(batch, measured=100.0)  # a stall is clamped, not believed
+    assert calibration.factor == pytest.approx(calibration.high, rel=1e-6)
+    before = calibration.factor
+    calibration.observe([], measured=0.5)  # nothing priced: nothing learned
+    assert calibration.factor == before
+
+
+class SlowExecutor:
+    """Takes 20 ms per step, whatever the batch; samples token 7."""
+
+    def execute(self, batch):
+        time.sleep(0.02)
+        return ExecutorOutput(sampled={c.request.request_id: 7 for c in batch.chunks if c.samples})
+
+
+def test_the_engine_scales_the_policys_model_by_measured_steps():
+    from nanoserve.config import SchedulerConfig
+    from nanoserve.engine import Engine
+    from nanoserve.memory.blocks import BlockPool
+    from nanoserve.sched import make_scheduler
+
+    fitted = CostModel(decode_seqs=1e-3, iteration=4e-3)  # a decode step predicted at 5 ms
+    scheduler = make_scheduler(SchedulerConfig(max_model_len=64), BlockPool(16, 16), fitted)
+    engine = Engine(scheduler, SlowExecutor(), tokenizer=None, calibrate_cost_model=True)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Steps take >= 20 ms against 5-7 ms predicted: over 40 steps the factor climbs past 2.5
+    # (never asserted from above: a loaded machine only makes steps slower).
+    assert scheduler.calibration.factor > 2.5
+    assert scheduler.cost_model.predict([(3, 1)]) > 2.5 * fitted.predict([(3, 1)])

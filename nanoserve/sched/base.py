@@ -21,7 +21,7 @@ from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import KVCopy
 from nanoserve.memory.manager import KVManager, PagedKV
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, CostModel
+from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, Calibration, CostModel, batch_of
 
 
 class ScheduledChunk(NamedTuple):
@@ -71,6 +71,7 @@ class Scheduler(ABC):
         # Policies that budget time (BROS, ConServe, KunServe, EcoServe) ask the cost model what a
         # batch would take and the clock what time it is; tests pass a mock clock.
         self.cost_model = cost_model if cost_model is not None else DEFAULT_COST_MODEL
+        self.calibration: Calibration | None = None  # set by `calibrate`
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -92,6 +93,13 @@ class Scheduler(ABC):
     def _add_copies(self, copies: list[KVCopy]) -> None:
         if copies:
             self._copies.append(copies)
+
+    def calibrate(self, output: SchedulerOutput, measured: float) -> None:
+        """The engine measured a step: scale the model the policy budgets with by the running
+        measured/predicted factor (`Calibration`)."""
+        if self.calibration is None:
+            self.calibration = Calibration(self.cost_model)
+        self.cost_model = self.calibration.observe(batch_of(output), measured)
 
     # -- shared bookkeeping --------------------------------------------------------------
     def add_request(self, request: Request) -> None:

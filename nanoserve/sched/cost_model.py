@@ -20,6 +20,11 @@ sampling set-up, Python) closes the model:
 Every term is linear in the coefficients, so the model is `coefficients · features(batch)` and
 is fitted by least squares on profiled batches (`nanoserve.sched.profile`). Coefficients are
 kept non-negative, so that a prediction never drops when a chunk grows or gains prefix.
+
+A profile is the forward pass alone, on a quiet machine, at its fastest (see profile.py). A
+served step also schedules, samples and streams, and shares the machine, so it takes longer by
+a factor that drifts. `Calibration` follows that factor from the steps the engine measures,
+and the policies budget with the fitted model scaled by it.
 """
 from __future__ import annotations
 
@@ -111,6 +116,10 @@ class CostModel:
     def predict_output(self, output: SchedulerOutput) -> float:
         """Predicted seconds for a scheduled step (its KV copies are not modelled)."""
         return self.predict(batch_of(output))
+
+    def scaled(self, factor: float) -> "CostModel":
+        """Every coefficient times `factor` (the model is linear: every prediction scales)."""
+        return CostModel(**{name: getattr(self, name) * factor for name in FEATURES})
 
     # -- persistence ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, float]:
@@ -212,3 +221,27 @@ def fit(samples: Iterable[Sample], relative: bool = True) -> CostModel:
 # (`EngineArgs.cost_model`); its shape, not its scale, is what the default gets right elsewhere.
 DEFAULT_COST_MODEL = CostModel(prefill_attn=4.5e-7, prefill_tokens=1.3e-3, prefill_chunks=3.8e-3,
                                decode_context=5.0e-6, decode_seqs=1.8e-3, iteration=4.1e-2)
+
+
+class Calibration:
+    """The measured-over-predicted step time, as a moving average, and the model scaled by it.
+
+    Each step's ratio enters an exponential moving average (`weight` per step), clamped to
+    [`low`, `high`] so that one stalled step (a page fault, a neighbour's burst) or one empty
+    one cannot swing the policies' budgets far."""
+
+    def __init__(self, fitted: CostModel, weight: float = 0.1, low: float = 0.25, high: float = 4.0):
+        self.fitted, self.weight, self.low, self.high = fitted, weight, low, high
+        self.factor = 1.0
+        self.model = fitted
+
+    def observe(self, batch: Batch, measured: float) -> CostModel:
+        """Fold in one step that ran `batch` in `measured` seconds; returns the model scaled by
+        the new factor. The ratio is against the *fitted* model's prediction, so the factor
+        converges to measured / fitted, whatever it was before."""
+        predicted = self.fitted.predict(batch)
+        if predicted > 0 and measured > 0:
+            ratio = min(self.high, max(self.low, measured / predicted))
+            self.factor += self.weight * (ratio - self.factor)
+            self.model = self.fitted.scaled(self.factor)
+        return self.model
