@@ -133,6 +133,7 @@ def build_engine(args: EngineArgs) -> Engine:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, policy=args.policy,
         online_slo=args.online_slo or DEFAULT_SLOS["online"], offline_slo=args.offline_slo or DEFAULT_SLOS["offline"],
+        pipeline_stages=args.pipeline_parallel_size,
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None

@@ -17,6 +17,7 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
+from nanoserve.request import Request
 from nanoserve.sched import make_scheduler
 from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, CostModel
 from nanoserve.sched.kunserve import (KunServeScheduler, bubble_ratio, lookahead_microbatches, microbatch_cost,
@@ -169,3 +170,31 @@ def test_kunserve_gives_fcfs_answers(tmp_path):
             assert llm.engine.stats().num_preemptions > 0
         for i, (ref, out) in enumerate(zip(expected, outputs)):
             assert_close_greedy(ref, out, f"{label}: prompt {i}", max_tokens=10)
+
+
+def test_a_pipelined_step_is_the_first_lookahead_microbatch_per_stage():
+    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256, policy="kunserve",
+                             pipeline_stages=2)
+    scheduler = make_scheduler(config, BlockPool(256, 4))
+    assert scheduler.min_tokens == 16  # two micro-batches fit the step's budget
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for i, n in enumerate((40, 9, 30, 5)):
+        scheduler.add_request(Request(f"r{i}", [1 + i] * n, params))
+    cut_steps = 0
+    for _ in range(40):
+        out = scheduler.schedule()
+        if not out.chunks:
+            break
+        if out.microbatches is not None:
+            cut_steps += 1
+            assert len(out.microbatches) <= 2
+            # The micro-batches are the chunks, cut: each request's pieces in order, none lost.
+            for chunk in out.chunks:
+                pieces = [p for mb in out.microbatches for p in mb if p.request is chunk.request]
+                assert pieces[0].start == chunk.start and pieces[-1].end == chunk.end
+                assert all(a.end == b.start for a, b in zip(pieces, pieces[1:]))
+        scheduler.update_after_step(out)
+        for chunk in out.chunks:  # "sample" so decodes follow
+            if chunk.samples:
+                chunk.request.append_token(7, 0.0)
+    assert cut_steps > 0

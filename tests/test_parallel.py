@@ -215,3 +215,25 @@ def test_torchrun_runs_the_server_with_rank_0_serving(tiny_dirs, tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
         log.close()
+
+
+def test_kunserve_feeds_the_pipeline_its_lookahead_microbatches(tiny_dirs):
+    directory = str(tiny_dirs["llama"])
+    prompts = PROMPTS + [[9] * 30, [11] * 17]
+    expected = LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024).generate(
+        prompts, PARAMS, use_tqdm=False)
+    with LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=16,
+             policy="kunserve", pipeline_parallel_size=2) as llm:
+        executor = llm.engine.executor
+        cuts = []
+        execute = executor.execute
+
+        def spy(batch):
+            cuts.append(batch.microbatches is not None)
+            return execute(batch)
+
+        executor.execute = spy
+        outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert any(cuts), "the lookahead never cut a step"
+    for ref, out in zip(expected, outputs):
+        assert_close_greedy(ref, out, "kunserve pp=2", max_tokens=PARAMS.max_tokens)

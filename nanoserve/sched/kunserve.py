@@ -43,6 +43,11 @@ larger: MIN defaults to half the budget, so it rarely is). It also records the e
 ratio that `num_stages` pipeline stages would see for the whole lookahead, and for token-count
 chunking into as many micro-batches, so the gain can be reported (`last_bubble_ratio`, `stats`).
 
+Under pipeline parallelism (`SchedulerConfig.pipeline_stages` = S > 1, nanoserve/dist/pipeline.py)
+the step is the first S lookahead micro-batches instead of one, MIN defaults to the budget / S,
+and `SchedulerOutput.microbatches` hands the executor the cost-balanced cut (`_cut`); with a
+short queue the lookahead yields fewer micro-batches and the executor cuts by tokens.
+
 Left out: the paper's discussion notes lookahead needs a queue to look ahead into; we never wait
 for one (normal serving just gets one micro-batch, the FCFS step, when the queue is short).
 """
@@ -216,7 +221,11 @@ class KunServeScheduler(FCFSScheduler):
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.num_stages = num_stages
-        self.min_tokens = min_tokens if min_tokens is not None else max(1, config.max_num_batched_tokens // 2)
+        # A step runs one micro-batch, or under pipeline parallelism one per stage; MIN keeps the
+        # step's micro-batches within the token budget.
+        self.stages_per_step = config.pipeline_stages
+        default_min = config.max_num_batched_tokens // max(2, self.stages_per_step)
+        self.min_tokens = min_tokens if min_tokens is not None else max(1, default_min)
         if self.min_tokens < 1:
             raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
         self.last_microbatches: list[MicroBatch] = []
@@ -248,12 +257,36 @@ class KunServeScheduler(FCFSScheduler):
         return mbs
 
     def plan(self) -> SchedulerOutput:
-        # This step's micro-batch: a prefix of the queued work, so a request outside it has
-        # nothing after it inside it either. FCFS's pass then serves exactly that share.
+        # This step's micro-batches: a prefix of the queued work, so a request outside them has
+        # nothing after it inside them either. FCFS's pass then serves exactly that share.
         self.running = self.kv.order(self.running)
-        mbs = self.lookahead()
-        self._allotted = {rid: n for rid, _, n in mbs[0]} if mbs else {}
-        return super().plan()
+        step = self.lookahead()[:self.stages_per_step]
+        self._allotted: dict[Hashable, int] = {}
+        for mb in step:
+            for rid, _, n in mb:
+                self._allotted[rid] = self._allotted.get(rid, 0) + n
+        out = super().plan()
+        if self.stages_per_step > 1:
+            out.microbatches = self._cut(out, step)
+        return out
 
     def tokens_wanted(self, request: Request) -> int:
         return self._allotted.get(request.request_id, 0)
+
+    @staticmethod
+    def _cut(out: SchedulerOutput, step: list[MicroBatch]) -> list | None:
+        """The step's chunks cut along the lookahead micro-batches, for a pipelined executor; None
+        (let it cut by tokens) if the pass granted less than planned (budget, preemption)."""
+        chunks = {c.request.request_id: c for c in out.chunks}
+        cut = []
+        for mb in step:
+            pieces = []
+            for rid, start, n in mb:
+                chunk = chunks.get(rid)
+                lo, hi = (max(start, chunk.start), min(start + n, chunk.end)) if chunk else (0, 0)
+                if lo < hi:
+                    pieces.append(chunk._replace(start=lo, num_tokens=hi - lo))
+            if pieces:
+                cut.append(pieces)
+        granted = sum(c.num_tokens for c in out.chunks)
+        return cut if sum(p.num_tokens for mb in cut for p in mb) == granted else None
