@@ -53,6 +53,7 @@ class EngineArgs:
     preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
     tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
     pipeline_parallel_size: int = 1  # stages of consecutive layers, one process (group) each
+    pipeline_microbatches: int | None = None  # per pipelined step; None: twice the stages
     calibrate_cost_model: bool = True  # scale the cost model by measured step times (cost_model.py)
     online_slo: SLO | None = None  # the online class's default targets; None: DEFAULT_SLOS
     offline_slo: SLO | None = None
@@ -127,18 +128,28 @@ def build_engine(args: EngineArgs) -> Engine:
             runner, executor = _start_parallel(plan, device)
         kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, runner.host_store,
                                                              args.kv_manager_options or {}))
+    microbatches = pipeline_microbatches(args)
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                         kv.max_request_tokens)
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, policy=args.policy,
         online_slo=args.online_slo or DEFAULT_SLOS["online"], offline_slo=args.offline_slo or DEFAULT_SLOS["offline"],
-        pipeline_stages=args.pipeline_parallel_size,
+        pipeline_microbatches=microbatches,
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     return Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
                   model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model)
+
+
+def pipeline_microbatches(args: EngineArgs) -> int:
+    """Micro-batches per step. Each pipelined step fills and drains the pipeline, idling
+    (S - 1) / (m + S - 1) of it: more micro-batches shrink that, smaller ones run less
+    efficiently; twice the stages is the default."""
+    if args.pipeline_parallel_size == 1:
+        return 1
+    return args.pipeline_microbatches or 2 * args.pipeline_parallel_size
 
 
 def attention_backend(args: EngineArgs, device: torch.device):
@@ -184,4 +195,4 @@ def _start_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, 
     except BaseException:
         stop_driver(control, pool)
         raise
-    return runner, DriverExecutor(runner, control, pool, topology)
+    return runner, DriverExecutor(runner, control, pool, topology, pipeline_microbatches(plan.args))

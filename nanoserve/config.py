@@ -67,9 +67,9 @@ class SchedulerConfig:
     # Latency targets by request class (see nanoserve/slo.py); a request may override them.
     online_slo: SLO = DEFAULT_SLOS["online"]
     offline_slo: SLO = DEFAULT_SLOS["offline"]
-    # Pipeline stages the executor runs (nanoserve/dist/pipeline.py): a policy that cuts its own
-    # micro-batches (KunServe) gives each step this many.
-    pipeline_stages: int = 1
+    # Micro-batches a pipelined step runs (nanoserve/dist/pipeline.py; 1: no pipeline). A policy
+    # that cuts its own (KunServe) gives each step up to this many.
+    pipeline_microbatches: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -78,8 +78,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.pipeline_stages < 1:
-            raise ValueError("pipeline_stages must be >= 1")
+        if self.pipeline_microbatches < 1:
+            raise ValueError("pipeline_microbatches must be >= 1")
 
     def slo_for(self, priority: str) -> SLO:
         return self.online_slo if priority == "online" else self.offline_slo

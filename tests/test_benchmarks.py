@@ -34,3 +34,10 @@ def test_policies_cpu_benchmark_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| fcfs | online |" in proc.stdout and "| priority | offline |" in proc.stdout
     assert (tmp_path / "policies_cpu.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_pipeline_benchmark_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/pipeline.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| token count (fcfs) |" in proc.stdout and "| lookahead (kunserve) |" in proc.stdout

@@ -119,9 +119,8 @@ class DriverExecutor:
         self.control_group = control_group
         self.pool = pool  # None under torchrun: the workers are not this process's children
         self.topology = topology
-        # Token-count chunking's micro-batches per step when the scheduler gives none: one per
-        # stage, the fewest that keep every stage busy once the pipeline is full.
-        self.microbatches_per_step = microbatches_per_step or topology.pipeline_parallel_size
+        # Token-count chunking's micro-batches per step when the scheduler gives none.
+        self.microbatches_per_step = microbatches_per_step or 2 * topology.pipeline_parallel_size
         self.stage = PipelineStage(runner, 0, topology)
         self.failed: str | None = None
         self._stopped = False

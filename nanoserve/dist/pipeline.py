@@ -13,7 +13,7 @@ micro-batch leaves the last stage, so each step pays the fill and drain bubble, 
 S − 1) of the stage-time with m equal micro-batches; unequal ones add more (Fig. 8 of
 KunServe). The scheduler decides the cut where it can (`SchedulerOutput.microbatches`:
 KunServe's cost-balanced lookahead, §4.3); otherwise it is by token count, as Sarathi-Serve and
-vLLM cut.
+vLLM cut, into `EngineArgs.pipeline_microbatches` (default 2 per stage).
 
 `StageLayout` says which layers a rank holds; `keep_stage` removes the rest from a model built
 on the meta device, before any memory is allocated, and lists the checkpoint tensors to skip.

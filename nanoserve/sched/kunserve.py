@@ -43,10 +43,11 @@ larger: MIN defaults to half the budget, so it rarely is). It also records the e
 ratio that `num_stages` pipeline stages would see for the whole lookahead, and for token-count
 chunking into as many micro-batches, so the gain can be reported (`last_bubble_ratio`, `stats`).
 
-Under pipeline parallelism (`SchedulerConfig.pipeline_stages` = S > 1, nanoserve/dist/pipeline.py)
-the step is the first S lookahead micro-batches instead of one, MIN defaults to the budget / S,
-and `SchedulerOutput.microbatches` hands the executor the cost-balanced cut (`_cut`); with a
-short queue the lookahead yields fewer micro-batches and the executor cuts by tokens.
+Under pipeline parallelism (`SchedulerConfig.pipeline_microbatches` = m > 1,
+nanoserve/dist/pipeline.py) the step is FCFS's (the token budget says how much is in flight) and
+the lookahead's balancing (`_balance` with m fixed) cuts it into m micro-batches of equal cost;
+`SchedulerOutput.microbatches` hands that cut to the executor, which would otherwise cut by
+token count (`_plan_pipelined`).
 
 Left out: the paper's discussion notes lookahead needs a queue to look ahead into; we never wait
 for one (normal serving just gets one micro-batch, the FCFS step, when the queue is short).
@@ -63,7 +64,7 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
 from nanoserve.request import Request
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.fcfs import FCFSScheduler
 from nanoserve.sched.cost_model import CostModel
 
@@ -221,11 +222,9 @@ class KunServeScheduler(FCFSScheduler):
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.num_stages = num_stages
-        # A step runs one micro-batch, or under pipeline parallelism one per stage; MIN keeps the
-        # step's micro-batches within the token budget.
-        self.stages_per_step = config.pipeline_stages
-        default_min = config.max_num_batched_tokens // max(2, self.stages_per_step)
-        self.min_tokens = min_tokens if min_tokens is not None else max(1, default_min)
+        self.microbatches_per_step = config.pipeline_microbatches  # > 1: a pipelined executor
+        self.min_tokens = min_tokens if min_tokens is not None else max(1, config.max_num_batched_tokens // 2)
+        self._allotted: dict[Hashable, int] | None = None  # this step's share per request
         if self.min_tokens < 1:
             raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
         self.last_microbatches: list[MicroBatch] = []
@@ -257,36 +256,36 @@ class KunServeScheduler(FCFSScheduler):
         return mbs
 
     def plan(self) -> SchedulerOutput:
-        # This step's micro-batches: a prefix of the queued work, so a request outside them has
-        # nothing after it inside them either. FCFS's pass then serves exactly that share.
         self.running = self.kv.order(self.running)
-        step = self.lookahead()[:self.stages_per_step]
-        self._allotted: dict[Hashable, int] = {}
-        for mb in step:
-            for rid, _, n in mb:
-                self._allotted[rid] = self._allotted.get(rid, 0) + n
+        if self.microbatches_per_step > 1:
+            return self._plan_pipelined()
+        # This step's micro-batch: a prefix of the queued work, so a request outside it has
+        # nothing after it inside it either. FCFS's pass then serves exactly that share.
+        mbs = self.lookahead()
+        self._allotted = {rid: n for rid, _, n in mbs[0]} if mbs else {}
+        return super().plan()
+
+    def _plan_pipelined(self) -> SchedulerOutput:
+        """Under pipeline parallelism: FCFS's step (the token budget says how much work is in
+        flight), cut by the lookahead's balancing into m micro-batches of equal cost, where
+        token-count chunking would give them equal tokens."""
+        self._allotted = None
         out = super().plan()
-        if self.stages_per_step > 1:
-            out.microbatches = self._cut(out, step)
+        work = [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+        if work:
+            mbs = lookahead_microbatches(work, self.cost_model, 1, self.microbatches_per_step)
+            out.microbatches = self._cut(out, mbs)
+            self.last_microbatches = mbs
+            self.last_bubble_ratio = bubble_ratio([microbatch_cost(b, self.cost_model) for b in mbs], self.num_stages)
         return out
 
     def tokens_wanted(self, request: Request) -> int:
+        if self._allotted is None:
+            return super().tokens_wanted(request)
         return self._allotted.get(request.request_id, 0)
 
     @staticmethod
-    def _cut(out: SchedulerOutput, step: list[MicroBatch]) -> list | None:
-        """The step's chunks cut along the lookahead micro-batches, for a pipelined executor; None
-        (let it cut by tokens) if the pass granted less than planned (budget, preemption)."""
+    def _cut(out: SchedulerOutput, step: list[MicroBatch]) -> list[list[ScheduledChunk]]:
+        """The step's chunks cut along `step`'s pieces (which cover them exactly)."""
         chunks = {c.request.request_id: c for c in out.chunks}
-        cut = []
-        for mb in step:
-            pieces = []
-            for rid, start, n in mb:
-                chunk = chunks.get(rid)
-                lo, hi = (max(start, chunk.start), min(start + n, chunk.end)) if chunk else (0, 0)
-                if lo < hi:
-                    pieces.append(chunk._replace(start=lo, num_tokens=hi - lo))
-            if pieces:
-                cut.append(pieces)
-        granted = sum(c.num_tokens for c in out.chunks)
-        return cut if sum(p.num_tokens for mb in cut for p in mb) == granted else None
+        return [[chunks[rid]._replace(start=start, num_tokens=n) for rid, start, n in mb] for mb in step]
