@@ -62,6 +62,20 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert len(added) == need
             self.reserved[seq] = target
 
+    @rule(seq=SEQS, extra=st.integers(0, 24))
+    def try_allocate(self, seq, extra):
+        """One call, the same outcome as can_allocate then allocate; None changes nothing."""
+        target = self.reserved.get(seq, 0) + extra
+        free_before, table_before = self.pool.num_free_blocks, list(self.pool.block_table(seq))
+        fits = self.pool.can_allocate(seq, target)
+        added = self.pool.try_allocate(seq, target)
+        if not fits:
+            assert added is None and self.pool.num_free_blocks == free_before
+            assert self.pool.block_table(seq) == table_before
+        else:
+            assert added is not None and self.pool.block_table(seq) == table_before + added
+            self.reserved[seq] = target
+
     @precondition(lambda self: self.reserved)
     @rule(data=st.data())
     def free(self, data):

@@ -16,11 +16,14 @@ Not in the registry of nanoserve/memory/__init__.py: the arena holds the model's
 from __future__ import annotations
 
 from nanoserve.memory.arena import MemoryArena
-from nanoserve.memory.manager import PagedKV
+from nanoserve.memory.manager import KVManager, PagedKV
 
 
 class ArenaKV(PagedKV):
     """`PagedKV` over a `MemoryArena`; capacity follows the arena's drops and restores."""
+
+    # The arena has no one-pass `try_allocate`: check, then reserve.
+    try_reserve = KVManager.try_reserve
 
     def __init__(self, arena: MemoryArena):
         super().__init__(arena)  # the arena is BlockPool-compatible (allocate, free, block_table, ...)

@@ -70,6 +70,17 @@ class BlockPool:
         return [table[p // size] * size + p % size for p in range(start, end)]
 
     # -- mutations -----------------------------------------------------------------------
+    def try_allocate(self, seq_id: Hashable, num_tokens: int) -> list[int] | None:
+        """`allocate` if the pool can cover it, else None (nothing changes): one call where a
+        scheduler would ask `can_allocate` and then `allocate`."""
+        table = self._tables.get(seq_id)
+        if table is not None and num_tokens <= len(table) * self.block_size:
+            self._reserved[seq_id] = max(self._reserved[seq_id], num_tokens)
+            return []
+        if self.blocks_needed(seq_id, num_tokens) > len(self._free):
+            return None
+        return self.allocate(seq_id, num_tokens)
+
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Grow `seq_id`'s reservation to `num_tokens` slots; returns the blocks added.
 

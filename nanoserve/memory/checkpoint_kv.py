@@ -90,6 +90,11 @@ class CheckpointKV(KVManager):
         self.pool.allocate(rid, target)
         return copies
 
+    def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
+        if not self.checkpointer.is_preempted(request.request_id):  # plain paged growth
+            return None if self.pool.try_allocate(request.request_id, num_tokens) is None else []
+        return super().try_reserve(request, num_tokens)
+
     def _target(self, request: Request, num_tokens: int) -> int:
         if self.pool.has(request.request_id):  # resident, so not preempted: nothing to restore
             return num_tokens

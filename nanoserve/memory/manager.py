@@ -58,6 +58,11 @@ class KVManager(ABC):
         """Make `request` hold K/V slots for its first `num_tokens` positions (restoring what
         was moved off the device first). Raises NoFreeBlocksError, changing nothing, if it cannot."""
 
+    def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
+        """`reserve` if it can succeed, else None, changing nothing. Schedulers call this once
+        per request per step, so a manager may answer it in one pass."""
+        return self.reserve(request, num_tokens) if self.can_reserve(request, num_tokens) else None
+
     @abstractmethod
     def block_table(self, request: Request) -> list[int]:
         """The request's block table as the runner reads it."""
@@ -115,6 +120,9 @@ class PagedKV(KVManager):
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
         self.pool.allocate(request.request_id, num_tokens)
         return []
+
+    def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
+        return None if self.pool.try_allocate(request.request_id, num_tokens) is None else []
 
     def block_table(self, request: Request) -> list[int]:
         return self.pool.block_table(request.request_id)

@@ -141,6 +141,16 @@ class Scheduler(ABC):
         """Could `num_tokens` more tokens of `request` get KV slots now?"""
         return self.kv.can_reserve(request, request.num_computed_tokens + num_tokens)
 
+    def try_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk | None:
+        """`chunk` if the KV slots are there (one manager call instead of `can_chunk` then
+        `chunk`), else None, changing nothing."""
+        start = request.num_computed_tokens
+        copies = self.kv.try_reserve(request, start + num_tokens)
+        if copies is None:
+            return None
+        self._add_copies(copies)
+        return ScheduledChunk(request, start, num_tokens, self.kv.block_table(request), self.kv.right_to_left(request))
+
     def chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         """Reserve KV slots for `num_tokens` more tokens of `request` and describe the chunk."""
         start = request.num_computed_tokens

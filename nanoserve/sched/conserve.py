@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import Counter
 
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.priority import PriorityScheduler
 
 
@@ -131,9 +131,9 @@ class ConServeScheduler(PriorityScheduler):
             if request.request_id not in self._served:
                 self._evict(request, out)
 
-    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        self._seconds += self.cost_model.chunk_cost(request.num_computed_tokens, num_new)
-        super()._schedule(request, num_new, out)
+    def _schedule(self, request: Request, chunk: ScheduledChunk, out: SchedulerOutput) -> None:
+        self._seconds += self.cost_model.chunk_cost(chunk.start, chunk.num_tokens)
+        super()._schedule(request, chunk, out)
 
     # -- the online targets, by phase --------------------------------------------------------
     def _track(self, request: Request, phase: str | None) -> None:

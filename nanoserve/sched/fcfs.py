@@ -38,29 +38,30 @@ class FCFSScheduler(Scheduler):
             num_new = min(self.tokens_wanted(request), budget)
             if num_new == 0:
                 break
-            # Make room by preempting the newest running request until this one fits.
-            while not self.can_chunk(request, num_new):
+            chunk = self.try_chunk(request, num_new)
+            while chunk is None:  # make room by preempting the newest running request
                 victim = self.running.pop()
                 self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
-            else:
-                out.chunks.append(self.chunk(request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # the request itself was preempted: nothing after it remains
+                chunk = self.try_chunk(request, num_new)
+            if chunk is None:
+                break  # the request itself was preempted: nothing after it remains
+            out.chunks.append(chunk)
+            budget -= num_new
+            i += 1
 
         # Admitting new work in a step that had to preempt would only thrash.
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             num_new = min(self.tokens_wanted(request), budget)
-            if num_new == 0 or not self.can_chunk(request, num_new):
+            chunk = self.try_chunk(request, num_new) if num_new else None
+            if chunk is None:
                 break
             self.waiting.popleft()
             self.admit(request)
-            out.chunks.append(self.chunk(request, num_new))
+            out.chunks.append(chunk)
             budget -= num_new
         return out

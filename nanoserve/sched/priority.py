@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from nanoserve.request import Request
-from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.sched.base import ScheduledChunk, Scheduler, SchedulerOutput
 
 CLASSES = ("online", "offline")
 
@@ -66,10 +66,13 @@ class PriorityScheduler(Scheduler):
         num_new = self._allowance(request)
         if num_new <= 0:
             return
-        if self._make_room(request, num_new, out, online_victims=True):
-            self._schedule(request, num_new, out)
-        else:  # nobody left to preempt but the request itself
+        chunk = self.try_chunk(request, num_new)  # the common case: room without preempting
+        if chunk is None and self._make_room(request, num_new, out, online_victims=True):
+            chunk = self.chunk(request, num_new)
+        if chunk is None:  # nobody left to preempt but the request itself
             self._evict(request, out)
+        else:
+            self._schedule(request, chunk, out)
 
     def _admit_waiting(self, cls: str, out: SchedulerOutput) -> None:
         while (self.waiting and self.waiting[0].priority == cls and self._budget > 0
@@ -80,12 +83,14 @@ class PriorityScheduler(Scheduler):
             if num_new <= 0 or request.request_id in self._preempted:
                 return
             # Only an online arrival may preempt, and only offline work.
-            if not (self.can_chunk(request, num_new) or
-                    (cls == "online" and self._make_room(request, num_new, out, online_victims=False))):
+            chunk = self.try_chunk(request, num_new)
+            if chunk is None and cls == "online" and self._make_room(request, num_new, out, online_victims=False):
+                chunk = self.chunk(request, num_new)
+            if chunk is None:
                 return
             self.waiting.remove(request)  # not popleft: preempted victims went to the head
             self.admit(request)
-            self._schedule(request, num_new, out)
+            self._schedule(request, chunk, out)
 
     def _make_room(self, request: Request, num_new: int, out: SchedulerOutput, online_victims: bool) -> bool:
         """Preempt until `request` can take `num_new` more tokens: the newest running offline
@@ -111,7 +116,7 @@ class PriorityScheduler(Scheduler):
         self._preempted.add(request.request_id)
         self._waiting_sorted = False  # it went to the head of the queue
 
-    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        out.chunks.append(self.chunk(request, num_new))
+    def _schedule(self, request: Request, chunk: ScheduledChunk, out: SchedulerOutput) -> None:
+        out.chunks.append(chunk)
         self._served.add(request.request_id)
-        self._budget -= num_new
+        self._budget -= chunk.num_tokens
