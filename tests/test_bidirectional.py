@@ -326,6 +326,24 @@ class BidirectionalMachine(RuleBasedStateMachine):
         self.h.write(seq, start, target)
         assert all(m.missing_positions(s) == lost for s, lost in pinned.items() if s != seq), "pinned overwritten"
 
+    @rule(seq=st.one_of(RT_SEQS, BE_SEQS), extra=st.integers(0, 5))
+    def try_grow(self, seq, extra):
+        """`try_grow`: `grow` where `can_grow` says yes, None and no change where it says no."""
+        m, best_effort = self.m, seq in BE_NAMES
+        target = (m.num_tokens(seq) if m.has(seq) else 0) + extra
+        can = m.can_grow(seq, target, best_effort=best_effort)
+        before = (m.num_free_blocks, self.h.store.num_free_blocks, dict(m.preemption_table))
+        start = m.num_tokens(seq) if m.has(seq) else 0
+        copies = m.try_grow(seq, target, best_effort=best_effort)
+        if copies is None:
+            assert not can
+            assert (m.num_free_blocks, self.h.store.num_free_blocks, dict(m.preemption_table)) == before
+            return
+        assert can
+        self.h.run(copies)
+        assert m.num_tokens(seq) == max(start, target) and not m.missing_positions(seq)
+        self.h.write(seq, start, max(start, target))
+
     @rule(seq=st.one_of(RT_SEQS, BE_SEQS), pin=st.booleans())
     def pin(self, seq, pin):
         if pin and self.m.has(seq):

@@ -74,3 +74,14 @@ class FastGrowth(BidirectionalBlocks):
             pages.append(block)
             fill = min(B, num_tokens - page * B)  # `_key` of a block with one page, all on the device
             index.put(block, ("be", fill) if best_effort else ("rt", fill) if fill < B else None)
+
+    def try_grow(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool):
+        """`grow` if it can, else None (nothing changes): growth in place answers in one look,
+        where a scheduler's `can_grow` and then `grow` would each look."""
+        state = self._in_place(seq_id, num_tokens, best_effort)
+        if state is not None:
+            self._grow_in_place(state, num_tokens)
+            return []
+        if not self.can_grow(seq_id, num_tokens, best_effort=best_effort):  # type: ignore[attr-defined]
+            return None
+        return self.grow(seq_id, num_tokens, best_effort=best_effort)  # type: ignore[attr-defined]

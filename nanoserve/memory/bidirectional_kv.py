@@ -79,6 +79,12 @@ class BidirectionalKV(KVManager):
         self.blocks.pinned.add(request.request_id)  # its chunk's forward reads these slots
         return copies
 
+    def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
+        copies = self.blocks.try_grow(request.request_id, num_tokens, best_effort=request.priority == "offline")
+        if copies is not None:
+            self.blocks.pinned.add(request.request_id)
+        return copies
+
     def block_table(self, request: Request) -> list[int]:
         return self.blocks.block_table(request.request_id)
 

@@ -217,9 +217,11 @@ class BROSScheduler(PulledQueues):
             return None
         max_seqs = self.config.max_num_seqs
         for request, (num_new, cost, residual, late) in zip(draft.rt, draft.rt_chunks):
-            if (request.status is WAITING and len(self.running) >= max_seqs) or not self.can_chunk(request, num_new):
+            seated = request.status is not WAITING or len(self.running) < max_seqs
+            chunk = self.try_chunk(request, num_new) if seated else None
+            if chunk is None:
                 return None
-            batch.add(request, num_new, cost, residual, late=late)
+            batch.add(request, num_new, cost, residual, late=late, chunk=chunk)
             batch.risk |= late
         batch.risk |= draft.rt_stop
         batch.stop = draft.rt_stop
@@ -232,9 +234,11 @@ class BROSScheduler(PulledQueues):
             return False
         max_seqs = self.config.max_num_seqs
         for request, (num_new, cost) in zip(draft.be, draft.be_chunks):
-            if (request.status is WAITING and len(self.running) >= max_seqs) or not self.can_chunk(request, num_new):
+            seated = request.status is not WAITING or len(self.running) < max_seqs
+            chunk = self.try_chunk(request, num_new) if seated else None
+            if chunk is None:
                 return False
-            batch.add(request, num_new, cost)
+            batch.add(request, num_new, cost, chunk=chunk)
         return True
 
     def _adapt_batch_size(self, risk: bool, may_grow: bool) -> None:

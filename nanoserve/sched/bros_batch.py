@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from nanoserve.sched.bros import BROSScheduler
@@ -100,15 +100,16 @@ class Batch:
         return is_rt(request) and self.admitted < self.free_seats + self.evictable
 
     def add(self, request: Request, num_new: int, cost: float, residual: float | None = None,
-            at: int | None = None, late: bool = False) -> None:
+            at: int | None = None, late: bool = False, chunk: ScheduledChunk | None = None) -> None:
         """Put `request` in with a chunk of `num_new` tokens costing `cost`; an RT request brings
-        its residual. For real, this admits it and reserves its chunk's KV."""
+        its residual. For real, this admits it and reserves its chunk's KV (unless `chunk`, the
+        caller's `try_chunk`, already did)."""
         waiting = request.status is WAITING
         if self.out is not None:
             if waiting:
                 self.scheduler.waiting.remove(request)
                 self.scheduler.admit(request)
-            self.out.chunks.append(self.scheduler.chunk(request, num_new))
+            self.out.chunks.append(chunk if chunk is not None else self.scheduler.chunk(request, num_new))
         self.held.add(id(request))
         self.chunk_cost += cost
         self.tokens_left -= num_new
