@@ -100,9 +100,6 @@ def build_engine(args: EngineArgs) -> Engine:
     if topology.world_size > 1 and kv_manager == "arena":
         raise ValueError("the arena KV manager (KunServe's drop) runs on one device per instance; "
                          "use tensor_parallel_size=1 and pipeline_parallel_size=1")
-    if topology.pipeline_parallel_size > 1 and kv_manager in NEEDS_HOST_STORE:
-        raise ValueError(f"the {kv_manager} KV manager moves K/V to the host, which pipeline stages do not "
-                         "support yet; use pipeline_parallel_size=1")
     num_blocks = kv_cache_blocks(args, cfg, device, dtype)
     host_blocks = None
     if kv_manager in NEEDS_HOST_STORE:

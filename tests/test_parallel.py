@@ -237,3 +237,29 @@ def test_kunserve_feeds_the_pipeline_its_lookahead_microbatches(tiny_dirs):
     assert any(cuts), "the lookahead never cut a step"
     for ref, out in zip(expected, outputs):
         assert_close_greedy(ref, out, "kunserve pp=2", max_tokens=PARAMS.max_tokens)
+
+
+@pytest.mark.parametrize("policy,kwargs,fired", [
+    ("bros", dict(kv_cache_tokens=64, host_kv_tokens=64), ("overwrites", "checkpointed_slots")),
+    ("conserve", dict(kv_cache_tokens=96, host_kv_tokens=1024,
+                      kv_manager_options={"threshold": 0.0, "max_blocks_per_step": 16}), ("blocks_checkpointed",)),
+])
+def test_host_copies_run_on_every_stage(tiny_dirs, policy, kwargs, fired):
+    """Managers that move K/V to the host (BROS's overwritten slots, ConServe's checkpoints)
+    send their copies with the step; each stage runs them for its own layers."""
+    from test_bros_policy import LENGTHS, MAX_TOKENS, PARAMS as MIXED, PRIORITIES
+
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in LENGTHS]
+    directory = str(tiny_dirs["llama"])
+    expected = LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024, block_size=4).generate(
+        prompts, MIXED, priority=PRIORITIES, use_tqdm=False)
+    with LLM(directory, device="cpu", dtype="float32", policy=policy, block_size=4, pipeline_parallel_size=2,
+             **kwargs) as llm:
+        outputs = llm.generate(prompts, MIXED, priority=PRIORITIES, use_tqdm=False)
+        events = llm.engine.kv.events
+    for ref, out in zip(expected, outputs):
+        assert_close_greedy(ref, out, f"{policy} pp=2 {out.request_id}", max_tokens=MAX_TOKENS)
+    assert all(events[name] > 0 for name in fired), events

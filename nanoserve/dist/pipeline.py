@@ -150,6 +150,7 @@ class PipelineStage:
         runner, cfg = self.runner, self.runner.model_config
         sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until their sends complete
         sampling: list[list] = []
+        runner.apply_kv_copies(microbatches[0].kv_copies)  # each stage, for its own layers
         for mb in microbatches:
             prepared = runner.prepare(mb)
             sampling.append([c.request for c in mb.chunks if c.samples])

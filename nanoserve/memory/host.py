@@ -109,7 +109,8 @@ class HostKVStore:
         """
         if not copies:
             return
-        device = kv_caches[0][0].device
+        # A pipeline stage holds only its layers' caches (None for the others'): it copies those.
+        device = next(c for c in kv_caches if c is not None)[0].device
         if device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(device)
         if self._stream is None:
@@ -127,8 +128,8 @@ class HostKVStore:
             torch.cuda.current_stream().wait_event(self._last_copy)
             self._last_copy = None
 
-    def _copy(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        device = kv_caches[0][0].device
+    def _copy(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        device = next(c for c in kv_caches if c is not None)[0].device
         for kind in ("save", "move", "load"):
             group = [c for c in copies if c.kind == kind]
             if not group:
@@ -148,7 +149,7 @@ class HostKVStore:
                 if len(starts) * 64 <= len(src_slots):  # runs average at least 64 slots
                     runs = [(src_slots[a], dst_slots[a], b - a) for a, b in zip(starts, [*starts[1:], len(src_slots)])]
                     for layer, caches in enumerate(kv_caches):
-                        for host, cache in zip((self.k[layer], self.v[layer]), caches):
+                        for host, cache in zip((self.k[layer], self.v[layer]), caches or ()):
                             flat = cache.view(-1, *cache.shape[2:])
                             source, target = (flat, host) if kind == "save" else (host, flat)
                             for s, d, n in runs:
@@ -159,7 +160,7 @@ class HostKVStore:
             if kind != "save":
                 dst = dst.to(device)
             for layer, caches in enumerate(kv_caches):
-                for host, cache in zip((self.k[layer], self.v[layer]), caches):
+                for host, cache in zip((self.k[layer], self.v[layer]), caches or ()):
                     flat = cache.view(-1, *cache.shape[2:])
                     source, target = {"save": (flat, host), "move": (flat, flat), "load": (host, flat)}[kind]
                     # Gather first, then scatter: a move's sources are read before any is overwritten.

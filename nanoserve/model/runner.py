@@ -229,6 +229,16 @@ class ModelRunner:
         )
         return PreparedBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), ctx, sample_rows)
 
+    def apply_kv_copies(self, groups: list) -> None:
+        """Run the step's copy groups (checkpoints, swaps, restores) before its forward pass."""
+        if not groups:
+            return
+        if self.host_store is None:
+            raise RuntimeError("the batch carries KV copies but the runner has no host store")
+        for group in groups:  # in order: a later group may save what an earlier one filled
+            self.host_store.execute(group, self.kv_caches)
+        self.host_store.fence()
+
     def request_preemption(self) -> None:
         """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
         PREEMPTRUNNING); the engine forwards its scheduler's request here."""
@@ -253,12 +263,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        if batch.kv_copies:
-            if self.host_store is None:
-                raise RuntimeError("the batch carries KV copies but the runner has no host store")
-            for group in batch.kv_copies:  # in order: a later group may save what an earlier one filled
-                self.host_store.execute(group, self.kv_caches)
-            self.host_store.fence()
+        self.apply_kv_copies(batch.kv_copies)
         if not batch.chunks:
             return ExecutorOutput()
         prepared = self.prepare(batch)
