@@ -263,3 +263,47 @@ def test_host_copies_run_on_every_stage(tiny_dirs, policy, kwargs, fired):
     for ref, out in zip(expected, outputs):
         assert_close_greedy(ref, out, f"{policy} pp=2 {out.request_id}", max_tokens=MAX_TOKENS)
     assert all(events[name] > 0 for name in fired), events
+
+
+def test_layer_wise_preemption_stops_every_tensor_parallel_rank_at_the_same_layer(tmp_path):
+    """ConServe §4.3/§5 under TP: only rank 0 is asked to stop; the barrier at each safe point
+    makes the worker stop at the same layer, so no collective is left waiting."""
+    from conftest import _tiny_config
+    from nanoserve.slo import SLO
+
+    model_cls, config = _tiny_config("llama")
+    config.num_hidden_layers = 4
+    torch.manual_seed(4321)
+    model = model_cls(config)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    offline_prompts = [[3 + i + 5 * j for j in range(11 + 3 * i)] for i in range(3)]
+    online_prompt = [9, 8, 7, 6, 5, 4, 3]
+    with LLM(str(tmp_path), device="cpu", dtype="float32", policy="conserve", kv_cache_tokens=512, block_size=4,
+             preempt_every_layers=2, tensor_parallel_size=2) as llm:
+        engine, runner = llm.engine, llm.engine.executor.runner
+        for i, p in enumerate(offline_prompts):
+            engine.add_request(p, PARAMS, f"off{i}", priority="offline")
+        engine.step()  # the offline prefills
+        arrivals = []
+
+        def arrive(module, args, output):  # an online request arrives while layer 0 has just run
+            if not arrivals:
+                arrivals.append(engine.add_request(online_prompt, PARAMS, "on", priority="online",
+                                                   slo=SLO(ttft=1e-3, tpot=1.0)))
+
+        handle = runner.model.model.layers[0].register_forward_hook(arrive)
+        try:
+            assert engine.step() == []  # stopped on both ranks and discarded
+        finally:
+            handle.remove()
+        assert runner.preemption.stopped_after == 2 and runner.preemption.num_preempted == 1
+        outputs = {}
+        while engine.has_unfinished_requests():  # the worker is still in step: this would hang if not
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+    reference = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_tokens=4096, block_size=4)
+    expected = reference.generate(offline_prompts + [online_prompt], PARAMS, use_tqdm=False)
+    for ref, rid in zip(expected, ["off0", "off1", "off2", "on"]):
+        assert_close_greedy(ref, outputs[rid], f"tp=2 after layer-wise preemption: {rid}", max_tokens=8)

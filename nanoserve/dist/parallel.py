@@ -51,6 +51,17 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank of the group (every rank must call this)."""
+        if self.size == 1:
+            return flag
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        votes = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(votes.item())
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x

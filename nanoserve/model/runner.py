@@ -80,7 +80,8 @@ class PreemptionFlag:
     requested; after the last layer it never does (the forward is done: finishing it is cheaper
     than redoing it). A request is consumed by the forward it stops, or dropped when a forward
     ends without stopping: the engine schedules again at once and sees the arrival then.
-    Single device, so the paper's barrier across tensor-parallel workers is not needed.
+    Under tensor parallelism only rank 0 is asked; `agree` is the paper's barrier across the
+    workers (an all-reduce at each safe point), so every rank stops at the same layer.
     """
 
     every: int = 8
@@ -89,6 +90,7 @@ class PreemptionFlag:
     # admit the requests that arrived since the step began (Alg. 2 runs "on arrival"), so the
     # policy can ask for this very forward to stop. It runs on the thread running the forward.
     on_safe_point: Callable[[], None] | None = None
+    agree: Callable[[bool], bool] | None = None  # whether any rank was asked (tensor parallelism)
     requested: bool = False
     stopped_after: int | None = None  # layers the last preempted forward had completed
     num_preempted: int = 0  # forwards stopped so far
@@ -105,7 +107,7 @@ class PreemptionFlag:
             return
         if self.on_safe_point is not None:
             self.on_safe_point()
-        if self.requested:
+        if self.agree(self.requested) if self.agree is not None else self.requested:
             self.requested = False
             self.stopped_after = layers_done
             self.num_preempted += 1
@@ -140,6 +142,8 @@ class ModelRunner:
         self.stage_layers = stage_layers
         # ConServe's layer-wise preemption: the modules whose layer loop has a safe point.
         self.preemption = PreemptionFlag(preempt_every_layers, model_config.num_layers)
+        if tp.size > 1:
+            self.preemption.agree = tp.any
         self._safe_point_hosts = [m for m in model.modules() if hasattr(type(m), "safe_point")]
         self.host_store = host_store  # where the memory manager's KV copies go to and come from
         self.model_config = model_config
@@ -269,9 +273,8 @@ class ModelRunner:
         prepared = self.prepare(batch)
         try:
             # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
-            # only on one rank: ranks stopping at different layers would leave a collective waiting.
-            preemptible = (self.tp.size == 1 and self.stage_layers is None
-                           and all(c.request.priority == "offline" for c in batch.chunks))
+            # not as a pipeline stage: the stages run different layers, so no barrier aligns them.
+            preemptible = self.stage_layers is None and all(c.request.priority == "offline" for c in batch.chunks)
             hidden = self.run_model(prepared, preemptible=preemptible)
         except ForwardPreempted:
             return ExecutorOutput(preempted=True)
