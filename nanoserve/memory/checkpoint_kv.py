@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
 from nanoserve.memory.host import HostKVStore, KVCopy
-from nanoserve.memory.manager import KVManager
+from nanoserve.memory.manager import KVManager, PagedKV
 
 if TYPE_CHECKING:
     from nanoserve.request import Request
@@ -36,23 +36,16 @@ if TYPE_CHECKING:
 OPTIONS = frozenset({"threshold", "max_blocks_per_step"})
 
 
-class CheckpointKV(KVManager):
-    """Paged device KV whose preemptions resume from incremental host checkpoints (ConServe §4.4)."""
+class CheckpointKV(PagedKV):
+    """Paged device KV whose preemptions resume from incremental host checkpoints (ConServe §4.4).
+
+    A resident request is plain `PagedKV` growth; only a preempted one (holding a checkpoint and
+    no device blocks) needs the prefetch below."""
 
     def __init__(self, pool: BlockPool, store: HostKVStore, config: CheckpointConfig = CheckpointConfig()):
-        self.pool = pool
-        self.block_size = pool.block_size
+        super().__init__(pool)
         self.checkpointer = IncrementalCheckpointer(pool, store, config)
         self.tokens_saved_from_recompute = 0  # restored by prefetch instead of recomputed
-
-    # -- capacity --------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_used_blocks
 
     # -- the step ---------------------------------------------------------------------------
     def step_copies(self, running: list[Request]) -> list[KVCopy]:
@@ -78,31 +71,25 @@ class CheckpointKV(KVManager):
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
         rid = request.request_id
         if not self.checkpointer.is_preempted(rid):  # most calls: plain paged growth
-            self.pool.allocate(rid, num_tokens)  # all or nothing
-            return []
+            return super().reserve(request, num_tokens)
         target = self._target(request, num_tokens)
         if not self.pool.can_allocate(rid, target):  # all or nothing: check before prefetching
             raise NoFreeBlocksError(f"{rid}: cannot hold {target} tokens with {self.pool.num_free_blocks} free blocks")
-        copies: list[KVCopy] = []
-        if self.checkpointer.is_preempted(rid):
-            copies = self.checkpointer.prefetch(rid)
-            self.tokens_saved_from_recompute += self.checkpointer.saved_tokens(rid)
+        copies = self.checkpointer.prefetch(rid)
+        self.tokens_saved_from_recompute += self.checkpointer.saved_tokens(rid)
         self.pool.allocate(rid, target)
         return copies
 
     def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
-        if not self.checkpointer.is_preempted(request.request_id):  # plain paged growth
-            return None if self.pool.try_allocate(request.request_id, num_tokens) is None else []
-        return super().try_reserve(request, num_tokens)
+        if not self.checkpointer.is_preempted(request.request_id):
+            return super().try_reserve(request, num_tokens)
+        return KVManager.try_reserve(self, request, num_tokens)  # check, then prefetch and grow
 
     def _target(self, request: Request, num_tokens: int) -> int:
         if self.pool.has(request.request_id):  # resident, so not preempted: nothing to restore
             return num_tokens
         return max(num_tokens, self.checkpointer.saved_tokens(request.request_id)
                    if self.checkpointer.is_preempted(request.request_id) else 0)
-
-    def block_table(self, request: Request) -> list[int]:
-        return self.pool.block_table(request.request_id)
 
     def preempt(self, request: Request) -> tuple[int, list[KVCopy]]:
         # No copies: the saves happened in earlier steps (or in this step's first group, which
