@@ -2,7 +2,7 @@
 each step's copy groups on small real caches, as the runner does, checks that every chunk's
 earlier positions read back the K/V written for them, and writes tags unique per (request,
 position, layer, K or V) for the chunk's new positions. Any lost, misplaced or clobbered slot
-fails an assertion."""
+fails an assertion. Also the mock clock the policy tests share."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +12,16 @@ from nanoserve.model.runner import ExecutorOutput
 from nanoserve.sched import SchedulerOutput
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 2
+
+
+class MockClock:
+    """A scheduler's clock that only moves when a test (or its executor) sets `now`."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class TaggingExecutor:

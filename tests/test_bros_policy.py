@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import build_tiny_model
-from kv_harness import TaggingExecutor
+from kv_harness import MockClock, TaggingExecutor
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
@@ -40,18 +40,11 @@ COST = CostModel(prefill_attn=1e-7, prefill_tokens=2e-4, prefill_chunks=1e-3, de
                  decode_seqs=1e-3, iteration=1e-2)
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 class TimedExecutor(TaggingExecutor):
     """The tagging executor, advancing the mock clock by the cost model's price of each step."""
 
-    def __init__(self, clock: Clock, *args):
+    def __init__(self, clock: MockClock, *args):
         super().__init__(*args)
         self.clock, self.batches = clock, []
 
@@ -63,7 +56,7 @@ class TimedExecutor(TaggingExecutor):
 
 def make_engine(policy=BROSScheduler, num_blocks=16, host_blocks=32, budget=64, max_seqs=4, max_len=None,
                 online_slo=SLO(ttft=0.2, tpot=0.05)):
-    clock = Clock()
+    clock = MockClock(0.0)
     store = HostKVStore(host_blocks, B, 2, 1, 2, torch.float32, pin_memory=False)
     kv = BidirectionalKV(BidirectionalBlockManager(num_blocks, B, store))
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,

@@ -28,20 +28,13 @@ from nanoserve.sched.cost_model import CostModel
 from nanoserve.slo import SLO
 
 from conftest import _tiny_config, build_tiny_model
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, TaggingExecutor
 from test_invariance import assert_close_greedy
 
 B = 4
 # Round numbers: 10 ms per step, per prefill token and per decode; nothing else.
 COST = CostModel(prefill_tokens=0.01, decode_seqs=0.01, iteration=0.01)
 
-
-class MockClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FlaggedExecutor(TaggingExecutor):

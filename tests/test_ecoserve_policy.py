@@ -30,18 +30,11 @@ from nanoserve.sched.predictor import OraclePredictor
 from nanoserve.slo import SLO
 
 from conftest import build_tiny_model
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, TaggingExecutor
 from test_invariance import assert_close_greedy
 
 BLOCK = 4
 
-
-class MockClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _exact(num_blocks: int, host_blocks: int = 0, **options):

@@ -33,6 +33,8 @@ from nanoserve.sched.ecoserve import EcoServeScheduler, _lacking
 from nanoserve.sched.ecoserve_queue import GenerationQueue, deadline_bucket
 from nanoserve.slo import SLO
 
+from kv_harness import MockClock
+
 BOUNDS = (0.5, 2.0)
 
 
@@ -123,13 +125,6 @@ class ResortingEcoServe(EcoServeScheduler):
                 out.chunks.append(self.chunk(request, num_new))
                 budget -= num_new
 
-
-class MockClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class InstantExecutor:

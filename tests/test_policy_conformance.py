@@ -27,18 +27,11 @@ from nanoserve.sched import POLICY_MEMORY, SCHEDULERS, SchedulerOutput, make_sch
 from nanoserve.sched.cost_model import DEFAULT_COST_MODEL
 from nanoserve.slo import SLO
 
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, TaggingExecutor
 
 BLOCK = 4
 POLICIES = sorted(SCHEDULERS)
 
-
-class MockClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class ClockedExecutor(TaggingExecutor):
@@ -65,7 +58,7 @@ ARRIVALS = st.lists(st.tuples(
 
 
 def build(policy: str, num_blocks: int, host_blocks: int, budget: int, max_seqs: int):
-    clock = MockClock()
+    clock = MockClock(1000.0)
     store = HostKVStore(host_blocks, BLOCK, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
     kv = make_kv_manager(POLICY_MEMORY[policy], KVBuildContext(num_blocks, BLOCK, None, store))  # type: ignore[arg-type]
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
