@@ -197,7 +197,7 @@ class Engine:
             self.step_seconds_total += measured
             self.predicted_step_seconds_total += predicted
             if self.calibrate_cost_model:
-                self.scheduler.calibrate(batch, measured)
+                self.scheduler.calibrate(predicted, measured)
         if self.check_invariants:
             self.kv.check_invariants()
         return outputs

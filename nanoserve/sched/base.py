@@ -21,7 +21,7 @@ from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import KVCopy
 from nanoserve.memory.manager import KVManager, PagedKV
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, Calibration, CostModel, batch_of
+from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, Calibration, CostModel
 
 
 class ScheduledChunk(NamedTuple):
@@ -94,12 +94,12 @@ class Scheduler(ABC):
         if copies:
             self._copies.append(copies)
 
-    def calibrate(self, output: SchedulerOutput, measured: float) -> None:
-        """The engine measured a step: scale the model the policy budgets with by the running
-        measured/predicted factor (`Calibration`)."""
+    def calibrate(self, predicted: float, measured: float) -> None:
+        """The engine measured a step that `self.cost_model` priced at `predicted`: scale the
+        model the policy budgets with by the running measured/predicted factor (`Calibration`)."""
         if self.calibration is None:
             self.calibration = Calibration(self.cost_model)
-        self.cost_model = self.calibration.observe(batch_of(output), measured)
+        self.cost_model = self.calibration.observe_scaled(predicted, measured)
 
     # -- shared bookkeeping --------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -239,7 +239,12 @@ class Calibration:
         """Fold in one step that ran `batch` in `measured` seconds; returns the model scaled by
         the new factor. The ratio is against the *fitted* model's prediction, so the factor
         converges to measured / fitted, whatever it was before."""
-        predicted = self.fitted.predict(batch)
+        return self.observe_scaled(self.model.predict(batch), measured)
+
+    def observe_scaled(self, predicted: float, measured: float) -> CostModel:
+        """`observe`, given the step's prediction by the current (scaled) model, as the engine
+        already has it: the model is linear, so the fitted prediction is that over the factor."""
+        predicted /= self.factor
         if predicted > 0 and measured > 0:
             ratio = min(self.high, max(self.low, measured / predicted))
             self.factor += self.weight * (ratio - self.factor)
