@@ -29,6 +29,7 @@ import time  # noqa: E402
 from datetime import date  # noqa: E402
 
 from nanoserve import LLM, SamplingParams, default_model  # noqa: E402
+from nanoserve.builder import EngineArgs, pipeline_microbatches  # noqa: E402
 
 
 def workload(args) -> list[list[int]]:
@@ -74,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model()
     prompts = workload(args)
     results = [run(policy, model, prompts, args) for policy in ("fcfs", "kunserve")]
+    m = pipeline_microbatches(EngineArgs(pipeline_parallel_size=args.pp, pipeline_microbatches=args.microbatches))
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; SmolLM2 fp32, {args.pp} stages "
-          f"(gloo, 1 thread each), {args.microbatches or 2 * args.pp} micro-batches per step; a {args.long}-token "
+          f"(gloo, 1 thread each), {m} micro-batches per step; a {args.long}-token "
           f"prompt and {args.short} short ones; budget {args.budget}")
     print("| micro-batches | stage busy (s) | span (s) | bubble ratio | wall (s) |")
     print("|---|---|---|---|---|")
@@ -83,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         busy = ", ".join(f"{b:.2f}" for b in r["stage_busy_seconds"])
         print(f"| {label} | {busy} | {r['span_seconds']:.2f} | {r['bubble_ratio']:.1%} | {r['wall_seconds']:.2f} |")
     base, mine = results
-    m = args.microbatches or 2 * args.pp
     print(f"bubble ratio lookahead / token count: {mine['bubble_ratio'] / base['bubble_ratio']:.2f}x; "
           f"wall time: {mine['wall_seconds'] / base['wall_seconds']:.2f}x; the fill-and-drain floor of a "
           f"step with {m} equal micro-batches: {(args.pp - 1) / (m + args.pp - 1):.1%}")

@@ -114,13 +114,14 @@ class DriverExecutor:
     back)."""
 
     def __init__(self, runner: ModelRunner, control_group: Any, pool: WorkerPool | None,
-                 topology: Topology = Topology(), microbatches_per_step: int | None = None):
+                 topology: Topology = Topology(), microbatches_per_step: int = 1):
         self.runner = runner
         self.control_group = control_group
         self.pool = pool  # None under torchrun: the workers are not this process's children
         self.topology = topology
-        # Token-count chunking's micro-batches per step when the scheduler gives none.
-        self.microbatches_per_step = microbatches_per_step or 2 * topology.pipeline_parallel_size
+        # Token-count chunking's micro-batches per step when the scheduler gives none
+        # (`builder.pipeline_microbatches`).
+        self.microbatches_per_step = microbatches_per_step
         self.stage = PipelineStage(runner, 0, topology)
         self.failed: str | None = None
         self._stopped = False
