@@ -75,28 +75,25 @@ class BlockPool:
         scheduler would ask `can_allocate` and then `allocate`."""
         table = self._tables.get(seq_id)
         if table is not None and num_tokens <= len(table) * self.block_size:
+            # Growth inside the last block (most decodes): the cheap path, no block moves.
             self._reserved[seq_id] = max(self._reserved[seq_id], num_tokens)
             return []
-        if self.blocks_needed(seq_id, num_tokens) > len(self._free):
+        need = self.blocks_needed(seq_id, num_tokens)
+        if need > len(self._free):
             return None
-        return self.allocate(seq_id, num_tokens)
+        new = [self._free.pop() for _ in range(need)]
+        self._tables.setdefault(seq_id, []).extend(new)
+        self._reserved[seq_id] = max(self._reserved.get(seq_id, 0), num_tokens)
+        return new
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Grow `seq_id`'s reservation to `num_tokens` slots; returns the blocks added.
 
         All or nothing: if the pool cannot cover the growth, nothing changes.
         """
-        table = self._tables.get(seq_id)
-        if table is not None and num_tokens <= len(table) * self.block_size:
-            # Growth inside the last block (most decodes): the cheap path, no block moves.
-            self._reserved[seq_id] = max(self._reserved[seq_id], num_tokens)
-            return []
-        need = self.blocks_needed(seq_id, num_tokens)
-        if need > len(self._free):
-            raise NoFreeBlocksError(f"need {need} blocks, {len(self._free)} free")
-        new = [self._free.pop() for _ in range(need)]
-        self._tables.setdefault(seq_id, []).extend(new)
-        self._reserved[seq_id] = max(self._reserved.get(seq_id, 0), num_tokens)
+        new = self.try_allocate(seq_id, num_tokens)
+        if new is None:
+            raise NoFreeBlocksError(f"need {self.blocks_needed(seq_id, num_tokens)} blocks, {len(self._free)} free")
         return new
 
     def free(self, seq_id: Hashable) -> int:
