@@ -14,25 +14,30 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
   short; that is the R of the drop plan (`drop_plan.plan_drop`, Fig. 6).
 - `Cluster` starts the instances, routes requests, steps them in lockstep and gathers outputs.
 
-What this module does not do yet: execute a drop plan across instances (drop layers in each
-instance's arena, regroup them into pipelines, exchange KV, §4.1-4.2) and restore (§4.4).
-`drop_plan.py` already plans both.
+- `Cluster` starts the instances in one gloo world (instance id = rank), routes requests,
+  steps them in lockstep, gathers outputs and, with `drop=True`, answers throttling by dropping
+  layers and regrouping instances into pipelines, and restores them when the burst has passed
+  (dist/regroup.py). A dead instance's group recovers from the host copy and its requests
+  are retried on the live instances (§4.4).
 """
 from __future__ import annotations
 
 import os
 import secrets
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Listener
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
+from nanoserve.dist.regroup import Regrouper
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from nanoserve.builder import EngineArgs
+    from nanoserve.dist.regroup import LayoutChange
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class InstanceLoad:
     head_blocks: int  # what the request at the head of its queue needs to start (0: no queue)
     num_waiting: int
     num_running: int
+    replica_blocks: int = 0  # capacity with every layer held (before any drop)
 
     @property
     def demand_blocks(self) -> int:
@@ -53,6 +59,10 @@ class InstanceLoad:
     def usage_with(self, blocks: int) -> float:
         """The KV fill if `blocks` more were asked of it (queued demand included)."""
         return (self.demand_blocks + blocks) / self.total_blocks
+
+
+class PeerLost(RuntimeError):
+    """An instance's pipeline step failed because a member of its group is gone (§4.4)."""
 
 
 class Dispatcher:
@@ -83,18 +93,25 @@ class ThrottleMonitor:
 
 
 class Cluster:
-    """N instances of `args` (each a full engine in its own process) behind a dispatcher."""
+    """N instances of `args` (each a full engine in its own process) behind a dispatcher. With
+    `drop=True` (KunServe) the instances use the arena KV manager, a throttled step triggers
+    a drop and a quiet one a restore; `chunk_bytes` sizes the KV exchange's chunks (§4.2)."""
 
-    def __init__(self, args: EngineArgs, num_instances: int):
+    def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 1 << 20,
+                 restore_fraction: float = 0.5, peer_timeout_s: float = 60.0):
         if num_instances < 1:
             raise ValueError("a cluster needs at least one instance")
         if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
             raise ValueError("each instance is one process here; run tensor or pipeline parallelism inside "
                              "an instance in a later version")
-        self.args = replace(args, kv_manager_options=None)
+        if drop and args.kv_manager not in (None, "arena"):
+            raise ValueError("dropping layers needs the arena KV manager (kv_manager='arena')")
+        self.args = replace(args, kv_manager="arena" if drop else args.kv_manager, kv_manager_options=None)
+        self.drop_enabled = drop
         authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
+        world = (f"tcp://127.0.0.1:{_free_port()}", num_instances)
         self.processes = [subprocess.Popen([sys.executable, "-m", "nanoserve.dist.instance", f"{host}:{port}",
                                             authkey.hex(), str(i), str(os.getpid())])
                           for i in range(num_instances)]
@@ -104,47 +121,109 @@ class Cluster:
                 connection = self._listener.accept()
                 self._connections[connection.recv()] = connection
             for connection in self._connections.values():
-                connection.send(self.args)
-            self.loads = [self._connections[i].recv() for i in range(num_instances)]
+                connection.send((self.args, world, peer_timeout_s))
+            started = {i: self._connections[i].recv() for i in range(num_instances)}
         except BaseException:
             self.shutdown()
             raise
+        self.loads: dict[int, InstanceLoad] = {i: reply[0] for i, reply in started.items()}
+        _, layer_bytes, block_bytes = started[0]
+        self.regrouper = Regrouper(num_instances, layer_bytes, block_bytes, chunk_bytes, restore_fraction)
         self.dispatcher = Dispatcher()
         self.monitor = ThrottleMonitor()
         self.placement: dict[str, int] = {}  # request id -> instance
+        self._submitted: dict[str, tuple[list[int], SamplingParams, str]] = {}  # unfinished, for retries
         self.throttle_events: list[dict[int, int]] = []  # the monitor's reports, one per throttled step
+        self.retried: list[str] = []  # requests restarted on a live instance after theirs died
+        self.dead: set[int] = set()
+
+    @property
+    def layout_changes(self) -> list[LayoutChange]:
+        return self.regrouper.history
 
     def _call(self, instance: int, *message):
-        connection = self._connections[instance]
-        connection.send(message)
-        reply = connection.recv()
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
+        return _raise(self.call_all({instance: message})[instance])
+
+    def call_all(self, messages: Mapping[int, tuple]) -> dict[int, object]:
+        """Send every message, then read every reply: the instances work at once. An instance
+        that is gone answers `InstanceGone`."""
+        replies: dict[int, object] = {}
+        for instance, message in messages.items():
+            try:
+                self._connections[instance].send(message)
+            except OSError:
+                replies[instance] = InstanceGone(instance)
+        for instance in messages:
+            if instance not in replies:
+                try:
+                    replies[instance] = self._connections[instance].recv()
+                except (OSError, EOFError):
+                    replies[instance] = InstanceGone(instance)
+        return replies
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     priority: str = "online") -> int:
         """Route the request; returns the instance it went to."""
         blocks = -(-len(token_ids) // self.args.block_size)
-        instance = self.dispatcher.pick(self.loads, blocks)
+        instance = self.dispatcher.pick(list(self.loads.values()), blocks)
         self._call(instance, "add", request_id, token_ids, params, priority)
         self.placement[request_id] = instance
+        self._submitted[request_id] = (token_ids, params, priority)
         return instance
 
     def step(self) -> list[RequestOutput]:
-        """One step of every instance; records throttling as the monitor sees it."""
+        """One step of every instance; then the monitor's look at the loads, and a drop, a
+        restore or a recovery if one is due."""
         outputs: list[RequestOutput] = []
-        for instance in range(len(self.loads)):
-            produced, self.loads[instance] = self._call(instance, "step")
+        replies = self.call_all({i: ("step",) for i in self.loads})
+        for instance, reply in replies.items():
+            if isinstance(reply, (InstanceGone, PeerLost)):
+                continue
+            produced, self.loads[instance] = _raise(reply)
             self.dispatcher.reported(instance)
             outputs.extend(produced)
-        short = self.monitor.short_blocks(self.loads)
+            for out in produced:
+                if out.finished:
+                    self._submitted.pop(out.request_id, None)
+        gone = {i for i, reply in replies.items() if isinstance(reply, InstanceGone)}
+        if gone or any(isinstance(reply, PeerLost) for reply in replies.values()):
+            self._recover(gone)
+            return outputs
+        short = self.monitor.short_blocks(list(self.loads.values()))
         if short:
             self.throttle_events.append(short)
+        if self.drop_enabled and short:
+            if self.regrouper.drop(short, self.loads, self.call_all) is not None:
+                self._refresh_loads()
+        elif self.drop_enabled:
+            groups = self.regrouper.restorable(self.loads)
+            if groups:
+                self.regrouper.restore(groups, self.loads, self.call_all)
+                self._refresh_loads()
         return outputs
 
+    def _refresh_loads(self) -> None:
+        for instance, reply in self.call_all({i: ("load",) for i in self.loads}).items():
+            self.loads[instance] = _raise(reply)
+
+    def _recover(self, gone: set[int]) -> None:
+        """§4.4: the dead leave, their groups' survivors reload from the host copy, and the dead
+        instances' unfinished requests start again on live ones."""
+        self.dead |= gone
+        for instance in gone:
+            self.loads.pop(instance, None)
+            self.processes[instance].kill()
+        if not self.loads:
+            raise RuntimeError(f"every instance of the cluster is gone (last: {sorted(gone)})")
+        self.regrouper.recover(self.dead, self.loads, self.call_all)
+        self._refresh_loads()
+        for request_id, instance in list(self.placement.items()):
+            if instance in gone and request_id in self._submitted:
+                self.retried.append(request_id)
+                self.add_request(request_id, *self._submitted[request_id])
+
     def has_unfinished_requests(self) -> bool:
-        return any(load.num_running or load.num_waiting for load in self.loads)
+        return any(load.num_running or load.num_waiting for load in self.loads.values())
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         ids = [f"cluster-{len(self.placement) + i}" for i in range(len(prompts))]
@@ -177,3 +256,21 @@ class Cluster:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+class InstanceGone(RuntimeError):
+    def __init__(self, instance: int):
+        super().__init__(f"instance {instance} is gone")
+        self.instance = instance
+
+
+def _raise(reply):
+    if isinstance(reply, BaseException):
+        raise reply
+    return reply
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -4,61 +4,89 @@ own model replica and KV cache, in its own process.
     python -m nanoserve.dist.instance ADDRESS AUTHKEY_HEX INSTANCE_ID PARENT_PID
 
 It connects back to the cluster over a local socket (`multiprocessing.connection`), receives
-the engine arguments, builds its engine, then answers messages until told to stop:
+the engine arguments and the cluster's gloo world (instance id = rank; a drop's pipelines send
+activations and KV point to point in it), builds its engine, then answers messages until told
+to stop:
 
     ("add", request_id, token_ids, params, priority)  -> None
     ("step",)                                         -> (outputs, InstanceLoad)
     ("load",)                                         -> InstanceLoad
     ("abort", request_id)                             -> None
+    ("manifest",) ("reweigh", Relayout) ("allocate", pools) ("exchange", manifests, chunk_bytes)
+                                                      -> a drop's or restore's phases (dist/member.py)
+    ("recover",)                                      -> requests requeued (a group peer died)
     ("stop",)                                         -> None, then exits
 
-A step runs one engine step (if there is work) and reports the instance's load, so the cluster's
-dispatcher and throttling monitor always see the state after the step.
+A step runs one engine step (if there is work, or if its group's peers have some) and reports
+the instance's load, so the dispatcher and the throttling monitor always see the state after
+the step. A step that fails because a group peer is gone answers `PeerLost`; the cluster then
+sends "recover".
 """
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from multiprocessing.connection import Client
 
-from nanoserve.dist.cluster import InstanceLoad
+import torch.distributed as dist
+
+from nanoserve.dist.cluster import InstanceLoad, PeerLost
+from nanoserve.dist.group import GroupExecutor
+from nanoserve.dist.member import ClusterMember
 from nanoserve.engine import Engine
 
 
-def load_of(instance_id: int, engine: Engine) -> InstanceLoad:
+def load_of(member: ClusterMember) -> InstanceLoad:
     """What the dispatcher and the monitor read: blocks held, and the blocks the request at the
     head of the queue needs (Llumnix's and KunServe's "head-of-line" demand)."""
+    engine: Engine = member.engine
     kv, waiting = engine.kv, engine.scheduler.waiting
     head = -(-waiting[0].num_tokens // kv.block_size) if waiting else 0
-    return InstanceLoad(instance_id, kv.num_blocks, kv.num_used_blocks, head, len(waiting),
-                        engine.scheduler.num_running)
+    return InstanceLoad(member.id, kv.num_blocks, kv.num_used_blocks, head, len(waiting),
+                        engine.scheduler.num_running, member.replica_blocks)
 
 
 def serve(connection, instance_id: int) -> None:
     from nanoserve.builder import build_engine
 
-    engine = build_engine(connection.recv())
-    connection.send(load_of(instance_id, engine))
+    args, world, timeout_s = connection.recv()
+    engine = build_engine(args)
+    dist.init_process_group("gloo", init_method=world[0], rank=instance_id, world_size=world[1],
+                            timeout=timedelta(seconds=timeout_s))
+    member = ClusterMember(instance_id, engine)
+    connection.send((load_of(member), member.layer_bytes(), member.replica_block_bytes))
     while True:
-        message = connection.recv()
-        kind = message[0]
-        if kind == "add":
-            _, request_id, token_ids, params, priority = message
-            engine.add_request(token_ids, params, request_id, priority=priority)
-            connection.send(None)
-        elif kind == "step":
-            outputs = engine.step() if engine.has_unfinished_requests() else []
-            connection.send((outputs, load_of(instance_id, engine)))
-        elif kind == "load":
-            connection.send(load_of(instance_id, engine))
-        elif kind == "abort":
-            engine.abort_request(message[1])
-            connection.send(None)
-        elif kind == "stop":
-            engine.shutdown()
-            connection.send(None)
-            return
-        else:
-            connection.send(ValueError(f"unknown message {kind!r}"))
+        kind, *rest = connection.recv()
+        try:
+            if kind == "add":
+                request_id, token_ids, params, priority = rest
+                engine.add_request(token_ids, params, request_id, priority=priority)
+                reply = None
+            elif kind == "step":
+                try:
+                    outputs = member.step()
+                except RuntimeError as exc:
+                    if not isinstance(engine.executor, GroupExecutor):
+                        raise
+                    reply = PeerLost(f"instance {instance_id}: a pipeline peer is gone: {exc}")
+                else:
+                    reply = (outputs, load_of(member))
+            elif kind == "load":
+                reply = load_of(member)
+            elif kind == "abort":
+                engine.abort_request(rest[0])
+                reply = None
+            elif kind in ("manifest", "reweigh", "allocate", "exchange", "recover"):
+                reply = getattr(member, kind)(*rest)
+            elif kind == "stop":
+                engine.shutdown()
+                connection.send(None)
+                return
+            else:
+                reply = ValueError(f"unknown message {kind!r}")
+        except Exception as exc:  # the cluster raises it; this instance keeps serving
+            reply = exc
+        connection.send(reply)
 
 
 if __name__ == "__main__":

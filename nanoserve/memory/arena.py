@@ -262,6 +262,14 @@ class MemoryArena:
             self._free.release(block, self.block_pages)
         return len(table)
 
+    def free_all(self) -> int:
+        """Free every sequence's blocks (a regroup re-carves them all, dist/member.py)."""
+        return sum(self.free(seq_id) for seq_id in list(self._tables))
+
+    def layer_bytes(self, layer: int) -> int:
+        """Bytes of the pages `layer`'s weights fill: what dropping it gives the KV cache."""
+        return self._home[layer][1] * self.config.page_bytes
+
     def owned_blocks(self) -> list[int]:
         """Every block some sequence owns: the KV a drop must ship to the peer first (§4.2)."""
         return [block for table in self._tables.values() for block in table]

@@ -1,0 +1,211 @@
+"""One instance's side of KunServe's drop, KV exchange, restore and failure recovery
+(kunserve.txt §4.1, §4.2, §4.4). The cluster (dist/cluster.py) drives every change of layout
+in four phases, each sent to all the members involved before any reply is read:
+
+    1. manifest()          each member lists its requests that hold KV, with their block tables
+    2. reweigh(...)        each stages out the KV it holds for those requests, frees every block,
+                           drops (or loads back) layers and reports the blocks its arena now has
+    3. allocate(pools)     each carves its blocks: per-request tables when alone, one
+                           logical -> physical table per owner in a group (dist/group.py)
+    4. exchange(...)       each sends what it staged to the member that now holds those layers
+                           (chunked, dist/kv_exchange.py) and installs what it keeps or receives
+
+A drop goes from one layout to a pipeline (layers leave, KV of the dropped layers goes to the
+peer); a restore goes back (layers return from the host copy, the peer's KV comes home); a plan
+that must fetch a layer (drop_plan's fallback) loads it from the host copy too. The same four
+phases do all three: the KV of layer l of owner O's request moves from whoever held l for O to
+whoever holds it now. Staging the KV first (a copy on the same device) is what lets a member
+free and re-carve its arena in any order; the paper remaps pages in place instead (§4.1).
+
+A member whose group loses a peer (`recover`, §4.4) loads every layer it lacks from the host
+copy and recomputes its requests: their KV for the peer's layers died with the peer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+
+from nanoserve.dist.group import GroupExecutor, GroupLayout, StageModules
+from nanoserve.dist.kv_exchange import KVMove, recv_kv, send_kv
+from nanoserve.engine import Engine
+from nanoserve.memory.arena_kv import ArenaKV
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.manager import PagedKV
+from nanoserve.request import RequestStatus
+from nanoserve.sched.base import SchedulerOutput
+
+Manifest = tuple[tuple[str, tuple[int, ...]], ...]  # an owner's (request id, block table) pairs
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """Every involved member's layout before and after, and its requests' tables before."""
+
+    old: Mapping[int, GroupLayout]
+    new: Mapping[int, GroupLayout]
+    manifests: Mapping[int, Manifest]
+
+    def members(self) -> list[int]:
+        return sorted(self.new)
+
+    def staged(self, holder: int) -> Iterator[tuple[int, str, int, int]]:
+        """(owner, request id, block index, block) for every block `holder` held before, in the
+        order both ends of an exchange enumerate them."""
+        for owner in self.old[holder].members:
+            for request_id, table in self.manifests[owner]:
+                for j, block in enumerate(table):
+                    yield owner, request_id, j, block
+
+
+class ClusterMember:
+    def __init__(self, instance_id: int, engine: Engine):
+        self.id, self.engine = instance_id, engine
+        self.runner = engine.executor
+        self.arena = getattr(self.runner, "arena", None)  # None: this member cannot drop layers
+        num_layers = self.runner.model_config.num_layers
+        self.layout = GroupLayout((instance_id,), (range(num_layers),))
+        self.luts: dict[int, list[int]] = {}
+        self.stage = StageModules(self.runner.model)
+        self.replica_blocks = engine.kv.num_blocks  # KV capacity with every layer held
+        # One block of K and V for every layer: the unit of the cluster's "blocks short".
+        self.replica_block_bytes = self.arena.block_pages * self.arena.config.page_bytes if self.arena else 0
+        self._relayout: Relayout | None = None
+        self._staging: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self._index: dict[tuple[int, str, int], int] = {}
+
+    # -- serving ---------------------------------------------------------------------------
+    def step(self) -> list:
+        """One engine step. In a group a member with nothing to run still runs its stage of
+        its peers' batches."""
+        executor = self.engine.executor
+        taken = getattr(executor, "steps", 0)
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        if isinstance(executor, GroupExecutor) and executor.steps == taken:
+            executor.execute(SchedulerOutput([]))
+        return outputs
+
+    def layer_bytes(self) -> list[int]:
+        return [self.arena.layer_bytes(layer) for layer in self.arena.layer_ids] if self.arena else []
+
+    # -- phase 1 ---------------------------------------------------------------------------
+    def manifest(self) -> Manifest:
+        kv = self.engine.kv
+        return tuple((r.request_id, tuple(kv.block_table(r))) for r in self.engine.scheduler.running
+                     if kv.block_table(r))
+
+    # -- phase 2 ---------------------------------------------------------------------------
+    def _physical(self, layout: GroupLayout, owner: int, block: int) -> int:
+        return block if layout.solo else self.luts[owner][block]
+
+    def reweigh(self, relayout: Relayout) -> int:
+        old, new = relayout.old[self.id], relayout.new[self.id]
+        entries = list(relayout.staged(self.id))
+        self._index = {(o, r, j): i for i, (o, r, j, _) in enumerate(entries)}
+        rows = torch.tensor([self._physical(old, o, b) for o, _, _, b in entries], dtype=torch.long,
+                            device=self.runner.device)
+        held = set(old.stage_of(self.id))
+        self._staging = [None] * len(self.runner.kv_caches)
+        for layer in held:
+            k_cache, v_cache = self.runner.kv_caches[layer]
+            self._staging[layer] = (k_cache[rows], v_cache[rows])  # indexing by a tensor copies
+        self.arena.free_all()
+        keep = set(new.stage_of(self.id))
+        if held - keep:
+            self.arena.drop_layers(held - keep)
+        if keep - held:
+            self.arena.restore_layers(keep - held, self.runner.host_weights)
+        if new.solo:
+            self.stage.release()
+        else:
+            self.stage.set_stage(new.stage_of(self.id), is_last=new.members[-1] == self.id)
+        self.runner.kv_caches = self.runner._arena_kv_caches()
+        self._relayout = relayout
+        return self.arena.num_free_blocks
+
+    # -- phase 3 ---------------------------------------------------------------------------
+    def allocate(self, pools: Mapping[int, int] | None) -> Manifest:
+        """`pools`: each owner's logical pool in blocks when the new layout is a group."""
+        assert self._relayout is not None
+        new, size = self._relayout.new[self.id], self.arena.block_size
+        requests = {r.request_id: r for r in self.engine.scheduler.running}
+        if new.solo:
+            self.luts = {}
+            kv: PagedKV = ArenaKV(self.arena)
+            self.engine.executor = self.runner
+        else:
+            assert pools is not None
+            for owner in new.members:
+                self.arena.allocate(("lut", owner), pools[owner] * size)
+            self.luts = {owner: list(self.arena.block_table(("lut", owner))) for owner in new.members}
+            kv = PagedKV(BlockPool(pools[self.id], size))
+            self.engine.executor = GroupExecutor(self.runner, new, self.id, self.luts)
+        tables = []
+        for request_id, table in self._relayout.manifests.get(self.id, ()):
+            kv.reserve(requests[request_id], len(table) * size)
+            tables.append((request_id, tuple(kv.block_table(requests[request_id]))))
+        self.engine.scheduler.kv = kv
+        self.layout = new
+        return tuple(tables)
+
+    # -- phase 4 ---------------------------------------------------------------------------
+    def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
+        """Send and receive every staged block; returns bytes sent, received and kept."""
+        relayout = self._relayout
+        assert relayout is not None
+        new_tables = {(o, r): table for o, manifest in new_manifests.items() for r, table in manifest}
+        members = relayout.members()
+        moved = {"sent": 0, "received": 0, "kept": 0}
+        for src in members:
+            for dst in members:
+                if self.id not in (src, dst):
+                    continue
+                moves = []
+                for owner, request_id, j, _ in relayout.staged(src):
+                    for layer in relayout.old[src].stage_of(src):
+                        if relayout.new[owner].holder(layer) == dst:
+                            target = new_tables[owner, request_id][j]
+                            dst_block = self._physical(relayout.new[dst], owner, target) if self.id == dst else 0
+                            src_row = self._index[owner, request_id, j] if self.id == src else 0
+                            moves.append(KVMove(layer, src_row, dst_block))
+                if not moves:
+                    continue
+                if src == dst:
+                    moved["kept"] += self._install(moves)
+                elif self.id == src:
+                    moved["sent"] += send_kv(self._staging, moves, dst, chunk_bytes)
+                else:
+                    moved["received"] += recv_kv(self.runner.kv_caches, moves, src, chunk_bytes)
+        self._staging, self._index, self._relayout = [], {}, None
+        return moved
+
+    def _install(self, moves: list[KVMove]) -> int:
+        copied = 0
+        for m in moves:
+            (k_stage, v_stage), (k_cache, v_cache) = self._staging[m.layer], self.runner.kv_caches[m.layer]
+            k_cache[m.dst_block].copy_(k_stage[m.src_block])
+            v_cache[m.dst_block].copy_(v_stage[m.src_block])
+            copied += 2 * k_stage[m.src_block].numel() * k_stage.element_size()
+        return copied
+
+    # -- §4.4 faults -----------------------------------------------------------------------
+    def recover(self) -> int:
+        """A peer of this member's group died: become a full replica again from the host copy
+        and recompute every running request. Returns how many were requeued."""
+        scheduler = self.engine.scheduler
+        self.arena.free_all()
+        missing = set(self.arena.layer_ids) - set(self.arena.resident_layers)
+        if missing:
+            self.arena.restore_layers(missing, self.runner.host_weights)
+        self.stage.release()
+        self.runner.kv_caches = self.runner._arena_kv_caches()
+        self.luts, self.layout = {}, GroupLayout((self.id,), (range(len(self.arena.layer_ids)),))
+        scheduler.kv = ArenaKV(self.arena)
+        self.engine.executor = self.runner
+        running = list(scheduler.running)
+        scheduler.running.clear()
+        for request in reversed(running):  # `preempt` puts each at the head: keep their order
+            scheduler.preempt(request)
+        assert all(r.status == RequestStatus.WAITING for r in running)
+        return len(running)

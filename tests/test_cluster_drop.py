@@ -1,0 +1,148 @@
+"""KunServe's drop -> exchange -> serve -> restore cycle in a real cluster of instance processes
+(nanoserve/dist/cluster.py, regroup.py, member.py, group.py), and recovery when a member dies.
+
+Every test compares greedy outputs with an unthrottled single engine: a regrouped pipeline, a
+KV exchange or a restore that put one block in the wrong place would change them."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import build_tiny_model
+from nanoserve import LLM, SamplingParams
+from nanoserve.builder import EngineArgs
+from nanoserve.dist.cluster import Cluster
+from nanoserve.dist.regroup import split_pool
+from test_invariance import assert_close_greedy
+
+BLOCK = 16
+SHORT = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+# A burst: six 40-token prompts that finish fast and two short prompts that decode long. Into two
+# pools of 6 blocks the burst needs 6 x 3 + 2 x 1 = 20 blocks: throttled. Once the short ones are
+# done the long ones hold about 3 blocks each, under half the replicas' 12: the cluster restores.
+BURST = [([i + 2] * 40, SHORT) for i in range(6)] + [([300 + i] * 5, LONG) for i in range(2)]
+DEADLINE_S = 180  # a hang guard, not a speed assertion
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("cluster-drop-llama")
+    build_tiny_model("llama", directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=4096)
+    return [llm.generate([prompt], params, use_tqdm=False)[0] for prompt, params in BURST]
+
+
+@pytest.fixture(autouse=True)
+def checked_instances(monkeypatch):
+    monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "1")  # every instance checks its KV every step
+
+
+def small_pools(llama_dir) -> EngineArgs:
+    return EngineArgs(model=str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=6 * BLOCK,
+                      block_size=BLOCK)
+
+
+def run_burst(cluster: Cluster, copies: int = 1, on_step=None) -> dict[str, object]:
+    ids = []
+    for c in range(copies):
+        for i, (prompt, params) in enumerate(BURST):
+            ids.append(f"burst{c}-{i}")
+            cluster.add_request(ids[-1], prompt, params)
+    finished, started = {}, time.monotonic()
+    while len(finished) < len(ids):
+        assert time.monotonic() - started < DEADLINE_S, f"cluster hung with {len(ids) - len(finished)} unfinished"
+        for out in cluster.step():
+            if out.finished:
+                assert out.request_id not in finished, f"{out.request_id} finished twice"
+                finished[out.request_id] = out
+        if on_step is not None:
+            on_step(cluster)
+    return finished
+
+
+def assert_matches(expected, finished, copies: int = 1) -> None:
+    for c in range(copies):
+        for i, ref in enumerate(expected):
+            out = finished[f"burst{c}-{i}"]
+            assert_close_greedy(ref, out, out.request_id, max_tokens=BURST[i][1].max_tokens)
+
+
+def page_bytes(cluster: Cluster) -> int:
+    """One layer's K (or V) of one block: block_size x kv_heads x head_dim x fp32."""
+    return BLOCK * 2 * (64 // 4) * 4  # the tiny llama of conftest: 2 KV heads of 16 dims
+
+
+def test_drop_exchange_serve_restore_on_two_instances(llama_dir, expected):
+    with Cluster(small_pools(llama_dir), 2, drop=True) as cluster:
+        finished = run_burst(cluster)
+        changes = cluster.layout_changes
+        groups = cluster.regrouper.groups
+        assert not cluster.has_unfinished_requests()
+    assert_matches(expected, finished)
+    kinds = [c.kind for c in changes]
+    assert kinds[:2] == ["drop", "restore"], kinds
+    drop, restore = changes[0], changes[1]
+    assert [g.instances for g in drop.after] == [(0, 1)]
+    assert [g.stages for g in drop.after] == [(range(0, 1), range(1, 2))]
+    # Each member keeps its own layer's K/V of its requests and sends the other layer's: with
+    # one layer of two on each side, as many bytes move as stay.
+    assert drop.blocks_in_use > 0
+    assert drop.kv_bytes_sent == drop.kv_bytes_kept == drop.blocks_in_use * 2 * page_bytes(cluster)
+    # Pools: each block now holds one layer, and a layer's weights became KV: more than double.
+    assert drop.capacity_before == 12 and drop.capacity_after > 2 * drop.capacity_before
+    # The restore happened with the long requests still decoding: their peer's KV came home.
+    assert restore.blocks_in_use > 0
+    assert restore.kv_bytes_sent == restore.kv_bytes_kept == restore.blocks_in_use * 2 * page_bytes(cluster)
+    assert restore.capacity_after == 12
+    assert all(g.size == 1 for g in groups), "restore must leave independent instances"
+
+
+def test_four_instances_regroup_in_pairs_and_come_back(llama_dir, expected):
+    with Cluster(small_pools(llama_dir), 4, drop=True) as cluster:
+        finished = run_burst(cluster, copies=2)
+        changes = cluster.layout_changes
+        groups = cluster.regrouper.groups
+    assert_matches(expected, finished, copies=2)
+    drops = [c for c in changes if c.kind == "drop"]
+    # Fig. 6 merges the two smallest groups first, ties to the lowest ids; as long as instances
+    # stay throttled, later drops merge the next pair.
+    assert [g.instances for g in drops[0].after if g.size > 1] == [(0, 1)]
+    formed = {g.instances for c in drops for g in c.after if g.size > 1}
+    assert formed >= {(0, 1), (2, 3)}, [[g.instances for g in c.after] for c in changes]
+    assert any(c.kind == "restore" for c in changes)
+    assert all(g.size == 1 for g in groups)
+
+
+def test_a_member_killed_after_the_drop_leaves_every_request_answered(llama_dir, expected):
+    killed = []
+
+    def kill_after_drop(cluster: Cluster) -> None:
+        in_group = any(g.size > 1 for g in cluster.regrouper.groups)
+        if in_group and not killed and cluster.loads[1].num_running:
+            cluster.processes[1].kill()
+            cluster.processes[1].wait()
+            killed.append(1)
+
+    with Cluster(small_pools(llama_dir), 2, drop=True, peer_timeout_s=30) as cluster:
+        finished = run_burst(cluster, on_step=kill_after_drop)
+        assert killed, "the burst never regrouped"
+        assert cluster.dead == {1}
+        assert [c.kind for c in cluster.layout_changes][-1] == "recover"
+        assert cluster.retried, "instance 1's requests must be retried on instance 0"
+        assert all(cluster.placement[r] == 0 for r in cluster.retried)
+        assert [g.instances for g in cluster.regrouper.groups] == [(0,)]
+    assert_matches(expected, finished)  # survivors recomputed, retries restarted: same answers
+
+
+def test_the_pool_is_shared_out_after_what_is_in_use():
+    assert split_pool(10, {0: 3, 1: 1}, [0, 1]) == {0: 6, 1: 4}
+    assert split_pool(7, {0: 0, 1: 0}, [0, 1]) == {0: 4, 1: 3}
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        split_pool(3, {0: 2, 1: 2}, [0, 1])
