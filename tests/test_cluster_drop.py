@@ -58,12 +58,13 @@ def run_burst(cluster: Cluster, copies: int = 1, on_step=None) -> dict[str, obje
     finished, started = {}, time.monotonic()
     while len(finished) < len(ids):
         assert time.monotonic() - started < DEADLINE_S, f"cluster hung with {len(ids) - len(finished)} unfinished"
-        for out in cluster.step():
+        outputs = cluster.step()
+        for out in outputs:
             if out.finished:
                 assert out.request_id not in finished, f"{out.request_id} finished twice"
                 finished[out.request_id] = out
         if on_step is not None:
-            on_step(cluster)
+            on_step(cluster, outputs)
     return finished
 
 
@@ -74,14 +75,22 @@ def assert_matches(expected, finished, copies: int = 1) -> None:
             assert_close_greedy(ref, out, out.request_id, max_tokens=BURST[i][1].max_tokens)
 
 
-def page_bytes(cluster: Cluster) -> int:
+def page_bytes() -> int:
     """One layer's K (or V) of one block: block_size x kv_heads x head_dim x fp32."""
     return BLOCK * 2 * (64 // 4) * 4  # the tiny llama of conftest: 2 KV heads of 16 dims
 
 
 def test_drop_exchange_serve_restore_on_two_instances(llama_dir, expected):
-    with Cluster(small_pools(llama_dir), 2, drop=True) as cluster:
-        finished = run_burst(cluster)
+    first_tokens_while_exchanging = []
+
+    def watch(cluster: Cluster, outputs) -> None:
+        if any(load.exchanging for load in cluster.loads.values()):
+            first_tokens_while_exchanging.extend(o.request_id for o in outputs if len(o.token_ids) == 1)
+
+    # Two blocks' K/V per chunk: the exchange takes several steps.
+    chunk = 2 * 2 * page_bytes()
+    with Cluster(small_pools(llama_dir), 2, drop=True, chunk_bytes=chunk) as cluster:
+        finished = run_burst(cluster, on_step=watch)
         changes = cluster.layout_changes
         groups = cluster.regrouper.groups
         assert not cluster.has_unfinished_requests()
@@ -94,12 +103,16 @@ def test_drop_exchange_serve_restore_on_two_instances(llama_dir, expected):
     # Each member keeps its own layer's K/V of its requests and sends the other layer's: with
     # one layer of two on each side, as many bytes move as stay.
     assert drop.blocks_in_use > 0
-    assert drop.kv_bytes_sent == drop.kv_bytes_kept == drop.blocks_in_use * 2 * page_bytes(cluster)
+    assert drop.kv_bytes_sent == drop.kv_bytes_kept == drop.blocks_in_use * 2 * page_bytes()
+    assert drop.exchange_steps >= -(-drop.blocks_in_use // 2 // 2)  # the larger half, 2 blocks a chunk
+    assert drop.exchange_steps > 1
+    # §4.2: queued requests ran while the running ones waited for their K/V.
+    assert first_tokens_while_exchanging
     # Pools: each block now holds one layer, and a layer's weights became KV: more than double.
     assert drop.capacity_before == 12 and drop.capacity_after > 2 * drop.capacity_before
     # The restore happened with the long requests still decoding: their peer's KV came home.
     assert restore.blocks_in_use > 0
-    assert restore.kv_bytes_sent == restore.kv_bytes_kept == restore.blocks_in_use * 2 * page_bytes(cluster)
+    assert restore.kv_bytes_sent == restore.kv_bytes_kept == restore.blocks_in_use * 2 * page_bytes()
     assert restore.capacity_after == 12
     assert all(g.size == 1 for g in groups), "restore must leave independent instances"
 
@@ -123,7 +136,7 @@ def test_four_instances_regroup_in_pairs_and_come_back(llama_dir, expected):
 def test_a_member_killed_after_the_drop_leaves_every_request_answered(llama_dir, expected):
     killed = []
 
-    def kill_after_drop(cluster: Cluster) -> None:
+    def kill_after_drop(cluster: Cluster, outputs) -> None:
         in_group = any(g.size > 1 for g in cluster.regrouper.groups)
         if in_group and not killed and cluster.loads[1].num_running:
             cluster.processes[1].kill()

@@ -1,4 +1,4 @@
-"""KunServe's cluster (kunserve.txt §3, §4.1): several instances, each a full model replica in
+"""KunServe's cluster (kunserve.txt §3, §4): several instances, each a full model replica in
 its own process, behind one dispatcher, with a monitor that detects memory throttling.
 
     requests ─► Dispatcher ─► instance 0 (engine, replica, KV)   python -m nanoserve.dist.instance
@@ -12,8 +12,6 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
   requests hold plus what its head-of-line request needs exceeds its capacity: the head cannot
   run without a preemption. The monitor reports how many blocks each throttled instance is
   short; that is the R of the drop plan (`drop_plan.plan_drop`, Fig. 6).
-- `Cluster` starts the instances, routes requests, steps them in lockstep and gathers outputs.
-
 - `Cluster` starts the instances in one gloo world (instance id = rank), routes requests,
   steps them in lockstep, gathers outputs and, with `drop=True`, answers throttling by dropping
   layers and regrouping instances into pipelines, and restores them when the burst has passed
@@ -51,6 +49,7 @@ class InstanceLoad:
     num_waiting: int
     num_running: int
     replica_blocks: int = 0  # capacity with every layer held (before any drop)
+    exchanging: bool = False  # still moving KV after a drop or restore (no new change starts)
 
     @property
     def demand_blocks(self) -> int:
@@ -186,12 +185,15 @@ class Cluster:
                 if out.finished:
                     self._submitted.pop(out.request_id, None)
         gone = {i for i, reply in replies.items() if isinstance(reply, InstanceGone)}
-        if gone or any(isinstance(reply, PeerLost) for reply in replies.values()):
-            self._recover(gone)
+        lost = {i for i, reply in replies.items() if isinstance(reply, PeerLost)}
+        if gone or lost:
+            self._recover(gone, lost)
             return outputs
         short = self.monitor.short_blocks(list(self.loads.values()))
         if short:
             self.throttle_events.append(short)
+        if any(load.exchanging for load in self.loads.values()):
+            return outputs  # one layout change at a time
         if self.drop_enabled and short:
             if self.regrouper.drop(short, self.loads, self.call_all) is not None:
                 self._refresh_loads()
@@ -206,7 +208,7 @@ class Cluster:
         for instance, reply in self.call_all({i: ("load",) for i in self.loads}).items():
             self.loads[instance] = _raise(reply)
 
-    def _recover(self, gone: set[int]) -> None:
+    def _recover(self, gone: set[int], lost: set[int]) -> None:
         """§4.4: the dead leave, their groups' survivors reload from the host copy, and the dead
         instances' unfinished requests start again on live ones."""
         self.dead |= gone
@@ -215,7 +217,7 @@ class Cluster:
             self.processes[instance].kill()
         if not self.loads:
             raise RuntimeError(f"every instance of the cluster is gone (last: {sorted(gone)})")
-        self.regrouper.recover(self.dead, self.loads, self.call_all)
+        self.regrouper.recover(self.dead, lost, self.loads, self.call_all)
         self._refresh_loads()
         for request_id, instance in list(self.placement.items()):
             if instance in gone and request_id in self._submitted:

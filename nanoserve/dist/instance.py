@@ -43,7 +43,8 @@ def load_of(member: ClusterMember) -> InstanceLoad:
     kv, waiting = engine.kv, engine.scheduler.waiting
     head = -(-waiting[0].num_tokens // kv.block_size) if waiting else 0
     return InstanceLoad(member.id, kv.num_blocks, kv.num_used_blocks, head, len(waiting),
-                        engine.scheduler.num_running, member.replica_blocks)
+                        engine.scheduler.num_running + len(member.stalled), member.replica_blocks,
+                        member.exchanging)
 
 
 def serve(connection, instance_id: int) -> None:
@@ -66,7 +67,7 @@ def serve(connection, instance_id: int) -> None:
                 try:
                     outputs = member.step()
                 except RuntimeError as exc:
-                    if not isinstance(engine.executor, GroupExecutor):
+                    if not (isinstance(engine.executor, GroupExecutor) or member.exchanging):
                         raise
                     reply = PeerLost(f"instance {instance_id}: a pipeline peer is gone: {exc}")
                 else:
@@ -74,6 +75,7 @@ def serve(connection, instance_id: int) -> None:
             elif kind == "load":
                 reply = load_of(member)
             elif kind == "abort":
+                member.unstall(rest[0])
                 engine.abort_request(rest[0])
                 reply = None
             elif kind in ("manifest", "reweigh", "allocate", "exchange", "recover"):

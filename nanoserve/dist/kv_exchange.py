@@ -12,7 +12,9 @@ pipeline stage's execution time on the link. Between chunks the sender calls `yi
 the serving loop sends the activations it has ready: activations are small and on the critical
 path, the exchange is large and is not, so a stage is never left waiting behind a whole
 exchange (the paper's "transfer the activation first and then resume the KVCache transfer").
-A request stalls only until its own blocks have arrived.
+A request stalls only until its own blocks have arrived. In the cluster (dist/member.py) the
+serving step itself is the yield: each member pair moves one chunk per step, after the step's
+activations, and an owner knows from the chunk lists when each of its requests may run again.
 
 A move names (layer, source block, destination block); block tables differ between instances,
 so the two sides agree on the list of moves (both derive it from the regroup plan) and the
@@ -48,16 +50,34 @@ def chunk_moves(moves: Sequence[KVMove], bytes_per_block: int, chunk_bytes: int)
     return [list(moves[i:i + per_chunk]) for i in range(0, len(moves), per_chunk)]
 
 
+def send_chunk(kv_caches: KVCaches, chunk: Sequence[KVMove], dst: int, group=None) -> int:
+    """Send one chunk's blocks (K and V of each move's layer) as one message; returns bytes."""
+    buffer = torch.stack([torch.stack((kv_caches[m.layer][0][m.src_block], kv_caches[m.layer][1][m.src_block]))
+                          for m in chunk])
+    dist.send(buffer, dst=dst, group=group)
+    return buffer.numel() * buffer.element_size()
+
+
+def recv_chunk(kv_caches: KVCaches, chunk: Sequence[KVMove], src: int, group=None) -> int:
+    """Receive what `send_chunk` sent and scatter it into the moves' destination blocks."""
+    k_example = next(c for c in kv_caches if c is not None)[0]
+    buffer = torch.empty((len(chunk), 2, *k_example.shape[1:]), dtype=k_example.dtype, device=k_example.device)
+    dist.recv(buffer, src=src, group=group)
+    for m, kv in zip(chunk, buffer):
+        k_cache, v_cache = kv_caches[m.layer]
+        k_cache[m.dst_block].copy_(kv[0])
+        v_cache[m.dst_block].copy_(kv[1])
+    return buffer.numel() * buffer.element_size()
+
+
 def send_kv(kv_caches: KVCaches, moves: Sequence[KVMove], dst: int, chunk_bytes: int,
             yield_to: Callable[[], None] | None = None, group=None) -> int:
-    """Send the moves' blocks to rank `dst` in chunks, yielding between them; returns bytes sent."""
+    """Send the moves' blocks to rank `dst` in chunks, yielding between them; returns bytes sent.
+    (The cluster's members send one chunk per serving step instead: dist/member.py.)"""
     sent = 0
     chunks = chunk_moves(moves, block_bytes(kv_caches), chunk_bytes)
     for i, chunk in enumerate(chunks):
-        buffer = torch.stack([torch.stack((kv_caches[m.layer][0][m.src_block], kv_caches[m.layer][1][m.src_block]))
-                              for m in chunk])
-        dist.send(buffer, dst=dst, group=group)
-        sent += buffer.numel() * buffer.element_size()
+        sent += send_chunk(kv_caches, chunk, dst, group)
         if yield_to is not None and i + 1 < len(chunks):
             yield_to()
     return sent
@@ -66,14 +86,5 @@ def send_kv(kv_caches: KVCaches, moves: Sequence[KVMove], dst: int, chunk_bytes:
 def recv_kv(kv_caches: KVCaches, moves: Sequence[KVMove], src: int, chunk_bytes: int, group=None) -> int:
     """Receive what `send_kv` sends and scatter it into the moves' destination blocks; returns
     bytes received."""
-    received = 0
-    k_example = next(c for c in kv_caches if c is not None)[0]
-    for chunk in chunk_moves(moves, block_bytes(kv_caches), chunk_bytes):
-        buffer = torch.empty((len(chunk), 2, *k_example.shape[1:]), dtype=k_example.dtype, device=k_example.device)
-        dist.recv(buffer, src=src, group=group)
-        for m, kv in zip(chunk, buffer):
-            k_cache, v_cache = kv_caches[m.layer]
-            k_cache[m.dst_block].copy_(kv[0])
-            v_cache[m.dst_block].copy_(kv[1])
-        received += buffer.numel() * buffer.element_size()
-    return received
+    return sum(recv_chunk(kv_caches, chunk, src, group)
+               for chunk in chunk_moves(moves, block_bytes(kv_caches), chunk_bytes))

@@ -28,15 +28,25 @@ from typing import Iterator, Mapping
 import torch
 
 from nanoserve.dist.group import GroupExecutor, GroupLayout, StageModules
-from nanoserve.dist.kv_exchange import KVMove, recv_kv, send_kv
+from nanoserve.dist.kv_exchange import KVMove, recv_chunk, send_chunk
 from nanoserve.engine import Engine
 from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import PagedKV
-from nanoserve.request import RequestStatus
+from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import SchedulerOutput
 
 Manifest = tuple[tuple[str, tuple[int, ...]], ...]  # an owner's (request id, block table) pairs
+
+
+@dataclass
+class Transfer:
+    """The chunks `src` sends `dst` after a layout change, and how many have gone."""
+
+    src: int
+    dst: int
+    chunks: list[list[KVMove]]
+    done: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,9 @@ class ClusterMember:
         self._relayout: Relayout | None = None
         self._staging: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self._index: dict[tuple[int, str, int], int] = {}
+        self._transfers: list[Transfer] = []
+        self._rounds = 0
+        self.stalled: dict[str, tuple[Request, int]] = {}  # waiting for their K/V: (request, rounds)
 
     # -- serving ---------------------------------------------------------------------------
     def step(self) -> list:
@@ -84,6 +97,7 @@ class ClusterMember:
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         if isinstance(executor, GroupExecutor) and executor.steps == taken:
             executor.execute(SchedulerOutput([]))
+        self.advance()  # the step's activations went first
         return outputs
 
     def layer_bytes(self) -> list[int]:
@@ -100,6 +114,8 @@ class ClusterMember:
         return block if layout.solo else self.luts[owner][block]
 
     def reweigh(self, relayout: Relayout) -> int:
+        if self._transfers:
+            raise RuntimeError("the previous layout change is still exchanging KV")
         old, new = relayout.old[self.id], relayout.new[self.id]
         entries = list(relayout.staged(self.id))
         self._index = {(o, r, j): i for i, (o, r, j, _) in enumerate(entries)}
@@ -149,19 +165,24 @@ class ClusterMember:
         self.layout = new
         return tuple(tables)
 
-    # -- phase 4 ---------------------------------------------------------------------------
+    # -- phase 4, then one chunk per step -----------------------------------------------------
     def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
-        """Send and receive every staged block; returns bytes sent, received and kept."""
+        """Install what stays here and plan the rest: each pair of members then moves one chunk
+        per serving step (`advance`), after that step's activations. Every member derives every
+        pair's chunks from the same lists, so an owner knows the step after which each of its
+        requests has all its K/V in place; until then the request is stalled (§4.2: a request
+        waits only for its own exchange, and the queued requests run meanwhile)."""
         relayout = self._relayout
         assert relayout is not None
         new_tables = {(o, r): table for o, manifest in new_manifests.items() for r, table in manifest}
         members = relayout.members()
-        moved = {"sent": 0, "received": 0, "kept": 0}
+        kv_block_bytes = 2 * self.arena.config.page_bytes  # one layer's K and V of one block
+        report = {"sent": 0, "kept": 0, "rounds": 0}
+        ready: dict[str, int] = {}  # this member's request -> exchange rounds before it may run
+        self._transfers = []
         for src in members:
             for dst in members:
-                if self.id not in (src, dst):
-                    continue
-                moves = []
+                moves, requests = [], []
                 for owner, request_id, j, _ in relayout.staged(src):
                     for layer in relayout.old[src].stage_of(src):
                         if relayout.new[owner].holder(layer) == dst:
@@ -169,16 +190,62 @@ class ClusterMember:
                             dst_block = self._physical(relayout.new[dst], owner, target) if self.id == dst else 0
                             src_row = self._index[owner, request_id, j] if self.id == src else 0
                             moves.append(KVMove(layer, src_row, dst_block))
+                            requests.append((owner, request_id))
                 if not moves:
                     continue
                 if src == dst:
-                    moved["kept"] += self._install(moves)
-                elif self.id == src:
-                    moved["sent"] += send_kv(self._staging, moves, dst, chunk_bytes)
+                    if self.id == src:
+                        report["kept"] += self._install(moves)
+                    continue
+                per_chunk = max(1, chunk_bytes // kv_block_bytes)
+                chunks = [moves[i:i + per_chunk] for i in range(0, len(moves), per_chunk)]
+                report["sent"] += len(moves) * kv_block_bytes if self.id == src else 0
+                report["rounds"] = max(report["rounds"], len(chunks))
+                for i, (owner, request_id) in enumerate(requests):
+                    if owner == self.id:
+                        ready[request_id] = max(ready.get(request_id, 0), i // per_chunk + 1)
+                if self.id in (src, dst):
+                    self._transfers.append(Transfer(src, dst, chunks))
+        scheduler = self.engine.scheduler
+        for request in [r for r in scheduler.running if r.request_id in ready]:
+            scheduler.running.remove(request)
+            self.stalled[request.request_id] = (request, ready[request.request_id])
+        self._rounds = 0
+        self._relayout = None
+        self._finish_exchange()
+        return report
+
+    def advance(self) -> None:
+        """One chunk of every transfer this member is part of, in the same order everywhere."""
+        if not self._transfers:
+            return
+        for transfer in self._transfers:
+            if transfer.done < len(transfer.chunks):
+                chunk = transfer.chunks[transfer.done]
+                if self.id == transfer.src:
+                    send_chunk(self._staging, chunk, transfer.dst)
                 else:
-                    moved["received"] += recv_kv(self.runner.kv_caches, moves, src, chunk_bytes)
-        self._staging, self._index, self._relayout = [], {}, None
-        return moved
+                    recv_chunk(self.runner.kv_caches, chunk, transfer.src)
+                transfer.done += 1
+        self._rounds += 1
+        for request_id, (request, rounds) in list(self.stalled.items()):
+            if rounds <= self._rounds:
+                del self.stalled[request_id]
+                self.engine.scheduler.running.append(request)
+        self._finish_exchange()
+
+    def _finish_exchange(self) -> None:
+        if all(t.done == len(t.chunks) for t in self._transfers):
+            self._transfers, self._staging, self._index = [], [], {}
+
+    @property
+    def exchanging(self) -> bool:
+        return bool(self._transfers)
+
+    def unstall(self, request_id: str) -> None:
+        """Put a stalled request back among the running (before an abort)."""
+        if request_id in self.stalled:
+            self.engine.scheduler.running.append(self.stalled.pop(request_id)[0])
 
     def _install(self, moves: list[KVMove]) -> int:
         copied = 0
@@ -194,6 +261,9 @@ class ClusterMember:
         """A peer of this member's group died: become a full replica again from the host copy
         and recompute every running request. Returns how many were requeued."""
         scheduler = self.engine.scheduler
+        for request_id in list(self.stalled):
+            self.unstall(request_id)
+        self._transfers, self._staging, self._index = [], [], {}
         self.arena.free_all()
         missing = set(self.arena.layer_ids) - set(self.arena.resident_layers)
         if missing:

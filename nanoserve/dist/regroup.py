@@ -38,9 +38,10 @@ class LayoutChange:
     kind: str  # "drop", "restore" or "recover"
     before: tuple[Group, ...]
     after: tuple[Group, ...]
-    seconds: float  # from the first phase sent to the last reply
+    seconds: float  # drop (or restore) and remap: from the first phase sent to the last reply
     blocks_in_use: int  # blocks the involved members' running requests held when it began
-    kv_bytes_sent: int  # between members (the §4.2 exchange)
+    kv_bytes_sent: int  # between members (the §4.2 exchange), one chunk per step after the change
+    exchange_steps: int  # steps the exchange takes: a request stalls until its own chunks are in
     kv_bytes_kept: int  # staged and installed on the same member
     capacity_before: int  # blocks of the involved members' pools, before and after
     capacity_after: int
@@ -93,15 +94,16 @@ class Regrouper:
         plan = plan_restore(self.groups, self.layer_bytes, instances=members)
         return self._run("restore", plan.after.groups, loads, call)
 
-    def recover(self, dead: set[int], loads: Mapping[int, InstanceLoad], call: CallAll) -> LayoutChange:
-        """Split every group that lost a member; its survivors reload from the host copy."""
+    def recover(self, dead: set[int], lost: set[int], loads: Mapping[int, InstanceLoad], call: CallAll) -> LayoutChange:
+        """Split every group that lost a member; its survivors, and any member whose KV exchange
+        with the dead broke (`lost`), reload from the host copy."""
         started = time.perf_counter()
         before = self.groups
         plan = plan_restore(before, self.layer_bytes, instances=(), failed=dead)
-        survivors = [i for g in before if set(g.instances) & dead for i in g.instances if i not in dead]
+        survivors = sorted({i for g in before if set(g.instances) & dead for i in g.instances} - dead | lost)
         call({i: ("recover",) for i in survivors})
         self.groups = plan.after.groups
-        change = LayoutChange("recover", before, self.groups, time.perf_counter() - started, 0, 0, 0,
+        change = LayoutChange("recover", before, self.groups, time.perf_counter() - started, 0, 0, 0, 0,
                               sum(loads[i].total_blocks for i in survivors if i in loads),
                               sum(loads[i].replica_blocks for i in survivors if i in loads))
         self.history.append(change)
@@ -130,7 +132,8 @@ class Regrouper:
         capacity_after = sum(pools[i][i] if pools[i] else loads[i].replica_blocks for i in involved)
         in_use = sum(len(table) for manifest in manifests.values() for _, table in manifest)
         change = LayoutChange(kind, before, self.groups, time.perf_counter() - started, in_use,
-                              sum(m["sent"] for m in moved.values()), sum(m["kept"] for m in moved.values()),
+                              sum(m["sent"] for m in moved.values()), max(m["rounds"] for m in moved.values()),
+                              sum(m["kept"] for m in moved.values()),
                               sum(loads[i].total_blocks for i in involved), capacity_after)
         self.history.append(change)
         return change

@@ -1,0 +1,154 @@
+"""KunServe's cluster on a CPU (kunserve.txt §3, §4; Fig. 12-13 and 17 in miniature): a burst into
+two SmolLM2 instances whose KV pools it overflows, served once with parameter dropping and once
+without (vLLM's answer: the queue waits, and running requests that cannot grow are preempted
+and recomputed). Both runs use the same fcfs policy, pools and burst.
+
+Printed, each as ours next to its reference:
+- KV capacity after the drop against the theoretical gain: a member keeps its stage's layers,
+  so a block holds fewer layers, and the dropped layers' weight bytes become KV;
+- the time from throttling detected to the first queued request's first token, with the drop
+  (drop + remap + KV exchange, then the step) and without it (waiting for memory to free);
+  the drop's own time (the paper: about 5 ms with CUDA virtual memory on a GPU);
+- TTFT p50 / p99 of the burst, with and without the drop;
+- the pipeline bubble with lookahead micro-batches against token-count chunking
+  (benchmarks/pipeline.py's run; the paper: 21.9% -> 8.3%).
+
+    python benchmarks/cluster.py [--requests 24] [--prompt 96-192] [--kv-tokens 1024] [--smoke]
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads; the instances inherit it
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+from datetime import date  # noqa: E402
+
+from nanoserve import SamplingParams, default_model  # noqa: E402
+from nanoserve.builder import EngineArgs  # noqa: E402
+from nanoserve.dist.cluster import Cluster  # noqa: E402
+
+
+def burst(args) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    lo, hi = map(int, args.prompt.split("-"))
+    return [[rng.randrange(17, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(drop: bool, model: str, prompts: list[list[int]], args) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine_args = EngineArgs(model=model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_tokens,
+                             max_num_batched_tokens=args.budget)
+    with Cluster(engine_args, 2, drop=drop) as cluster:
+        cluster.generate([[100, 200, 300]], SamplingParams(max_tokens=2))  # warm-up
+        ids = [f"burst-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            cluster.add_request(request_id, prompt, params)
+        first_token: dict[str, float] = {}
+        finished: dict = {}
+        detected = None
+        while len(finished) < len(ids):
+            outputs = cluster.step()
+            now = time.perf_counter()
+            for out in outputs:
+                first_token.setdefault(out.request_id, now)
+                if out.finished:
+                    finished[out.request_id] = out
+            if detected is None and cluster.throttle_events:
+                detected, queued = now, [i for i in ids if i not in first_token]
+        changes = cluster.layout_changes
+        regrouper = cluster.regrouper
+    ttfts = [finished[i].metrics.ttft for i in ids]
+    result = {"drop": drop, "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99),
+              "preemptions": sum(finished[i].metrics.num_preemptions for i in ids),
+              "detect_to_queued_first_token": (min(first_token[i] for i in queued) - detected) if detected else None,
+              "changes": [(c.kind, c.seconds, c.kv_bytes_sent, c.capacity_before, c.capacity_after) for c in changes]}
+    drops = [c for c in changes if c.kind == "drop"]
+    if drops:
+        merged = [g for g in drops[0].after if g.size > 1]
+        replica_blocks = drops[0].capacity_before // sum(g.size for g in merged)
+        result["theory_gain"] = theoretical_gain(regrouper.layer_bytes, regrouper.block_bytes, replica_blocks, merged)
+        result["measured_gain"] = drops[0].capacity_after / drops[0].capacity_before
+        result["drop_seconds"] = drops[0].seconds
+    return result
+
+
+def theoretical_gain(layer_bytes, block_bytes: int, replica_blocks: int, groups) -> float:
+    """Pools after / before for the merged members: a member's KV bytes plus the bytes of the
+    layers it drops, over a block of its stage's layers only; a group's pool is its smallest
+    member's (every member keeps every request's blocks for its layers)."""
+    before = after = 0
+    for group in groups:
+        num_layers = len(layer_bytes)
+        kv_bytes = replica_blocks * block_bytes
+        per_member = [(kv_bytes + sum(layer_bytes) - sum(layer_bytes[i] for i in stage))
+                      // (block_bytes * len(stage) // num_layers) for stage in group.stages]
+        before += replica_blocks * group.size
+        after += min(per_member)
+    return after / before
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--prompt", default="96-192", help="prompt length range")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--kv-tokens", type=int, default=1024, help="each instance's KV pool")
+    parser.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-pipeline", action="store_true", help="skip the bubble comparison")
+    parser.add_argument("--smoke", action="store_true", help="a tiny run")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.prompt, args.max_tokens, args.kv_tokens, args.no_pipeline = 6, "40-60", 3, 128, True
+    model = args.model or default_model()
+    prompts = burst(args)
+    base, mine = run(False, model, prompts, args), run(True, model, prompts, args)
+    print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {os.path.basename(model)} fp32, "
+          f"2 instances (1 thread each); a burst of {args.requests} prompts of {args.prompt} tokens, "
+          f"{args.max_tokens} output tokens; {args.kv_tokens}-token KV pool per instance")
+    if "measured_gain" in mine:
+        print(f"KV capacity after the drop: {mine['measured_gain']:.2f}x; theory {mine['theory_gain']:.2f}x "
+              f"(measured / theory {mine['measured_gain'] / mine['theory_gain']:.3f})")
+        print(f"drop + remap (the KV exchange then runs a chunk per step): {mine['drop_seconds'] * 1e3:.1f} ms")
+    print("| cluster | throttle detected -> a queued request's first token (s) | TTFT p50 (s) | TTFT p99 (s) "
+          "| preemptions |")
+    print("|---|---|---|---|---|")
+    for r, label in ((base, "no drop (recompute)"), (mine, "KunServe drop")):
+        wait = r["detect_to_queued_first_token"]
+        print(f"| {label} | {'-' if wait is None else f'{wait:.2f}'} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} "
+              f"| {r['preemptions']} |")
+    if base["detect_to_queued_first_token"] and mine["detect_to_queued_first_token"]:
+        print(f"queued request's wait, no drop / drop: "
+              f"{base['detect_to_queued_first_token'] / mine['detect_to_queued_first_token']:.2f}x; "
+              f"TTFT p99 no drop / drop: {base['ttft_p99'] / mine['ttft_p99']:.2f}x")
+    results = {"date": date.today().isoformat(), "args": vars(args), "no_drop": base, "drop": mine}
+    if not args.no_pipeline:
+        import pipeline  # benchmarks/pipeline.py, beside this file
+
+        pp = argparse.Namespace(pp=2, long=1536, short=24, budget=512, max_tokens=4, microbatches=None, seed=args.seed)
+        pp_prompts = pipeline.workload(pp)
+        runs = [pipeline.run(policy, model, pp_prompts, pp) for policy in ("fcfs", "kunserve")]
+        print(f"pipeline bubble (2 stages): token count {runs[0]['bubble_ratio']:.1%}, lookahead "
+              f"{runs[1]['bubble_ratio']:.1%} ({runs[1]['bubble_ratio'] / runs[0]['bubble_ratio']:.2f}x); the paper: "
+              f"21.9% -> 8.3%")
+        results["pipeline"] = runs
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
