@@ -79,6 +79,11 @@ def run(drop: bool, model: str, prompts: list[list[int]], args) -> dict:
         result["theory_gain"] = theoretical_gain(regrouper.layer_bytes, regrouper.block_bytes, replica_blocks, merged)
         result["measured_gain"] = drops[0].capacity_after / drops[0].capacity_before
         result["drop_seconds"] = drops[0].seconds
+        result["drop_kv_bytes_sent"] = drops[0].kv_bytes_sent
+        result["exchange_steps"] = drops[0].exchange_steps
+    restores = [c for c in changes if c.kind == "restore"]
+    if restores:
+        result["restore_seconds"] = restores[0].seconds
     return result
 
 
@@ -121,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     if "measured_gain" in mine:
         print(f"KV capacity after the drop: {mine['measured_gain']:.2f}x; theory {mine['theory_gain']:.2f}x "
               f"(measured / theory {mine['measured_gain'] / mine['theory_gain']:.3f})")
-        print(f"drop + remap (the KV exchange then runs a chunk per step): {mine['drop_seconds'] * 1e3:.1f} ms")
+        print(f"drop + remap: {mine['drop_seconds'] * 1e3:.1f} ms; then the KV exchange, "
+              f"{mine['drop_kv_bytes_sent'] / 2**20:.1f} MiB in {mine['exchange_steps']} steps (a chunk per step)")
+    if "restore_seconds" in mine:
+        print(f"restore (layers from the host copy, the KV then comes home a chunk per step): "
+              f"{mine['restore_seconds'] * 1e3:.1f} ms")
     print("| cluster | throttle detected -> a queued request's first token (s) | TTFT p50 (s) | TTFT p99 (s) "
           "| preemptions |")
     print("|---|---|---|---|---|")

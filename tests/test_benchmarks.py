@@ -41,3 +41,11 @@ def test_pipeline_benchmark_smoke():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| token count (fcfs) |" in proc.stdout and "| lookahead (kunserve) |" in proc.stdout
+
+
+def test_cluster_benchmark_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/cluster.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| no drop (recompute) |" in proc.stdout and "| KunServe drop |" in proc.stdout
+    assert "KV capacity after the drop" in proc.stdout

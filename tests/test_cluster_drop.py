@@ -159,3 +159,17 @@ def test_the_pool_is_shared_out_after_what_is_in_use():
     assert split_pool(7, {0: 0, 1: 0}, [0, 1]) == {0: 4, 1: 3}
     with pytest.raises(RuntimeError, match="cannot hold"):
         split_pool(3, {0: 2, 1: 2}, [0, 1])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "opt", "opt-prenorm"])
+def test_regrouped_pipelines_serve_every_architecture(arch, tmp_path):
+    """The stage split skips each architecture's last-stage-only modules (final norms, OPT's
+    projections) on the first member: a miss would normalise twice and change the tokens."""
+    build_tiny_model(arch, tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_tokens=4096)
+    expected = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt, params in BURST]
+    with Cluster(small_pools(tmp_path), 2, drop=True) as cluster:
+        finished = run_burst(cluster)
+        kinds = [c.kind for c in cluster.layout_changes]
+    assert kinds[:2] == ["drop", "restore"], kinds
+    assert_matches(expected, finished)

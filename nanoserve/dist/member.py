@@ -68,6 +68,14 @@ class Relayout:
                 for j, block in enumerate(table):
                     yield owner, request_id, j, block
 
+    def moves(self, src: int, dst: int) -> Iterator[tuple[int, str, int, int]]:
+        """(owner, request id, block index, layer) of every block-layer `src` held before and
+        `dst` holds after (`src == dst`: what stays), in the order both ends use."""
+        for owner, request_id, j, _ in self.staged(src):
+            for layer in self.old[src].stage_of(src):
+                if self.new[owner].holder(layer) == dst:
+                    yield owner, request_id, j, layer
+
 
 class ClusterMember:
     def __init__(self, instance_id: int, engine: Engine):
@@ -183,14 +191,12 @@ class ClusterMember:
         for src in members:
             for dst in members:
                 moves, requests = [], []
-                for owner, request_id, j, _ in relayout.staged(src):
-                    for layer in relayout.old[src].stage_of(src):
-                        if relayout.new[owner].holder(layer) == dst:
-                            target = new_tables[owner, request_id][j]
-                            dst_block = self._physical(relayout.new[dst], owner, target) if self.id == dst else 0
-                            src_row = self._index[owner, request_id, j] if self.id == src else 0
-                            moves.append(KVMove(layer, src_row, dst_block))
-                            requests.append((owner, request_id))
+                for owner, request_id, j, layer in relayout.moves(src, dst):
+                    target = new_tables[owner, request_id][j]
+                    dst_block = self._physical(relayout.new[dst], owner, target) if self.id == dst else 0
+                    src_row = self._index[owner, request_id, j] if self.id == src else 0
+                    moves.append(KVMove(layer, src_row, dst_block))
+                    requests.append((owner, request_id))
                 if not moves:
                     continue
                 if src == dst:

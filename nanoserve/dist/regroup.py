@@ -59,7 +59,7 @@ def split_pool(pool: int, used: Mapping[int, int], members: Sequence[int]) -> di
 
 class Regrouper:
     def __init__(self, num_instances: int, layer_bytes: Sequence[int], block_bytes: int,
-                 chunk_bytes: int = 1 << 20, restore_fraction: float = 0.5):
+                 chunk_bytes: int = 32 << 20, restore_fraction: float = 0.5):
         self.layer_bytes = tuple(layer_bytes)
         self.block_bytes = block_bytes  # one KV block with every layer (a replica's block)
         self.chunk_bytes = chunk_bytes
