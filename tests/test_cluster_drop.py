@@ -133,19 +133,34 @@ def test_four_instances_regroup_in_pairs_and_come_back(llama_dir, expected):
     assert all(g.size == 1 for g in groups)
 
 
-def test_a_member_killed_after_the_drop_leaves_every_request_answered(llama_dir, expected):
+def _serving_in_a_group(cluster: Cluster) -> bool:
+    return any(g.size > 1 for g in cluster.regrouper.groups) and not cluster.loads[0].exchanging
+
+
+def _exchanging_after(kind: str):
+    def moment(cluster: Cluster) -> bool:
+        changes = cluster.layout_changes
+        return bool(changes) and changes[-1].kind == kind and cluster.loads[0].exchanging
+    return moment
+
+
+@pytest.mark.parametrize("moment, chunk", [
+    (_serving_in_a_group, 32 << 20),  # the pipeline's peer dies
+    (_exchanging_after("drop"), 2 * 2 * page_bytes()),  # ...in the middle of the KV exchange
+    (_exchanging_after("restore"), 2 * 2 * page_bytes()),  # the ex-peer dies while the KV comes home
+], ids=["serving", "drop-exchange", "restore-exchange"])
+def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expected, moment, chunk):
     killed = []
 
-    def kill_after_drop(cluster: Cluster, outputs) -> None:
-        in_group = any(g.size > 1 for g in cluster.regrouper.groups)
-        if in_group and not killed and cluster.loads[1].num_running:
+    def kill(cluster: Cluster, outputs) -> None:
+        if not killed and 1 in cluster.loads and cluster.loads[1].num_running and moment(cluster):
             cluster.processes[1].kill()
             cluster.processes[1].wait()
             killed.append(1)
 
-    with Cluster(small_pools(llama_dir), 2, drop=True, peer_timeout_s=30) as cluster:
-        finished = run_burst(cluster, on_step=kill_after_drop)
-        assert killed, "the burst never regrouped"
+    with Cluster(small_pools(llama_dir), 2, drop=True, chunk_bytes=chunk, peer_timeout_s=30) as cluster:
+        finished = run_burst(cluster, on_step=kill)
+        assert killed, "the moment to kill never came"
         assert cluster.dead == {1}
         assert [c.kind for c in cluster.layout_changes][-1] == "recover"
         assert cluster.retried, "instance 1's requests must be retried on instance 0"
