@@ -1,0 +1,100 @@
+"""An analytic iteration cost for a named model on a named GPU: the roofline the simulator's
+virtual clock advances by (sim/executor.py).
+
+Per decoder layer, for a batch of chunks (p cached tokens, c new ones), on one of `tp` tensor-
+parallel GPUs:
+
+    flops = 2 · T · P_layer / tp                               linear layers, T = Σ c
+          + Σ 4 · d_q · c · (p + (c + 1) / 2) / tp             attention: QKᵀ and PV, causal
+    bytes = W_layer / tp                                       weights, read once per iteration
+          + Σ (p + c) · kv_layer / tp                          K/V read (context) and written
+    time  = max(flops / achieved FLOP/s, bytes / achieved HBM bytes/s) + layer overhead
+          + 2 all-reduces of T · hidden activations over NVLink (tp > 1)
+
+and once per iteration the LM head for the sampled rows and the iteration overhead. Prefill
+lands on the compute roof (T is large), decode on the memory roof (weights and context are read
+for a single token each): the two regimes every paper's scheduler is built around. A pipeline
+stage (`layers`) costs its share of layers; only the last runs the LM head.
+
+Policies do not read this model: they budget with the linear `CostModel` of
+sched/cost_model.py, which `fitted_cost_model` fits to this roofline over the same synthetic
+batches `python -m nanoserve.sched.profile` times on real hardware. A policy therefore meets
+the simulated GPU as it meets a real one: through a profile, with its fitting error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from nanoserve.config import ModelConfig
+from nanoserve.sched.cost_model import Batch, CostModel, Sample, fit
+from nanoserve.sim.hardware import GPU
+from nanoserve.sim.models import BYTES, ModelCost
+
+COLLECTIVE_LATENCY_S = 10e-6  # one NCCL all-reduce's fixed cost within a server
+
+
+@dataclass(frozen=True)
+class Roofline:
+    gpu: GPU
+    model: ModelConfig
+    tp: int = 1
+    layers: int | None = None  # a pipeline stage's decoder layers (default: all of them)
+    last_stage: bool = True  # runs the LM head
+
+    @cached_property
+    def cost(self) -> ModelCost:
+        return ModelCost(self.model)
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.num_layers if self.layers is None else self.layers
+
+    def layer_seconds(self, batch: Batch) -> float:
+        tokens = sum(c for _, c in batch)
+        q_dim = self.model.num_heads * self.model.head_dim
+        flops = 2 * tokens * self.cost.layer_params
+        flops += sum(4 * q_dim * c * (p + (c + 1) / 2) for p, c in batch)
+        nbytes = self.cost.layer_bytes + sum(p + c for p, c in batch) * self.cost.kv_bytes_per_token_per_layer
+        gpu = self.gpu
+        seconds = max(flops / self.tp / gpu.compute_rate, nbytes / self.tp / gpu.memory_rate)
+        seconds += gpu.efficiency.layer_overhead_s
+        if self.tp > 1:
+            activation = tokens * self.model.hidden_size * BYTES
+            ring = 2 * (self.tp - 1) / self.tp * activation
+            seconds += 2 * (gpu.link_seconds(ring, "nvlink") + COLLECTIVE_LATENCY_S)
+        return seconds
+
+    def head_seconds(self, sampled_rows: int) -> float:
+        if not self.last_stage or sampled_rows == 0:
+            return 0.0
+        flops = 2 * sampled_rows * self.model.hidden_size * self.model.vocab_size / self.tp
+        nbytes = self.cost.embedding_params * BYTES / self.tp
+        return max(flops / self.gpu.compute_rate, nbytes / self.gpu.memory_rate)
+
+    def iteration_seconds(self, batch: Batch, sampled_rows: int | None = None) -> float:
+        """One forward pass over `batch` ((prefix, new) chunks); `sampled_rows` defaults to one
+        per chunk. An empty batch costs nothing: no forward runs."""
+        if not batch:
+            return 0.0
+        rows = len(batch) if sampled_rows is None else sampled_rows
+        return (self.num_layers * self.layer_seconds(batch) + self.head_seconds(rows)
+                + self.gpu.efficiency.iteration_overhead_s)
+
+    def kv_copy_seconds(self, num_tokens: int, link: str = "pcie") -> float:
+        """Moving `num_tokens` tokens' K/V of this model's layers (on this GPU's share) over
+        "pcie", "nvlink", "network", or within the device ("hbm": read and write)."""
+        nbytes = num_tokens * self.cost.kv_bytes_per_token_per_layer * self.num_layers / self.tp
+        if link == "hbm":
+            return 2 * nbytes / self.gpu.memory_rate
+        return self.gpu.link_seconds(nbytes, link)
+
+
+def fitted_cost_model(roofline: Roofline, max_len: int = 8192, kv_tokens: int = 1 << 20) -> CostModel:
+    """The linear cost model a policy would get by profiling this simulated GPU (profile.py's
+    FULL grid, fitted the same way)."""
+    from nanoserve.sched.profile import FULL, synthetic_batches
+
+    block = 16
+    batches = synthetic_batches(FULL, max_len, kv_tokens // block, block)
+    return fit(Sample(b, roofline.iteration_seconds(b)) for b in batches)

@@ -1,0 +1,161 @@
+"""One simulated serving run: a trace into a real `Engine` (the policy's scheduler, its KV
+manager, the engine's bookkeeping) whose executor is a `SimExecutor` on a virtual clock.
+
+    for each step:   admit every trace request that has arrived by now (at its arrival time)
+                     nothing to run?  jump the clock to the next arrival
+                     engine.step()    the policy schedules, the executor advances the clock
+                     record finished requests and KV usage
+
+KV capacity is what the named GPU leaves after the weights (`gpu_memory_utilization` of its
+memory, minus this GPU's share of the weights and an activation reserve), or `kv_bytes` when an
+experiment fixes it (EcoServe's 12 GB). Host stores for the managers that need one keep only
+their bookkeeping (no tensors: a store built with zero layers).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from nanoserve.config import SchedulerConfig
+from nanoserve.engine import Engine
+from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
+from nanoserve.memory.host import HostKVStore
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.sched import POLICY_MEMORY, make_scheduler
+from nanoserve.sched.cost_model import CostModel
+from nanoserve.sim.executor import EOS_TOKEN, FILLER_TOKEN, SimExecutor, VirtualClock
+from nanoserve.sim.hardware import gpu
+from nanoserve.sim.models import ModelCost, model
+from nanoserve.sim.roofline import Roofline, fitted_cost_model
+from nanoserve.sim.workloads import TraceRequest
+from nanoserve.slo import DEFAULT_SLOS, SLO
+
+ACTIVATION_RESERVE = 2e9  # bytes kept free for activations, as the real builder keeps 1 GiB
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: str = "fcfs"
+    gpu: str = "A100-80G"
+    model: str = "Llama-2-7B"
+    tp: int = 1
+    kv_manager: str | None = None  # default: the policy's (sched.POLICY_MEMORY)
+    kv_manager_options: Mapping[str, Any] | None = None
+    kv_bytes: float | None = None  # KV memory per GPU; default: what the weights leave
+    host_kv_tokens: int | None = None  # default: as many as the device holds
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's
+    online_slo: SLO = DEFAULT_SLOS["online"]
+    offline_slo: SLO = DEFAULT_SLOS["offline"]
+    fitted_policy_model: bool = True  # policies budget with a profile of the simulated GPU
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    priority: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    ttft: float | None
+    tpot: float | None
+    e2e: float | None
+    preemptions: int
+    finish_reason: str | None
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    records: list[RequestRecord]
+    kv_usage: list[tuple[float, float]]  # (time, used / total blocks), after each step
+    events: dict[str, int]  # the KV manager's counters (preemptions, checkpoints, ...)
+    steps: int
+    busy_seconds: float
+    copy_seconds: float
+    duration: float  # virtual seconds from the first arrival to the last finish
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def kv_blocks(config: SimConfig, roofline: Roofline) -> int:
+    cost = ModelCost(roofline.model)
+    if config.kv_bytes is not None:
+        budget = config.kv_bytes
+    else:
+        device = roofline.gpu.memory_bytes * config.gpu_memory_utilization
+        budget = device - cost.weight_bytes / config.tp - ACTIVATION_RESERVE
+    per_block = cost.kv_bytes_per_token * config.block_size / config.tp
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError(f"{config.model} leaves no KV memory on {config.gpu} at tp={config.tp}")
+    return blocks
+
+
+def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock,
+          executor_cost: Roofline | CostModel | None = None) -> tuple[Engine, SimExecutor, Roofline]:
+    roofline = Roofline(gpu(config.gpu), model(config.model), config.tp)
+    num_blocks = kv_blocks(config, roofline)
+    name = config.kv_manager or POLICY_MEMORY[config.policy]
+    host = None
+    if name in NEEDS_HOST_STORE:
+        host_tokens = config.host_kv_tokens if config.host_kv_tokens is not None else num_blocks * config.block_size
+        host = HostKVStore(host_tokens // config.block_size, config.block_size, 0, 1, 1, torch.float16)
+    kv = make_kv_manager(name, KVBuildContext(num_blocks, config.block_size, roofline.model, host,
+                                              config.kv_manager_options or {}))
+    max_len = min(config.max_model_len or roofline.model.max_position_embeddings, kv.max_request_tokens)
+    sched_config = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len, policy=config.policy,
+                                   online_slo=config.online_slo, offline_slo=config.offline_slo)
+    policy_model = fitted_cost_model(roofline, max_len) if config.fitted_policy_model else None
+    executor = SimExecutor(clock, executor_cost or roofline, output_lens, copy_cost=roofline)
+    engine = Engine(make_scheduler(sched_config, kv, policy_model, clock=clock), executor, None,
+                    frozenset({EOS_TOKEN}), model_name=config.model)
+    return engine, executor, roofline
+
+
+def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofline | CostModel | None = None,
+             max_steps: int = 10_000_000) -> SimResult:
+    clock = VirtualClock(trace[0].arrival if trace else 0.0)
+    ids = [f"sim-{i}" for i in range(len(trace))]
+    output_lens = {i: r.output_len for i, r in zip(ids, trace)}
+    engine, executor, _ = build(config, output_lens, clock, executor_cost)
+    pending = deque(sorted(zip(ids, trace), key=lambda item: item[1].arrival))
+    finished: dict[str, RequestOutput] = {}
+    usage: list[tuple[float, float]] = []
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1].arrival <= clock.now:
+            request_id, spec = pending.popleft()
+            # max_tokens only bounds the context; the workload's EOS ends the request.
+            params = SamplingParams(temperature=0, max_tokens=max(1, engine.config.max_model_len - spec.prompt_len))
+            prompt = [FILLER_TOKEN] * min(spec.prompt_len, engine.config.max_model_len - 1)
+            engine.add_request(prompt, params, request_id, arrival_time=spec.arrival, priority=spec.priority)
+        if not engine.has_unfinished_requests():
+            clock.advance_to(pending[0][1].arrival)
+            continue
+        steps = executor.stats.steps
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if executor.stats.steps == steps:  # the policy could schedule nothing
+            if not pending:
+                raise RuntimeError(f"{config.policy} scheduled nothing with "
+                                   f"{len(ids) - len(finished)} requests unfinished and none arriving")
+            clock.advance_to(pending[0][1].arrival)
+        usage.append((clock.now, engine.kv.num_used_blocks / max(1, engine.kv.num_blocks)))
+        if executor.stats.steps > max_steps:
+            raise RuntimeError(f"simulation exceeded {max_steps} steps")
+    records = []
+    for request_id, spec in zip(ids, trace):
+        m = finished[request_id].metrics
+        records.append(RequestRecord(request_id, spec.priority, spec.arrival, spec.prompt_len, spec.output_len,
+                                     m.ttft, m.tpot, m.e2e, m.num_preemptions, finished[request_id].finish_reason))
+    start = trace[0].arrival if trace else 0.0
+    return SimResult(config, records, usage, dict(getattr(engine.kv, "events", {})), executor.stats.steps,
+                     executor.stats.busy_seconds, executor.stats.copy_seconds, clock.now - start)
