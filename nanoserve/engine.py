@@ -55,10 +55,13 @@ class EngineStats:
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer | None,
                  eos_token_ids: frozenset[int] = frozenset(), model_name: str = "model",
-                 calibrate_cost_model: bool = False):
+                 calibrate_cost_model: bool = False, stream_outputs: bool = True):
         """`calibrate_cost_model`: scale the policy's cost model by how long steps really take
-        (`sched.cost_model.Calibration`); for a real executor, not a mock one."""
+        (`sched.cost_model.Calibration`); for a real executor, not a mock one. Without
+        `stream_outputs`, `step` returns only the requests that finished (the simulator's
+        choice: an output per token is a third of a simulated step's cost)."""
         self.model_name = model_name
+        self.stream_outputs = stream_outputs
         self.calibrate_cost_model = calibrate_cost_model
         self.scheduler = scheduler
         self.executor = executor
@@ -216,7 +219,8 @@ class Engine:
             status = self._stop_status(request, token)
             if status is not None:
                 self._finish(request, status, now)
-            outputs.append(self._output(request, new_tokens=1))
+            if self.stream_outputs or status is not None:
+                outputs.append(self._output(request, new_tokens=1))
         return outputs
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

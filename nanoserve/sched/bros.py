@@ -281,25 +281,37 @@ class BROSScheduler(PulledQueues):
         return True
 
     def _rt_victim(self, batch: Batch, request: Request) -> Request | None:
+        """BE requests first: those the draft did not serve, newest first, then those it did,
+        newest first. RT victims are only ever younger than the request: the oldest RT request
+        can never be evicted, so RT requests cannot evict each other in a loop (urgency alone
+        could). Among them the latest deadline goes first, the earliest in the queue on ties;
+        unplanned first. A request that is held or gone never becomes a victim again within the
+        step, so both orders are built once per batch and the BE one is walked with a cursor:
+        in overload an RT request evicts one victim after another, and rescanning every running
+        request for each was quadratic."""
+        be, rt = batch.victims if batch.victims is not None else self._victim_orders(batch)
+        held, gone = batch.held, batch.gone
+        while batch.be_cursor < len(be) and (id(be[batch.be_cursor]) in gone or id(be[batch.be_cursor]) in held):
+            batch.be_cursor += 1
+        if batch.be_cursor < len(be):
+            return be[batch.be_cursor]
+        mine = self._seniority(request)
+        if not rt or mine >= batch.youngest_rt:  # the common case in overload: a newcomer
+            return None
+        return next((r for r, seniority in rt if seniority > mine and r is not request
+                     and id(r) not in gone and id(r) not in held), None)
+
+    def _victim_orders(self, batch: Batch) -> tuple[list[Request], list[tuple[Request, tuple]]]:
         planned = batch.draft.holds
-        be_planned = None  # the newest BE request the draft served, if none it did not
-        for r in reversed(self.running):  # newest first
-            if not is_rt(r) and r is not request and not batch.holds(r):
-                if not planned(r):
-                    return r
-                be_planned = be_planned or r
-        if be_planned is not None:
-            return be_planned
-        # RT victims are only ever younger than the request: the oldest RT request can never be
-        # evicted, so RT requests cannot evict each other in a loop (urgency alone could).
-        # The latest deadline goes first, the earliest in the queue on ties; unplanned first.
-        mine, best = self._seniority(request), {}
-        for r in self.running:
-            if is_rt(r) and r is not request and not batch.holds(r) and self._seniority(r) > mine:
-                group = planned(r)
-                if group not in best or self._due[r] > self._due[best[group]]:
-                    best[group] = r
-        return best.get(False, best.get(True))
+        be = [r for r in reversed(self.running) if not is_rt(r)]
+        rt = [r for r in self.running if is_rt(r)]
+        due = self._due
+        latest_first = sorted(rt, key=lambda r: -due[r])  # stable: queue order on ties
+        rt_order = [(r, self._seniority(r)) for r in latest_first if not planned(r)]
+        rt_order += [(r, self._seniority(r)) for r in latest_first if planned(r)]
+        batch.youngest_rt = max((seniority for _, seniority in rt_order), default=None)
+        batch.victims = ([r for r in be if not planned(r)] + [r for r in be if planned(r)], rt_order)
+        return batch.victims
 
     def _evict(self, batch: Batch, victim: Request) -> None:
         self.running.remove(victim)

@@ -54,6 +54,10 @@ class Batch:
         self.constrained = False  # the last BE decision gave less than a whole chunk
         self.unsettled = False  # ... and a BE decision after it followed
         self.host_version = 0  # the host-slot counts BE requests were ordered by
+        # Eviction orders for this step (BROSScheduler._rt_victim): BE victims, RT victims.
+        self.victims: tuple[list[Request], list[tuple[Request, tuple]]] | None = None
+        self.be_cursor = 0
+        self.youngest_rt: tuple | None = None  # the latest seniority among RT victims
 
     def __len__(self) -> int:
         return len(self.held)

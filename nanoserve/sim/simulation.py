@@ -116,7 +116,7 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
     policy_model = fitted_cost_model(roofline, max_len) if config.fitted_policy_model else None
     executor = SimExecutor(clock, executor_cost or roofline, output_lens, copy_cost=roofline)
     engine = Engine(make_scheduler(sched_config, kv, policy_model, clock=clock), executor, None,
-                    frozenset({EOS_TOKEN}), model_name=config.model)
+                    frozenset({EOS_TOKEN}), model_name=config.model, stream_outputs=False)
     return engine, executor, roofline
 
 
