@@ -49,3 +49,17 @@ def test_cluster_benchmark_smoke():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| no drop (recompute) |" in proc.stdout and "| KunServe drop |" in proc.stdout
     assert "KV capacity after the drop" in proc.stdout
+
+
+def test_sim_speed_benchmark_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/sim_speed.py", "--requests", "200", "--policies", "fcfs,bros"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| fcfs |" in proc.stdout and "| bros |" in proc.stdout and "(synthetic)" in proc.stdout
+
+
+def test_sim_fidelity_benchmark_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/sim_fidelity.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| TTFT p99 (s) |" in proc.stdout and "median error" in proc.stdout

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from nanoserve.config import SchedulerConfig
+from nanoserve.config import ModelConfig, SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
@@ -55,6 +55,10 @@ class SimConfig:
     online_slo: SLO = DEFAULT_SLOS["online"]
     offline_slo: SLO = DEFAULT_SLOS["offline"]
     fitted_policy_model: bool = True  # policies budget with a profile of the simulated GPU
+    # A model outside sim/models.py (e.g. SmolLM2 read from its config.json, for sim_fidelity)
+    # and a fixed number of KV blocks (the real engine's), both overriding the names above.
+    model_config: ModelConfig | None = None
+    kv_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class SimResult:
 
 
 def kv_blocks(config: SimConfig, roofline: Roofline) -> int:
+    if config.kv_blocks is not None:
+        return config.kv_blocks
     cost = ModelCost(roofline.model)
     if config.kv_bytes is not None:
         budget = config.kv_bytes
@@ -100,7 +106,7 @@ def kv_blocks(config: SimConfig, roofline: Roofline) -> int:
 
 def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock,
           executor_cost: Roofline | CostModel | None = None) -> tuple[Engine, SimExecutor, Roofline]:
-    roofline = Roofline(gpu(config.gpu), model(config.model), config.tp)
+    roofline = Roofline(gpu(config.gpu), config.model_config or model(config.model), config.tp)
     num_blocks = kv_blocks(config, roofline)
     name = config.kv_manager or POLICY_MEMORY[config.policy]
     host = None
