@@ -31,17 +31,13 @@ from datetime import date  # noqa: E402
 from nanoserve import SamplingParams, default_model  # noqa: E402
 from nanoserve.builder import EngineArgs  # noqa: E402
 from nanoserve.dist.cluster import Cluster  # noqa: E402
+from nanoserve.slo import percentile  # noqa: E402
 
 
 def burst(args) -> list[list[int]]:
     rng = random.Random(args.seed)
     lo, hi = map(int, args.prompt.split("-"))
     return [[rng.randrange(17, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run(drop: bool, model: str, prompts: list[list[int]], args) -> dict:
@@ -68,7 +64,7 @@ def run(drop: bool, model: str, prompts: list[list[int]], args) -> dict:
         changes = cluster.layout_changes
         regrouper = cluster.regrouper
     ttfts = [finished[i].metrics.ttft for i in ids]
-    result = {"drop": drop, "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99),
+    result = {"drop": drop, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
               "preemptions": sum(finished[i].metrics.num_preemptions for i in ids),
               "detect_to_queued_first_token": (min(first_token[i] for i in queued) - detected) if detected else None,
               "changes": [(c.kind, c.seconds, c.kv_bytes_sent, c.capacity_before, c.capacity_after) for c in changes]}

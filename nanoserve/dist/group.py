@@ -35,7 +35,7 @@ from torch import nn
 
 from nanoserve.dist.drop_plan import Group
 from nanoserve.dist.executor import StepMessage
-from nanoserve.dist.pipeline import MissingLayer
+from nanoserve.dist.pipeline import LAST_STAGE_ONLY, MissingLayer, decoder_body, run_stage
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -83,13 +83,6 @@ def exchange_objects(obj: Any, me: int, peers: Sequence[int]) -> dict[int, Any]:
 
 
 # -- the model as one stage ----------------------------------------------------------------
-_LAST_STAGE_ONLY = ("norm", "final_layer_norm", "project_out")  # what runs after the last layer
-
-
-def _body(model: nn.Module) -> nn.Module:
-    return model.model.decoder if hasattr(model.model, "decoder") else model.model  # OPT nests one more
-
-
 class StageModules:
     """Turns a full model into one stage of a group and back, without moving a weight: the
     layers it does not hold become `MissingLayer`s (their parameters are the arena's empty
@@ -101,20 +94,20 @@ class StageModules:
 
     def set_stage(self, layers: range, is_last: bool) -> None:
         self.release()
-        body = _body(self.model)
+        body = decoder_body(self.model)
         for i, layer in enumerate(body.layers):
             if i not in layers:
                 self._saved["layers", i] = layer
                 body.layers[i] = MissingLayer()
         if not is_last:
-            for name in _LAST_STAGE_ONLY:
+            for name in LAST_STAGE_ONLY:
                 if getattr(body, name, None) is not None:
                     self._saved[name, None] = getattr(body, name)
                     setattr(body, name, None)
 
     def release(self) -> None:
         """The whole model again (its weights must be back in place first)."""
-        body = _body(self.model)
+        body = decoder_body(self.model)
         for (name, index), module in self._saved.items():
             if index is None:
                 setattr(body, name, module)
@@ -140,6 +133,7 @@ class GroupExecutor:
         self.next = None if self.is_last else layout.members[position + 1]
         self.peers = [m for m in layout.members if m != me]
         self.steps = 0  # steps this member took part in (the cluster joins idle members in)
+        self.dtype = next(p for p in runner.model.parameters() if p.numel()).dtype  # dropped ones are empty
         self.busy_seconds = 0.0
 
     def __getattr__(self, name: str) -> Any:  # model_config, ... as the runner has them
@@ -161,19 +155,12 @@ class GroupExecutor:
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         kept: list[torch.Tensor] = []  # logits of this member's own rows (when it runs the last stage)
         sampling: list = []
-        dtype = next(p for p in runner.model.parameters() if p.numel()).dtype
+        dtype = self.dtype
         for owner, chunks in work:
             prepared = runner.prepare(SchedulerOutput(chunks))
             if owner == self.me:
                 sampling.extend(c.request for c in chunks if c.samples)
-            if self.is_first:
-                begin = time.perf_counter()
-                hidden = runner.run_model(prepared)
-            else:
-                hidden = torch.empty(len(prepared.positions), cfg.hidden_size, dtype=dtype, device=runner.device)
-                dist.recv(hidden, self.prev)
-                begin = time.perf_counter()
-                hidden = runner.run_model(prepared, hidden=hidden)
+            hidden, begin = run_stage(runner, prepared, self.prev, dtype)
             if not self.is_last:
                 sends.append((dist.isend(hidden, self.next), hidden))
             elif prepared.sample_rows:

@@ -28,7 +28,8 @@ from typing import Iterator, Mapping
 import torch
 
 from nanoserve.dist.group import GroupExecutor, GroupLayout, StageModules
-from nanoserve.dist.kv_exchange import KVMove, recv_chunk, send_chunk
+from nanoserve.dist.drop_plan import Group
+from nanoserve.dist.kv_exchange import KVMove, block_bytes, chunk_moves, recv_chunk, send_chunk
 from nanoserve.engine import Engine
 from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.blocks import BlockPool
@@ -82,8 +83,7 @@ class ClusterMember:
         self.id, self.engine = instance_id, engine
         self.runner = engine.executor
         self.arena = getattr(self.runner, "arena", None)  # None: this member cannot drop layers
-        num_layers = self.runner.model_config.num_layers
-        self.layout = GroupLayout((instance_id,), (range(num_layers),))
+        self.layout = GroupLayout.of(Group.replica(instance_id, self.runner.model_config.num_layers))
         self.luts: dict[int, list[int]] = {}
         self.stage = StageModules(self.runner.model)
         self.replica_blocks = engine.kv.num_blocks  # KV capacity with every layer held
@@ -129,24 +129,28 @@ class ClusterMember:
         self._index = {(o, r, j): i for i, (o, r, j, _) in enumerate(entries)}
         rows = torch.tensor([self._physical(old, o, b) for o, _, _, b in entries], dtype=torch.long,
                             device=self.runner.device)
-        held = set(old.stage_of(self.id))
         self._staging = [None] * len(self.runner.kv_caches)
-        for layer in held:
+        for layer in old.stage_of(self.id):
             k_cache, v_cache = self.runner.kv_caches[layer]
             self._staging[layer] = (k_cache[rows], v_cache[rows])  # indexing by a tensor copies
+        self._hold(new)
+        self._relayout = relayout
+        return self.arena.num_free_blocks
+
+    def _hold(self, layout: GroupLayout) -> None:
+        """Free every block, then drop or load back layers (from the host copy) until the arena
+        holds this member's stage of `layout`, and run the model and the caches as that stage."""
         self.arena.free_all()
-        keep = set(new.stage_of(self.id))
+        held, keep = set(self.arena.resident_layers), set(layout.stage_of(self.id))
         if held - keep:
             self.arena.drop_layers(held - keep)
         if keep - held:
             self.arena.restore_layers(keep - held, self.runner.host_weights)
-        if new.solo:
+        if layout.solo:
             self.stage.release()
         else:
-            self.stage.set_stage(new.stage_of(self.id), is_last=new.members[-1] == self.id)
+            self.stage.set_stage(layout.stage_of(self.id), is_last=layout.members[-1] == self.id)
         self.runner.kv_caches = self.runner._arena_kv_caches()
-        self._relayout = relayout
-        return self.arena.num_free_blocks
 
     # -- phase 3 ---------------------------------------------------------------------------
     def allocate(self, pools: Mapping[int, int] | None) -> Manifest:
@@ -184,7 +188,7 @@ class ClusterMember:
         assert relayout is not None
         new_tables = {(o, r): table for o, manifest in new_manifests.items() for r, table in manifest}
         members = relayout.members()
-        kv_block_bytes = 2 * self.arena.config.page_bytes  # one layer's K and V of one block
+        kv_block_bytes = block_bytes(self.runner.kv_caches)  # one layer's K and V of one block
         report = {"sent": 0, "kept": 0, "rounds": 0}
         ready: dict[str, int] = {}  # this member's request -> exchange rounds before it may run
         self._transfers = []
@@ -203,13 +207,14 @@ class ClusterMember:
                     if self.id == src:
                         report["kept"] += self._install(moves)
                     continue
-                per_chunk = max(1, chunk_bytes // kv_block_bytes)
-                chunks = [moves[i:i + per_chunk] for i in range(0, len(moves), per_chunk)]
+                chunks = chunk_moves(moves, kv_block_bytes, chunk_bytes)
                 report["sent"] += len(moves) * kv_block_bytes if self.id == src else 0
                 report["rounds"] = max(report["rounds"], len(chunks))
-                for i, (owner, request_id) in enumerate(requests):
-                    if owner == self.id:
-                        ready[request_id] = max(ready.get(request_id, 0), i // per_chunk + 1)
+                owners = iter(requests)  # moves and their requests, chunk by chunk
+                for rounds, chunk in enumerate(chunks, 1):
+                    for owner, request_id in (next(owners) for _ in chunk):
+                        if owner == self.id:
+                            ready[request_id] = max(ready.get(request_id, 0), rounds)
                 if self.id in (src, dst):
                     self._transfers.append(Transfer(src, dst, chunks))
         scheduler = self.engine.scheduler
@@ -270,13 +275,8 @@ class ClusterMember:
         for request_id in list(self.stalled):
             self.unstall(request_id)
         self._transfers, self._staging, self._index = [], [], {}
-        self.arena.free_all()
-        missing = set(self.arena.layer_ids) - set(self.arena.resident_layers)
-        if missing:
-            self.arena.restore_layers(missing, self.runner.host_weights)
-        self.stage.release()
-        self.runner.kv_caches = self.runner._arena_kv_caches()
-        self.luts, self.layout = {}, GroupLayout((self.id,), (range(len(self.arena.layer_ids)),))
+        self.luts, self.layout = {}, GroupLayout.of(Group.replica(self.id, len(self.arena.layer_ids)))
+        self._hold(self.layout)
         scheduler.kv = ArenaKV(self.arena)
         self.engine.executor = self.runner
         running = list(scheduler.running)

@@ -75,12 +75,20 @@ class MissingLayer(nn.Module):
     """A layer another pipeline stage runs: it holds no weights and the forward skips it."""
 
 
+LAST_STAGE_ONLY = ("norm", "final_layer_norm", "project_out")  # what runs after the last layer
+
+
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The module holding `layers` and the final norm (OPT nests one level more)."""
+    return model.model.decoder if hasattr(model.model, "decoder") else model.model
+
+
 def keep_stage(model: nn.Module, layout: StageLayout) -> list[str]:
     """Strip `model` (on the meta device) down to `layout`'s stage; returns the name prefixes of
     the checkpoint tensors that now have no home, for the loader to skip."""
     if layout.num_stages == 1:
         return []
-    body = model.model.decoder if hasattr(model.model, "decoder") else model.model  # OPT nests one more
+    body = decoder_body(model)
     prefix = "model.decoder" if body is not model.model else "model"
     skip = []
     for i in range(len(body.layers)):
@@ -97,7 +105,7 @@ def keep_stage(model: nn.Module, layout: StageLayout) -> list[str]:
             body.embed_tokens = None
             skip.append(f"{prefix}.embed_tokens.")
     if not layout.is_last:
-        for name in ("norm", "final_layer_norm", "project_out"):
+        for name in LAST_STAGE_ONLY:
             if getattr(body, name, None) is not None:
                 setattr(body, name, None)
                 skip.append(f"{prefix}.{name}.")
@@ -124,6 +132,19 @@ def split_microbatches(chunks: list[ScheduledChunk], count: int) -> list[list[Sc
             microbatches[k].append(chunk._replace(start=start, num_tokens=take))
             start, left, done = start + take, left - take, done + take
     return [mb for mb in microbatches if mb]
+
+
+def run_stage(runner: ModelRunner, prepared, prev: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """This stage's layers over one micro-batch: from the tokens on the first stage (`prev` None),
+    else from the activations rank `prev` sends. Returns the hidden states and when computing
+    began: the wait for activations is not busy time."""
+    if prev is None:
+        begin = time.perf_counter()
+        return runner.run_model(prepared), begin
+    hidden = torch.empty(len(prepared.positions), runner.model_config.hidden_size, dtype=dtype, device=runner.device)
+    dist.recv(hidden, src=prev)
+    begin = time.perf_counter()
+    return runner.run_model(prepared, hidden=hidden), begin
 
 
 class PipelineStage:
@@ -154,14 +175,7 @@ class PipelineStage:
         for mb in microbatches:
             prepared = runner.prepare(mb)
             sampling.append([c.request for c in mb.chunks if c.samples])
-            if self.is_first:
-                begin = time.perf_counter()
-                hidden = runner.run_model(prepared)
-            else:
-                hidden = torch.empty(len(prepared.positions), cfg.hidden_size, dtype=self.dtype, device=runner.device)
-                dist.recv(hidden, src=self.prev)
-                begin = time.perf_counter()
-                hidden = runner.run_model(prepared, hidden=hidden)
+            hidden, begin = run_stage(runner, prepared, None if self.is_first else self.prev, self.dtype)
             if not self.is_last:
                 sends.append((dist.isend(hidden, dst=self.next), hidden))
             elif prepared.sample_rows:

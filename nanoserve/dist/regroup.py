@@ -67,9 +67,6 @@ class Regrouper:
         self.groups: tuple[Group, ...] = tuple(Group.replica(i, len(layer_bytes)) for i in range(num_instances))
         self.history: list[LayoutChange] = []
 
-    def group_of(self, instance: int) -> Group:
-        return next(g for g in self.groups if instance in g.instances)
-
     # -- when ------------------------------------------------------------------------------
     def drop(self, short: Mapping[int, int], loads: Mapping[int, InstanceLoad], call: CallAll) -> LayoutChange | None:
         plan = plan_drop(self.groups, self.layer_bytes, sum(short.values()) * self.block_bytes)
@@ -118,20 +115,20 @@ class Regrouper:
         manifests: dict[int, Manifest] = _expect(call({i: ("manifest",) for i in involved}))
         relayout = Relayout({i: old[i] for i in involved}, {i: new[i] for i in involved}, manifests)
         free = _expect(call({i: ("reweigh", relayout) for i in involved}))
+        used = {i: sum(len(table) for _, table in manifests[i]) for i in involved}  # blocks each owner holds
         pools: dict[int, dict[int, int] | None] = {}
         for group in {new[i] for i in involved}:
             if group.solo:
                 pools[group.members[0]] = None
                 continue
-            used = {m: sum(len(table) for _, table in manifests[m]) for m in group.members}
-            split = split_pool(min(free[m] for m in group.members), used, group.members)
+            split = split_pool(min(free[m] for m in group.members), {m: used[m] for m in group.members},
+                               group.members)
             pools.update({m: split for m in group.members})
         new_manifests = _expect(call({i: ("allocate", pools[i]) for i in involved}))
         moved = _expect(call({i: ("exchange", new_manifests, self.chunk_bytes) for i in involved}))
         before, self.groups = self.groups, tuple(after)
         capacity_after = sum(pools[i][i] if pools[i] else loads[i].replica_blocks for i in involved)
-        in_use = sum(len(table) for manifest in manifests.values() for _, table in manifest)
-        change = LayoutChange(kind, before, self.groups, time.perf_counter() - started, in_use,
+        change = LayoutChange(kind, before, self.groups, time.perf_counter() - started, sum(used.values()),
                               sum(m["sent"] for m in moved.values()), max(m["rounds"] for m in moved.values()),
                               sum(m["kept"] for m in moved.values()),
                               sum(loads[i].total_blocks for i in involved), capacity_after)

@@ -20,7 +20,7 @@ a model's EOS would ("stop"), and no policy can read the length from `max_tokens
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 from nanoserve.memory.host import KVCopy
@@ -56,20 +56,16 @@ class SimStats:
     steps: int = 0
     busy_seconds: float = 0.0  # forward passes
     copy_seconds: float = 0.0  # KV copies
-    copied_tokens: int = 0
-    tokens: int = 0  # prefill and decode tokens computed
-    step_log: list[tuple[float, float, int, int]] = field(default_factory=list)  # (start, seconds, tokens, seqs)
 
 
 class SimExecutor:
     def __init__(self, clock: VirtualClock, cost: Roofline | CostModel, output_lens: Mapping[str, int],
-                 copy_cost: Roofline | None = None, keep_step_log: bool = False):
+                 copy_cost: Roofline | None = None):
         """`output_lens`: request id -> the output length its workload gave it. `copy_cost`
         prices KV copies when `cost` is a fitted CostModel (defaults to `cost` if a Roofline)."""
         self.clock, self.cost = clock, cost
         self.output_lens = output_lens
         self.copy_cost = copy_cost if copy_cost is not None else (cost if isinstance(cost, Roofline) else None)
-        self.keep_step_log = keep_step_log
         self.stats = SimStats()
 
     def forward_seconds(self, batch: SchedulerOutput) -> float:
@@ -78,31 +74,21 @@ class SimExecutor:
             return self.cost.iteration_seconds(chunks, sum(c.samples for c in batch.chunks))
         return self.cost.predict(chunks)
 
-    def copy_seconds(self, groups: list[list[KVCopy]]) -> tuple[float, int]:
-        seconds, tokens = 0.0, 0
-        for group in groups:
-            for copy in group:
-                tokens += len(copy.src)
-                if self.copy_cost is None:
-                    continue
-                link = "hbm" if copy.kind == "move" else "pcie"  # a move stays on the device
-                seconds += self.copy_cost.kv_copy_seconds(len(copy.src), link)
-        return seconds, tokens
+    def copy_seconds(self, groups: list[list[KVCopy]]) -> float:
+        if self.copy_cost is None:
+            return 0.0
+        # A move stays on the device; saves and loads cross PCIe.
+        return sum(self.copy_cost.kv_copy_seconds(len(copy.src), "hbm" if copy.kind == "move" else "pcie")
+                   for group in groups for copy in group)
 
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        start = self.clock.now
-        copy_s, copied = self.copy_seconds(batch.kv_copies)
+        copy_s = self.copy_seconds(batch.kv_copies)
         forward_s = self.forward_seconds(batch) if batch.chunks else 0.0
         self.clock.advance(copy_s + forward_s)
         stats = self.stats
         stats.steps += 1
         stats.busy_seconds += forward_s
         stats.copy_seconds += copy_s
-        stats.copied_tokens += copied
-        tokens = sum(c.num_tokens for c in batch.chunks)
-        stats.tokens += tokens
-        if self.keep_step_log:
-            stats.step_log.append((start, copy_s + forward_s, tokens, len(batch.chunks)))
         out = ExecutorOutput()
         for chunk in batch.chunks:
             if chunk.samples:
