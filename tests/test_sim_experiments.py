@@ -1,0 +1,87 @@
+"""The experiment framework, the EcoServe experiment at CI scale, and examples/simulate.py.
+
+Only directions with a margin are asserted (issue 7): who wins, never exact numbers."""
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanoserve.sim.experiments import EXPERIMENTS, Comparison, ExperimentResult, run_experiment
+from nanoserve.sim.experiments.ecoserve import sustained_rate
+from nanoserve.sim.experiments.report import comparison_table, format_report, save_json
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ecoserve() -> ExperimentResult:
+    return run_experiment("ecoserve", "ci")
+
+
+def test_unknown_experiment_and_scale_are_rejected():
+    with pytest.raises(ValueError, match="unknown experiment"):
+        run_experiment("orca")
+    with pytest.raises(ValueError, match="scale"):
+        run_experiment("ecoserve", "huge")
+    assert set(EXPERIMENTS) == {"kunserve", "ecoserve", "bros", "conserve", "all"}
+
+
+def test_sustained_rate_interpolates_the_crossing():
+    points = [(1.0, 0.02), (2.0, 0.03), (3.0, 0.05)]
+    assert sustained_rate(points, 0.04) == pytest.approx(2.5)
+    assert sustained_rate(points, 1.0) == 3.0  # never crossed: the highest rate, a lower bound
+    assert sustained_rate(points, 0.01) == pytest.approx(0.5)  # over at the lowest rate already
+
+
+def test_comparison_verdicts():
+    table = comparison_table([Comparison("a", 3.0, "2-4x", 2.0), Comparison("b", 1.5, "2-4x", 2.0),
+                              Comparison("c", 0.8, "2-4x", 2.0)])
+    assert "| a | 3.00x | 2-4x | yes |" in table
+    assert "| b | 1.50x | 2-4x | direction only |" in table
+    assert "| c | 0.80x | 2-4x | no |" in table
+
+
+def test_ecoserve_beats_max_allocation_and_every_request_finishes(ecoserve):
+    sustained = ecoserve.extra["sustained_rate"]
+    # ORCA's max-allocation with batch 8 saturates far below both paged and exact allocation.
+    assert sustained["EcoServe"] > 2 * sustained["ORCA (max-alloc, batch 8)"]
+    assert sustained["vLLM (fcfs)"] > 2 * sustained["ORCA (max-alloc, batch 8)"]
+    for result in ecoserve.runs.values():
+        assert all(r.finish_reason == "stop" for r in result.records)
+    # Every system ran at every rate.
+    rates = {row["rate"] for row in ecoserve.extra["sweep"]}
+    assert len(ecoserve.extra["sweep"]) == len(rates) * len(ecoserve.extra["sustained_rate"])
+
+
+def test_ecoserve_latency_rises_with_the_rate(ecoserve):
+    for system in ecoserve.extra["sustained_rate"]:
+        points = sorted((row["rate"], row["norm_latency"]) for row in ecoserve.extra["sweep"] if row["system"] == system)
+        assert points[-1][1] > points[0][1]
+
+
+def test_report_and_json_say_synthetic(ecoserve, tmp_path):
+    text = format_report(ecoserve)
+    assert "synthetic" in text and "EcoServe / ORCA" in text and "Sweep:" in text
+    data = save_json(ecoserve, tmp_path / "eco.json")
+    assert "synthetic" in data["workload_note"]
+    assert json.loads((tmp_path / "eco.json").read_text())["extra"]["comparisons"][0]["paper"] == "2.5-4x higher"
+
+
+def test_simulate_example_writes_json_and_plots(ecoserve, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    import nanoserve.sim.experiments as experiments
+    monkeypatch.setattr(experiments, "run_experiment", lambda name, scale, seed: ecoserve)  # ran once already
+    monkeypatch.setattr(sys, "argv", ["simulate.py", "ecoserve", "--scale", "ci", "--json",
+                                      str(tmp_path / "out.json"), "--plot", str(tmp_path / "plots")])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "examples" / "simulate.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "reaches the paper's low end" in out
+    assert (tmp_path / "out.json").exists()
+    pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert "ecoserve-sweep.png" in pngs and "ecoserve-latency-cdf.png" in pngs
