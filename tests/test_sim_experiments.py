@@ -85,3 +85,18 @@ def test_simulate_example_writes_json_and_plots(ecoserve, tmp_path, monkeypatch,
     assert (tmp_path / "out.json").exists()
     pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
     assert "ecoserve-sweep.png" in pngs and "ecoserve-latency-cdf.png" in pngs
+
+
+def test_all_runs_every_policy_on_one_trace():
+    from nanoserve.sched import SCHEDULERS
+    result = run_experiment("all", "ci")
+    assert set(result.runs) == set(SCHEDULERS)
+    traces = {tuple((r.arrival, r.prompt_len, r.output_len, r.priority) for r in run.records)
+              for run in result.runs.values()}
+    assert len(traces) == 1  # the same workload for every policy
+    for run in result.runs.values():
+        assert all(r.finish_reason == "stop" for r in run.records)
+    rows = {row["system"]: row for row in result.extra["policies"]}
+    # Serving online work first (vLLM++) must cut online tail latency against plain fcfs.
+    assert rows["priority"]["online_ttft_p99"] * 2 < rows["fcfs"]["online_ttft_p99"]
+    assert "synthetic" in result.workload

@@ -1,0 +1,290 @@
+"""A simulated KunServe cluster (kunserve.txt §3, §4.1-§4.4, §5.1): N instances, each a real
+engine (the policy's scheduler, a paged KV manager) on its own virtual clock, behind the
+Llumnix-style dispatcher, with the throttling monitor, drop and restore of dist/ reused as
+they are:
+
+    dist.cluster.Dispatcher        least-loaded routing by KV demand (§3, Llumnix)
+    dist.cluster.ThrottleMonitor   an instance is throttled when its head-of-line request
+                                   cannot get KV: its blocks short are Fig. 6's R
+    dist.regroup.Regrouper         drop (plan_drop, Fig. 6; split_pool), restore (demand at most
+                                   50% of the replicas' capacity, §4.4), driving the four phases
+                                   of sim/cluster_layout.py's SimMember instead of processes
+    dist.instance.load_of          what the dispatcher and the monitor read of an instance
+
+Discrete events. Each instance has its own clock. The loop always serves the earliest event:
+the next arrival if no instance with work is behind it (the dispatcher routes it, an idle
+instance's clock jumps to it), else a step of the instance furthest behind. After every step
+the monitor reads every instance's load, as dist.cluster.Cluster does after a lockstep step;
+one layout change at a time.
+
+Three configurations make the paper's comparison (§5.1 baselines):
+- vLLM: replicas, fcfs with recompute preemption (`drop=False`);
+- vLLM (PP): `static_pipeline_stages=2`, pairs of instances as fixed two-stage pipelines from the
+  start, each member scheduling half of the pair's KV (vLLM's virtual engines);
+- KunServe: `drop=True`, the kunserve policy (§4.3's lookahead), drops and restores.
+
+§3: after a drop "KunServe re-schedules queued requests": the requests still queued, never
+started, on throttled instances the drop did not enlarge go back through the dispatcher
+(`redispatch_queued`), as Fig. 6 merges the smallest groups, not necessarily the throttled one.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Mapping
+
+from nanoserve.dist.cluster import Dispatcher, InstanceLoad, ThrottleMonitor
+from nanoserve.dist.instance import load_of
+from nanoserve.dist.regroup import LayoutChange, Regrouper
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.sim.cluster_layout import PipelineExecutor, SimMember, StagePipeline
+from nanoserve.sim.executor import FILLER_TOKEN, VirtualClock
+from nanoserve.sim.models import ModelCost
+from nanoserve.sim.simulation import RequestRecord, SimConfig, SimResult, build
+from nanoserve.sim.workloads import TraceRequest
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    instance: SimConfig  # every instance's engine: policy, GPU, model (tp = 1)
+    num_instances: int = 8
+    drop: bool = False  # KunServe: drop layers when throttled, restore when demand fades
+    static_pipeline_stages: int = 1  # > 1: vLLM (PP), fixed pipelines of this many instances
+    # KunServe's 14B cluster (Table 2, cluster A) has one GPU per server, so KV exchange, weight
+    # pulls and activations cross 200 Gbps RDMA.
+    link: str = "network"
+    restore_fraction: float = 0.5  # §4.4
+    redispatch_queued: bool = True  # §3, see the module docstring
+
+    def __post_init__(self) -> None:
+        if self.instance.tp != 1:
+            raise ValueError("each simulated instance is one GPU (tp = 1)")
+        stages = self.static_pipeline_stages
+        if self.num_instances < 1 or stages < 1 or stages & (stages - 1) or self.num_instances % stages:
+            raise ValueError("static pipelines need a power-of-two depth that divides the instances")
+        if self.drop and self.static_pipeline_stages > 1:
+            raise ValueError("drop starts from replicas")
+
+
+class SimCluster:
+    def __init__(self, config: ClusterConfig, trace: list[TraceRequest]):
+        self.config = config
+        start = min((r.arrival for r in trace), default=0.0)
+        self.ids = [f"sim-{i}" for i in range(len(trace))]
+        self.trace = dict(zip(self.ids, trace))
+        output_lens = {i: r.output_len for i, r in self.trace.items()}
+        self.members: dict[int, SimMember] = {}
+        self.pipelines: list[StagePipeline] = []  # every one built, for the GPUs' busy seconds
+        for i in range(config.num_instances):
+            clock = VirtualClock(start)
+            engine, _, roofline = build(config.instance, output_lens, clock)
+            alone = StagePipeline(roofline, [range(roofline.model.num_layers)], config.link, [start])
+            executor = PipelineExecutor(clock, roofline, output_lens, alone)
+            engine.executor = executor
+            self.pipelines.append(executor.pipeline)
+            self.members[i] = SimMember(i, engine, executor, clock, config.instance, config.link, self.members)
+        self.roofline = roofline
+        cost = ModelCost(roofline.model)
+        self.block_bytes = cost.kv_bytes_per_token * config.instance.block_size  # a replica's block
+        self.regrouper = Regrouper(config.num_instances, [cost.layer_bytes] * roofline.model.num_layers,
+                                   self.block_bytes, restore_fraction=config.restore_fraction)
+        self.dispatcher, self.monitor = Dispatcher(), ThrottleMonitor()
+        self.changes: list[tuple[float, LayoutChange]] = []
+        self.events = {"throttled_steps": 0, "drops": 0, "restores": 0, "requeued": 0}
+        self.finished: dict[str, RequestOutput] = {}
+        self.placement: dict[str, int] = {}  # request id -> the instance serving it
+        self.first_throttle = math.inf
+        self.usage: list[tuple[float, float]] = []  # (time, blocks used / blocks), after each step
+        # (time, KV demand / blocks): blocks held plus every queued request's prompt blocks.
+        self.demand: list[tuple[float, float]] = []
+        self._queued_blocks = {i: 0 for i in self.members}  # each instance's, after its last step
+        if config.static_pipeline_stages > 1:
+            # Fig. 6 from replicas merges the two smallest groups first, so asking it to free
+            # N - N/k copies of the layers pairs the instances up into N/k groups of k (k = 2^j).
+            copies = config.num_instances - config.num_instances // config.static_pipeline_stages
+            self._apply(self.regrouper.drop({0: -(-copies * cost.layer_bytes * roofline.model.num_layers
+                                                  // self.block_bytes)}, self._loads(), self._call), start)
+
+    # -- the phases, as dist.cluster.Cluster.call_all sends them ----------------------------
+    def _call(self, messages: Mapping[int, tuple]) -> dict[int, object]:
+        return {i: getattr(self.members[i], kind)(*args) for i, (kind, *args) in messages.items()}
+
+    def _loads(self) -> dict[int, InstanceLoad]:
+        return {i: load_of(m) for i, m in self.members.items()}
+
+    def _apply(self, change: LayoutChange | None, now: float) -> set[int]:
+        """Give every group that changed a fresh pipeline; returns the instances involved."""
+        if change is None:
+            return set()
+        self.changes.append((now, change))
+        before = {g.instances: g for g in change.before}
+        involved = set()
+        for group in change.after:
+            if before.get(group.instances) == group:
+                continue
+            involved |= set(group.instances)
+            members = [self.members[i] for i in group.instances]
+            pipeline = StagePipeline(self.roofline, group.stages, self.config.link, [m.clock.now for m in members])
+            self.pipelines.append(pipeline)
+            for m in members:
+                m.executor.pipeline = pipeline
+                m.engine.kv.check_invariants()
+        return involved
+
+    # -- requests ---------------------------------------------------------------------------
+    def dispatch(self, request_id: str, now: float) -> int:
+        spec = self.trace[request_id]
+        blocks = -(-spec.prompt_len // self.config.instance.block_size)
+        member = self.members[self.dispatcher.pick(list(self._loads().values()), blocks)]
+        engine = member.engine
+        if not engine.has_unfinished_requests():
+            member.clock.advance_to(now)  # it idled (or only waited for K/V) until this request came
+        # max_tokens only bounds the context; the workload's EOS ends the request.
+        prompt_len = min(spec.prompt_len, engine.config.max_model_len - 1)
+        params = SamplingParams(temperature=0, max_tokens=max(1, engine.config.max_model_len - prompt_len))
+        engine.add_request([FILLER_TOKEN] * prompt_len, params, request_id, arrival_time=spec.arrival,
+                           priority=spec.priority)
+        self.placement[request_id] = member.id
+        return member.id
+
+    def _redispatch(self, throttled: set[int], now: float) -> None:
+        for i in sorted(throttled):
+            engine = self.members[i].engine
+            fresh = [r.request_id for r in engine.scheduler.waiting
+                     if r.num_computed_tokens == 0 and r.num_output_tokens == 0]
+            for request_id in fresh:
+                engine.abort_request(request_id)  # it held no KV and produced nothing
+                self.dispatch(request_id, now)
+                self.events["requeued"] += 1
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, max_steps: int = 10_000_000) -> None:
+        """Serve the trace to the end (requests already dispatched by hand stay where they are)."""
+        pending = deque(sorted((i for i in self.ids if i not in self.placement),
+                               key=lambda i: self.trace[i].arrival))
+        steps = 0
+        while True:
+            member = min(self.members.values(), key=lambda m: (m.next_time(), m.id))
+            busy_at = member.next_time()
+            arrival = self.trace[pending[0]].arrival if pending else math.inf
+            if arrival == busy_at == math.inf:
+                return
+            if arrival <= busy_at:
+                self.dispatch(pending.popleft(), arrival)
+                continue
+            self._step(member, arrival)
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"cluster simulation exceeded {max_steps} steps")
+
+    def _step(self, member: SimMember, next_arrival: float) -> None:
+        member.clock.advance_to(member.next_time())
+        member.unstall()
+        engine, executor = member.engine, member.executor
+        before = executor.stats.steps
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    if out.request_id in self.finished:
+                        raise RuntimeError(f"{out.request_id} finished twice")
+                    self.finished[out.request_id] = out
+        if executor.stats.steps == before and engine.has_unfinished_requests():
+            # Nothing fits until something else happens: a stalled request's K/V arrives, a
+            # request arrives, or another instance's step (and a drop it may trigger).
+            later = [t for t in (next_arrival, *(m.next_time() for m in self.members.values()),
+                                 *(ready for _, ready in member.stalled.values())) if t > member.clock.now]
+            if not later:
+                raise RuntimeError(f"instance {member.id} can schedule nothing and nothing will change")
+            member.clock.advance_to(min(later))
+        self.dispatcher.reported(member.id)
+        block = self.config.instance.block_size
+        self._queued_blocks[member.id] = sum(-(-r.num_tokens // block) for r in engine.scheduler.waiting)
+        self._monitor(member.clock.now)
+
+    def _monitor(self, now: float) -> None:
+        """dist.cluster.Cluster.step's look at the loads after a step."""
+        loads = self._loads()
+        total, used = (sum(getattr(load, f) for load in loads.values()) for f in ("total_blocks", "used_blocks"))
+        self.usage.append((now, used / total))
+        # §2.2 counts the head-of-line request; a queue that waits for compute (or max_num_seqs),
+        # not for KV, would hide behind its head, so every queued prompt counts here.
+        self.demand.append((now, (used + sum(self._queued_blocks.values())) / total))
+        short = self.monitor.short_blocks(list(loads.values()))
+        if short:
+            self.events["throttled_steps"] += 1
+            self.first_throttle = min(self.first_throttle, now)
+        if not self.config.drop or any(load.exchanging for load in loads.values()):
+            return  # one layout change at a time
+        if short:
+            involved = self._apply(self.regrouper.drop(short, loads, self._call), now)
+            if involved:
+                self.events["drops"] += 1
+                if self.config.redispatch_queued:
+                    self._redispatch(set(short) - involved, now)
+            return
+        groups = self.regrouper.restorable(loads)
+        if groups:
+            self._apply(self.regrouper.restore(groups, loads, self._call), now)
+            self.events["restores"] += 1
+
+    # -- the result -------------------------------------------------------------------------
+    def result(self) -> SimResult:
+        missing = [i for i in self.ids if i not in self.finished]
+        if missing:
+            raise RuntimeError(f"{len(missing)} requests never finished (first: {missing[0]})")
+        records = []
+        for request_id in self.ids:
+            spec, out = self.trace[request_id], self.finished[request_id]
+            m = out.metrics
+            records.append(RequestRecord(request_id, spec.priority, spec.arrival, spec.prompt_len, spec.output_len,
+                                         m.ttft, m.tpot, m.e2e, m.num_preemptions, out.finish_reason))
+        members = self.members.values()
+        events = dict(self.events, preemptions=sum(m.engine.scheduler.num_preemptions for m in members))
+        start = min((r.arrival for r in records), default=0.0)
+        last_arrival = max((r.arrival for r in records), default=0.0)
+        end = max((r.arrival + r.e2e for r in records if r.e2e is not None), default=start)
+        extra = {
+            "layout_changes": [{"time": t, "kind": c.kind,
+                                "groups": [list(g.instances) for g in c.after if g.size > 1],
+                                "capacity_before": c.capacity_before, "capacity_after": c.capacity_after,
+                                "kv_bytes_sent": c.kv_bytes_sent} for t, c in self.changes],
+            "first_throttle": self.first_throttle,
+            # How concentrated the TTFT tail is: the largest share of the slowest 1% on one instance.
+            **dict(zip(("tail_instance", "tail_on_one_instance"), _tail(records, self.placement))),
+            "kv_exchange_bytes": sum(m.sent_bytes for m in members),
+            "weight_pull_bytes": sum(m.pulled_bytes for m in members),
+            # Over the arrivals' span: the drain after the last arrival is not the trace's load.
+            "kv_demand_mean": time_average([(t, d) for t, d in self.demand if t <= last_arrival]),
+        }
+        # Busy: GPU-seconds the stages computed (an executor's own count would add waits for a
+        # stage). Copy: the longest K/V stall each layout change caused on each instance.
+        return SimResult(self.config.instance, records, sorted(self.usage), events,
+                         sum(m.executor.stats.steps for m in members), sum(sum(p.busy) for p in self.pipelines),
+                         sum(m.exchange_seconds for m in members), end - start, extra)
+
+
+def _tail(records: list[RequestRecord], placement: Mapping[str, int]) -> tuple[int | None, float]:
+    """The instance holding most of the slowest 1% (by TTFT), and the share it holds."""
+    slowest = sorted((r for r in records if r.ttft is not None), key=lambda r: -r.ttft)[:max(1, len(records) // 100)]
+    if not slowest:
+        return None, 0.0
+    instance, count = Counter(placement[r.request_id] for r in slowest).most_common(1)[0]
+    return instance, count / len(slowest)
+
+
+def time_average(series: list[tuple[float, float]]) -> float:
+    """Each sample holds until the next one (as metrics.kv_usage_summary weighs KV usage)."""
+    series = sorted(series)
+    span = series[-1][0] - series[0][0] if series else 0.0
+    if span <= 0:
+        return sum(v for _, v in series) / len(series) if series else 0.0
+    return sum(v * (t1 - t0) for (t0, v), (t1, _) in zip(series, series[1:])) / span
+
+
+def simulate_cluster(config: ClusterConfig, trace: list[TraceRequest]) -> SimResult:
+    """One run of `trace` through the cluster: every request finishes exactly once (or raises)."""
+    cluster = SimCluster(config, trace)
+    cluster.run()
+    return cluster.result()

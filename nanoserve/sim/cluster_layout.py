@@ -1,0 +1,253 @@
+"""One simulated instance of a KunServe cluster (kunserve.txt §4.1, §4.2, §4.3, §4.4): the
+member side of a layout change, on virtual time, and what a step costs in a pipeline group.
+
+A `SimMember` answers the four phases that dist/regroup.py's `Regrouper` drives on a real
+cluster (dist/member.py's `ClusterMember` does them with tensors), so the simulator reuses the
+real drop plan (`plan_drop`, Fig. 6), pool split and restore plan unchanged:
+
+    manifest()       the running requests that hold KV, with their block tables
+    reweigh(r)       the instance holds its stage of the new layout and reports its KV blocks:
+                     what the device leaves after the embeddings and head (never dropped), its
+                     stage's layers and the activation reserve, in blocks of its stage's layers
+                     (§4.1's remap: a dropped layer's bytes become KV). Layers it lacks (a
+                     restore, §4.4) are pulled over the link first; the instance waits for them.
+    allocate(p)      a new paged pool of `p` blocks (its replica's capacity when alone); the
+                     running requests keep as many blocks as they held
+    exchange(m)      the K/V of every layer whose holder changed crosses the link (§4.2); a
+                     request stalls until its own K/V is in, the others keep running
+
+Time. Every involved instance first finishes its current step: the change starts at the latest
+of their clocks. Transfers run at the link's rate, shared by the transfers leaving or entering
+the same GPU; §4.2's coordination gives activations priority, so the exchange does not slow
+the pipeline, and its chunking is not modelled (a request waits for its last byte).
+
+A step in a group (`StagePipeline`, §4.3). As in vLLM's pipeline-parallel virtual engines, each
+member schedules its own batch once its previous batch has come back, and the batch (or the
+micro-batches its policy cut it into) runs stage after stage: a stage starts a micro-batch when
+its GPU is free and the previous stage's activations have arrived over the link. That is
+`sched.kunserve.pipeline_time`'s recurrence, carried across the members' steps, with each
+stage priced by the roofline for its own layers (only the last stage runs the LM head). A
+lone instance is a pipeline of one stage, and then costs exactly `Roofline.iteration_seconds`.
+(nanoserve's own GroupExecutor, dist/group.py, steps the members in lockstep instead; both
+papers' systems build on vLLM's engines, so the simulator follows those.) KunServe's members
+cut each step into cost-balanced micro-batches (`SimMember.schedule_for_layout`); vLLM (PP)'s
+run each member's batch as one.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Mapping, Sequence
+
+from nanoserve.builder import EngineArgs, pipeline_microbatches
+from nanoserve.dist.drop_plan import Group
+from nanoserve.dist.group import GroupLayout
+from nanoserve.dist.member import Manifest, Relayout
+from nanoserve.engine import Engine
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.manager import PagedKV
+from nanoserve.request import Request
+from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.kunserve import KunServeScheduler
+from nanoserve.sim.executor import SimExecutor, VirtualClock
+from nanoserve.sim.models import BYTES, ModelCost
+from nanoserve.sim.roofline import Roofline
+from nanoserve.sim.simulation import ACTIVATION_RESERVE, SimConfig
+
+
+class StagePipeline:
+    """The stages of one group, `stages[k]` on the GPU of its k-th member, and when each GPU is
+    next free."""
+
+    def __init__(self, roofline: Roofline, stages: Sequence[range], link: str, free_at: Sequence[float]):
+        last = len(stages) - 1
+        self.stages = [Roofline(roofline.gpu, roofline.model, layers=len(s), last_stage=k == last)
+                       for k, s in enumerate(stages)]
+        self.free = list(free_at)
+        self.busy = [0.0] * len(stages)  # seconds each stage computed
+        self.link = link
+
+    def run(self, microbatches: Sequence[tuple[list[tuple[int, int]], int]], start: float) -> float:
+        """Push (batch, sampled rows) micro-batches, all ready at `start`, through the stages in
+        order; returns when the last leaves the last stage."""
+        gpu, hidden = self.stages[0].gpu, self.stages[0].model.hidden_size
+        done = start
+        for batch, rows in microbatches:
+            ready = start
+            for k, stage in enumerate(self.stages):
+                seconds = stage.num_layers * stage.layer_seconds(batch) + stage.head_seconds(rows)
+                self.free[k] = max(self.free[k], ready) + seconds
+                self.busy[k] += seconds
+                ready = self.free[k]
+                if k + 1 < len(self.stages):  # the activations go to the next stage's GPU
+                    ready += gpu.link_seconds(sum(c for _, c in batch) * hidden * BYTES, self.link)
+            done = ready
+        return done
+
+
+class PipelineExecutor(SimExecutor):
+    """`SimExecutor` whose forward pass runs through its instance's `StagePipeline`; the clock
+    advances until the step's last micro-batch is out (waits for busy stages included)."""
+
+    def __init__(self, clock: VirtualClock, roofline: Roofline, output_lens: Mapping[str, int],
+                 pipeline: StagePipeline):
+        super().__init__(clock, roofline, output_lens)
+        self.pipeline = pipeline
+
+    def forward_seconds(self, batch: SchedulerOutput) -> float:
+        # One stage runs a step as one forward: micro-batches only pay off between stages.
+        parts = batch.microbatches if batch.microbatches and len(self.pipeline.stages) > 1 else [batch.chunks]
+        work = [([(c.start, c.num_tokens) for c in part], sum(c.samples for c in part)) for part in parts if part]
+        # The engine's per-step CPU work (scheduling, input preparation, sampling) precedes stage 0.
+        start = self.clock.now + self.cost.gpu.efficiency.iteration_overhead_s
+        return self.pipeline.run(work, start) - self.clock.now
+
+
+class SimMember:
+    """One instance: a real engine (scheduler + KV manager) on its own clock, and its part of a
+    layout change. `peers` is every member of the cluster, by id (this one included)."""
+
+    def __init__(self, instance_id: int, engine: Engine, executor: PipelineExecutor, clock: VirtualClock,
+                 config: SimConfig, link: str, peers: Mapping[int, SimMember]):
+        self.id, self.engine, self.executor, self.clock = instance_id, engine, executor, clock
+        self.roofline, self.link, self.peers = executor.cost, link, peers
+        self.cost = ModelCost(self.roofline.model)
+        self.device_bytes = self.roofline.gpu.memory_bytes * config.gpu_memory_utilization
+        self.layout = GroupLayout.of(Group.replica(instance_id, self.roofline.model.num_layers))
+        self.replica_blocks = engine.kv.num_blocks
+        # A capacity fixed by the experiment (kv_bytes, kv_blocks) is not what the weights leave,
+        # so a drop could not say what it frees: such instances serve only as replicas.
+        self.fixed_capacity = config.kv_bytes is not None or config.kv_blocks is not None
+        self.stalled: dict[str, tuple[Request, float]] = {}  # waiting for their K/V: (request, ready at)
+        self.pulled_bytes = self.sent_bytes = 0
+        self.exchange_seconds = 0.0  # summed over changes: the longest stall each caused here
+        self._relayout: Relayout | None = None
+        self._phase_start = 0.0
+        self.schedule_for_layout()
+
+    # -- capacity ---------------------------------------------------------------------------
+    def blocks_for(self, layers: range) -> int:
+        """KV blocks (of these layers' K and V) the device holds next to these layers' weights."""
+        kept = self.cost.weight_bytes - self.cost.layer_bytes * (self.roofline.model.num_layers - len(layers))
+        per_block = self.cost.kv_bytes_per_token_per_layer * len(layers) * self.engine.kv.block_size
+        return int((self.device_bytes - kept - ACTIVATION_RESERVE) // per_block)
+
+    # -- serving state ----------------------------------------------------------------------
+    @property
+    def exchanging(self) -> bool:
+        return bool(self.stalled)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self.stalled)
+
+    def next_time(self) -> float:
+        """When this instance can next do something: now if it has requests to schedule, when
+        its first stalled request's K/V is in if that is all it has, never if idle."""
+        if self.engine.has_unfinished_requests():
+            return self.clock.now
+        if self.stalled:
+            return max(self.clock.now, min(ready for _, ready in self.stalled.values()))
+        return math.inf
+
+    def unstall(self) -> None:
+        running = self.engine.scheduler.running
+        for request_id, (request, ready) in list(self.stalled.items()):
+            if ready <= self.clock.now:
+                del self.stalled[request_id]
+                running.append(request)
+
+    # -- phase 1 ----------------------------------------------------------------------------
+    def manifest(self) -> Manifest:
+        assert not self.stalled, "a layout change started before the previous exchange ended"
+        self._phase_start = self.clock.now
+        kv = self.engine.kv
+        return tuple((r.request_id, tuple(kv.block_table(r))) for r in self.engine.scheduler.running
+                     if kv.block_table(r))
+
+    # -- phase 2 ----------------------------------------------------------------------------
+    def reweigh(self, relayout: Relayout) -> int:
+        if self.fixed_capacity:
+            raise ValueError(f"instance {self.id}: a fixed KV capacity cannot change with the layout")
+        # Every involved instance finishes its step first; then the layers this one lacks come.
+        self.clock.advance_to(max(self.peers[m]._phase_start for m in relayout.members()))
+        old, new = relayout.old[self.id].stage_of(self.id), relayout.new[self.id].stage_of(self.id)
+        pulled = len([layer for layer in new if layer not in old]) * self.cost.layer_bytes
+        self.clock.advance(self.roofline.gpu.link_seconds(pulled, self.link))
+        self.pulled_bytes += pulled
+        self._relayout = relayout
+        return self.blocks_for(new)
+
+    # -- phase 3 ----------------------------------------------------------------------------
+    def allocate(self, pools: Mapping[int, int] | None) -> Manifest:
+        assert self._relayout is not None
+        new, size = self._relayout.new[self.id], self.engine.kv.block_size
+        kv = PagedKV(BlockPool(self.replica_blocks if new.solo else pools[self.id], size))
+        requests = {r.request_id: r for r in self.engine.scheduler.running}
+        tables = []
+        for request_id, table in self._relayout.manifests.get(self.id, ()):
+            kv.reserve(requests[request_id], len(table) * size)
+            tables.append((request_id, tuple(kv.block_table(requests[request_id]))))
+        self.engine.scheduler.kv = kv
+        self.layout = new
+        self.schedule_for_layout()
+        return tuple(tables)
+
+    def schedule_for_layout(self) -> None:
+        """KunServe's scheduler (sched/kunserve.py) runs in its pipeline-parallel mode: FCFS's
+        step, cut by the lookahead's balancing (§4.3, Fig. 10-11) into micro-batches of equal
+        cost, as many as the engine builder gives a pipeline of this depth (two per stage). In
+        a group they enter the stages back to back. Alone, the same FCFS step runs as one
+        forward (`PipelineExecutor` ignores the cut on one stage): an instance that dropped
+        nothing serves as vLLM does (§4.4: "normal execution cannot simply apply our lookahead
+        scheduling"). Its other mode, a step of one lookahead micro-batch, is for one device."""
+        scheduler = self.engine.scheduler
+        if isinstance(scheduler, KunServeScheduler):
+            stages = len(self.layout.members)
+            scheduler.num_stages = stages
+            scheduler.microbatches_per_step = max(2, pipeline_microbatches(EngineArgs(pipeline_parallel_size=stages)))
+
+    # -- phase 4 ----------------------------------------------------------------------------
+    def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
+        """Stall this instance's requests until their K/V has crossed; report the bytes sent."""
+        relayout, self._relayout = self._relayout, None
+        assert relayout is not None
+        start = max(self.peers[m].clock.now for m in relayout.members())  # after every pull
+        block_layer = self.cost.kv_bytes_per_token_per_layer * self.engine.kv.block_size
+        sent: dict[tuple[int, int], int] = defaultdict(int)  # (from, to) -> bytes so far
+        last: dict[str, dict[tuple[int, int], int]] = defaultdict(dict)  # own request -> its last byte per pair
+        kept = 0
+        # Both ends enumerate the same order (Relayout.staged): holder, its old group's owners,
+        # their requests; a request is in once its bytes on every pair are.
+        for holder in relayout.members():
+            held = relayout.old[holder].stage_of(holder)
+            for owner in relayout.old[holder].members:
+                new = relayout.new[owner]
+                for request_id, table in relayout.manifests[owner]:
+                    for target, stage in zip(new.members, new.stages):
+                        nbytes = len(table) * block_layer * len(range(max(held.start, stage.start),
+                                                                      min(held.stop, stage.stop)))
+                        if nbytes and target == holder:
+                            kept += nbytes if holder == self.id else 0
+                        elif nbytes:
+                            sent[holder, target] += nbytes
+                            if owner == self.id:
+                                last[request_id][holder, target] = sent[holder, target]
+        out_degree, in_degree = defaultdict(int), defaultdict(int)
+        for src, dst in sent:
+            out_degree[src] += 1
+            in_degree[dst] += 1
+        gpu = self.roofline.gpu
+
+        def seconds(pair: tuple[int, int], nbytes: int) -> float:
+            return gpu.link_seconds(nbytes * max(out_degree[pair[0]], in_degree[pair[1]]), self.link)
+
+        running = self.engine.scheduler.running
+        for request in [r for r in running if r.request_id in last]:
+            ready = start + max(seconds(pair, n) for pair, n in last[request.request_id].items())
+            running.remove(request)
+            self.stalled[request.request_id] = (request, ready)
+        if self.stalled:
+            self.exchange_seconds += max(ready for _, ready in self.stalled.values()) - start
+        mine = sum(n for (src, _), n in sent.items() if src == self.id)
+        self.sent_bytes += mine
+        return {"sent": mine, "kept": kept, "rounds": int(bool(sent))}

@@ -1,0 +1,208 @@
+"""KunServe's headline (kunserve.txt §5.1-§5.2, Fig. 13): P99 TTFT under BurstGPT-like bursts,
+KunServe (parameter drop + lookahead micro-batches) against vLLM (replicas, fcfs, recompute
+preemption) and vLLM (PP) (static two-stage pipelines), Qwen2.5-14B on 8 instances of one
+A100-80G each (the paper's cluster A: A800 80 GB, one GPU per server, 200 Gbps RDMA).
+The paper: "KunServe has 12.7-72.2x faster P99 TTFT than other baselines".
+
+The workload is fixed before any policy runs, and all three serve the same trace:
+- lengths: `LENGTHS["burstgpt"]`, synthetic, with BurstGPT's means (642 in, 262 out, §5.1);
+- arrivals: `bursty_arrivals`, Poisson with bursts of 2-3x the base rate (§2.2) at the
+  workload module's default timing (15 s bursts, Exp(60 s) apart);
+- rate (§5.1): the paper scales the trace so that "the average memory demand is lower than 60%
+  of the total memory during the entire evaluation". `rate_for_demand` applies that rule: it
+  bisects the base rate per instance until one vLLM instance serving its share of the trace
+  (the same bursts) has a KV demand averaging 60% of its KV capacity over the arrivals, and
+  the cluster gets N times that rate. Demand is the blocks held plus every queued request's
+  prompt blocks: §2.2's measure counts only the head of the queue, which would hide a queue
+  waiting for compute and let the rule pick an overloaded rate.
+
+Besides the three runs, the vLLM cluster runs once more with ten times the KV (nothing ever
+throttles): the most any memory mechanism could take off vLLM's TTFT on this trace. The
+notes explain the gaps to the paper with the runs' own numbers.
+
+`scale="ci"`: two instances, the trace up to 10 s after its second burst (about a thousand
+requests), the rate chosen by the same rule on that trace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
+from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
+from nanoserve.sim.hardware import gpu
+from nanoserve.sim.metrics import Summary, summarize
+from nanoserve.sim.models import model
+from nanoserve.sim.roofline import Roofline
+from nanoserve.sim.simulation import SimConfig, SimResult, kv_blocks
+from nanoserve.sim.workloads import (LENGTHS, BurstWindow, TraceRequest, burst_windows, bursty_arrivals,
+                                     make_trace)
+
+GPU, MODEL = "A100-80G", "Qwen2.5-14B"
+LENGTH = LENGTHS["burstgpt"]
+DEMAND_TARGET = 0.6  # §5.1: average memory demand lower than 60% of the total memory
+BISECTION_STEPS = 7
+PAPER_CLAIM = "12.7-72.2x lower"
+
+
+@dataclass(frozen=True)
+class Scale:
+    num_instances: int
+    duration: float  # seconds of trace
+    bursts: int | None = None  # cut the trace TAIL seconds after this many bursts (None: keep all)
+
+
+TAIL = 10.0
+SCALES = {"paper": Scale(8, 240.0), "ci": Scale(2, 240.0, bursts=2)}
+
+
+def configs(num_instances: int) -> dict[str, ClusterConfig]:
+    def instance(policy: str) -> SimConfig:
+        return SimConfig(policy=policy, gpu=GPU, model=MODEL)
+
+    return {
+        "KunServe": ClusterConfig(instance("kunserve"), num_instances, drop=True),
+        "vLLM (fcfs)": ClusterConfig(instance("fcfs"), num_instances),
+        "vLLM-PP": ClusterConfig(instance("fcfs"), num_instances, static_pipeline_stages=2),
+    }
+
+
+def workload(base_rate: float, scale: Scale, seed: int) -> list[TraceRequest]:
+    """The trace at `base_rate` requests/s outside bursts, as long as the scale serves it."""
+    duration = scale.duration
+    windows = burst_windows(scale.duration, seed=seed)
+    if scale.bursts is not None and len(windows) >= scale.bursts:  # else the whole trace
+        duration = min(duration, windows[scale.bursts - 1].end + TAIL)
+    return make_trace(bursty_arrivals(base_rate, duration=duration, seed=seed), LENGTH, seed=seed)
+
+
+def kv_demand(rate_per_instance: float, scale: Scale, seed: int) -> float:
+    """Time-averaged KV demand of one vLLM instance serving its share of the trace."""
+    trace = workload(rate_per_instance, scale, seed)
+    if not trace:
+        return 0.0
+    one = ClusterConfig(SimConfig(policy="fcfs", gpu=GPU, model=MODEL), num_instances=1)
+    return simulate_cluster(one, trace).extra["kv_demand_mean"]
+
+
+@lru_cache(maxsize=None)
+def rate_for_demand(scale: Scale, seed: int,
+                    target: float = DEMAND_TARGET) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """The base rate per instance whose average KV demand over the trace `scale` serves is
+    `target` (bisection, keeping the highest rate probed at or under it), and the probes
+    (rate, demand). The upper bracket is the rate at which prefills alone fill the GPU."""
+    roofline = Roofline(gpu(GPU), model(MODEL))
+    lo, hi = 0.0, 1.0 / roofline.iteration_seconds([(0, round(LENGTH.mean_prompt))])
+    probes = []
+    for _ in range(BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        probes.append((mid, kv_demand(mid, scale, seed)))
+        lo, hi = (mid, hi) if probes[-1][1] <= target else (lo, mid)
+    if lo == 0.0:
+        raise RuntimeError(f"no probed rate kept the KV demand under {target:.0%}: {probes}")
+    return lo, tuple(probes)
+
+
+def _ratio(base: float | None, ours: float | None) -> float:
+    return float("nan") if base is None or not ours else base / ours
+
+
+def unbounded_kv(config: ClusterConfig) -> ClusterConfig:
+    """The same cluster with ten times the KV of a replica: nothing ever throttles, so its TTFT
+    is what the same compute gives when memory never makes a request wait."""
+    replica = kv_blocks(config.instance, Roofline(gpu(GPU), model(MODEL)))
+    return replace(config, instance=replace(config.instance, kv_blocks=10 * replica))
+
+
+def dropped_seconds(changes: list[dict], end: float) -> float:
+    """Instance-seconds spent in a pipeline group, from the layout changes' times and groups."""
+    times = [c["time"] for c in changes] + [end]
+    return sum(sum(len(g) for g in c["groups"]) * (t1 - c["time"]) for c, t1 in zip(changes, times[1:]))
+
+
+def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
+    check_scale(scale)
+    setup = SCALES[scale]
+    rate, probes = rate_for_demand(setup, seed)
+    trace = workload(rate * setup.num_instances, setup, seed)
+    cluster = configs(setup.num_instances)
+    runs: dict[str, SimResult] = {label: simulate_cluster(config, trace) for label, config in cluster.items()}
+    bound = simulate_cluster(unbounded_kv(cluster["vLLM (fcfs)"]), trace)
+    stats = {label: summarize(result)["all"] for label, result in runs.items()}
+    kun = stats["KunServe"]
+    comparisons = []
+    for base in ("vLLM (fcfs)", "vLLM-PP"):
+        b = stats[base]
+        comparisons += [
+            Comparison(f"P99 TTFT: {base} / KunServe", _ratio(b.ttft_p99, kun.ttft_p99), PAPER_CLAIM, 12.7),
+            Comparison(f"P50 TTFT: {base} / KunServe", _ratio(b.ttft_p50, kun.ttft_p50),
+                       "about equal (a little lower on LongBench)"),
+            # §5.2: KunServe's P50 TPOT is 15.8-22.7% higher (LongBench-14B): 1/1.227 at worst.
+            Comparison(f"P50 TPOT: {base} / KunServe", _ratio(b.tpot_p50, kun.tpot_p50),
+                       "15.8-22.7% higher TPOT (LongBench-14B)", 1 / 1.227),
+        ]
+    windows = burst_windows(trace[-1].arrival, seed=seed)
+    free = summarize(bound)["all"]
+    return ExperimentResult(
+        name="kunserve",
+        title=f"KunServe vs vLLM and vLLM (PP): {MODEL}, {setup.num_instances} x {GPU}, BurstGPT-like bursts",
+        workload=f"{LENGTH.label}, bursty Poisson (x2-3 bursts), {len(trace)} requests over "
+                 f"{trace[-1].arrival:.0f} s",
+        runs=runs, comparisons=comparisons,
+        notes=_notes(setup, rate, len(probes), trace, windows, runs, stats, free),
+        extra={"rate_per_instance": rate, "rate_probes": probes,
+               "bursts": [(w.start, w.end, w.factor) for w in windows],
+               "layout_changes": runs["KunServe"].extra["layout_changes"],
+               "unbounded_kv_vllm": {"ttft_p50": free.ttft_p50, "ttft_p99": free.ttft_p99,
+                                     "tpot_p50": free.tpot_p50}},
+    )
+
+
+def _notes(setup: Scale, rate: float, num_probes: int, trace: list[TraceRequest], windows: list[BurstWindow],
+           runs: dict[str, SimResult], stats: dict[str, Summary], free: Summary) -> list[str]:
+    """Why the results differ from the paper, each point with this run's own numbers."""
+    vllm, pp = stats["vLLM (fcfs)"], stats["vLLM-PP"]
+    kun_run = runs["KunServe"]
+    changes = kun_run.extra["layout_changes"]
+    dropped = {i for c in changes for g in c["groups"] for i in g}
+    drops = [c for c in changes if c["kind"] == "drop"]
+    growth = drops[0]["capacity_after"] / drops[0]["capacity_before"] if drops else 1.0
+    roofline = Roofline(gpu(GPU), model(MODEL))
+    prefill_bound = 1.0 / roofline.iteration_seconds([(0, round(LENGTH.mean_prompt))])
+    kv_tokens = kv_blocks(runs["vLLM (fcfs)"].config, roofline) * runs["vLLM (fcfs)"].config.block_size
+    factors = [w.factor for w in windows] or [1.0]
+    burst = (rate * min(factors), rate * max(factors))
+    return [
+        f"Rate by §5.1's rule: {rate:.2f} req/s per instance outside bursts ({rate * setup.num_instances:.1f} for "
+        f"the cluster), the highest of {num_probes} bisection probes at which one vLLM instance's KV demand "
+        f"averaged at most {DEMAND_TARGET:.0%} over the arrivals (every queued prompt counted, see the module).",
+        f"The bursts overload compute, not only KV: they bring {burst[0]:.1f}-{burst[1]:.1f} req/s per instance, "
+        f"whose prefills alone take {burst[0] / prefill_bound:.0%}-{burst[1] / prefill_bound:.0%} of an A100 "
+        f"(roofline), decodes on top. vLLM with unbounded KV (nothing ever throttles, same max_num_seqs) still "
+        f"has a P99 TTFT of {free.ttft_p99:.1f} s against {vllm.ttft_p99:.1f} s with its real KV: at most "
+        f"{_ratio(vllm.ttft_p99, free.ttft_p99):.2f}x of vLLM's tail is memory's, the most any memory mechanism "
+        "could remove. The paper's 12.7x needs bursts that throttle KV while compute keeps up; in this roofline "
+        f"an A100's KV for {MODEL} ({kv_tokens / 1e3:.0f}K tokens) outlasts its compute on BurstGPT-like lengths.",
+        f"KunServe: {kun_run.events['drops']} drop(s), {kun_run.events['restores']} restore(s) "
+        f"({dropped_seconds(changes, trace[0].arrival + kun_run.duration):.0f} instance-seconds in pipelines), "
+        f"{kun_run.events['requeued']} queued requests re-dispatched after a drop, "
+        f"{kun_run.extra['kv_exchange_bytes'] / 1e9:.0f} GB of KV exchanged and "
+        f"{kun_run.extra['weight_pull_bytes'] / 1e9:.0f} GB of weights pulled back over the network. A drop adds "
+        "KV, not compute: a pair's micro-batches each re-read a stage's weights and members' batches of unequal "
+        "cost idle a stage, yet the dispatcher, which balances KV demand, sends each member more (its pool is "
+        f"{growth:.2f}x a replica's), and the pair restores only once its demand is under 50%.",
+        "The slowest 1% sit mostly on one instance (" + ", ".join(
+            f"{k} {r.extra['tail_on_one_instance']:.0%}" for k, r in runs.items())
+        + f"; KunServe's was {'a dropped' if kun_run.extra['tail_instance'] in dropped else 'a never-dropped'} "
+        "instance): the dispatcher's load (KV held plus the head-of-line request, §2.2) does not see requests "
+        "queued behind the head for compute or max_num_seqs room, so one instance's queue can grow while it "
+        "looks free. The P99 ratio against vLLM swings with which instance that is.",
+        f"vLLM-PP: TPOT p50 {_ratio(pp.tpot_p50, vllm.tpot_p50):.1f}x vLLM's and P99 TTFT "
+        f"{_ratio(pp.ttft_p99, vllm.ttft_p99):.1f}x: each member's batch is one micro-batch (vLLM's virtual "
+        "engines), 2048-token chunked-prefill steps alternate with decode-only ones, and a stage idles while "
+        "the other runs a long one (Fig. 8's bubbles); under a compute-bound burst the lost throughput turns "
+        "into queueing (the paper measured 3.3-21.8% lower throughput).",
+        "Modelled coarsely: KV exchange and weight pulls run at the link's rate (the paper's chunking and "
+        "priority for activations are assumed perfect), a restoring instance waits for its weights (the paper "
+        "overlaps the pull with serving), one layout change at a time, and remapping costs nothing.",
+    ]

@@ -1,0 +1,151 @@
+"""KunServe in the simulator: the simulated cluster (nanoserve/sim/cluster.py and
+cluster_layout.py: drop, KV exchange and restore of dist/ on virtual time, pipeline stages) and
+the ci-scale run of the paper's comparison (nanoserve/sim/experiments/kunserve.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nanoserve.sim.cluster import ClusterConfig, SimCluster, simulate_cluster
+from nanoserve.sim.cluster_layout import StagePipeline
+from nanoserve.sim.experiments import run_experiment
+from nanoserve.sim.hardware import gpu
+from nanoserve.sim.metrics import summarize
+from nanoserve.sim.models import ModelCost, model
+from nanoserve.sim.roofline import Roofline
+from nanoserve.sim.simulation import ACTIVATION_RESERVE, SimConfig, simulate
+from nanoserve.sim.workloads import LENGTHS, make_trace, poisson_arrivals
+
+GPU, MODEL = "A100-80G", "Qwen2.5-14B"
+COST = ModelCost(model(MODEL))
+HALF = COST.config.num_layers // 2
+
+
+def cluster_config(policy: str = "kunserve", instances: int = 2, **options) -> ClusterConfig:
+    return ClusterConfig(SimConfig(policy=policy, gpu=GPU, model=MODEL), instances, **options)
+
+
+def trace(n: int, rate: float = 4.0, seed: int = 0):
+    return make_trace(poisson_arrivals(rate, n=n, seed=seed), LENGTHS["burstgpt"], seed=seed)
+
+
+def pair_pool_blocks() -> int:
+    """Logical blocks of a two-instance pipeline: what a GPU holding half the layers (and the
+    embeddings and head, never dropped) leaves for K/V of half the layers."""
+    device = gpu(GPU).memory_bytes * 0.9
+    kept = COST.weight_bytes - HALF * COST.layer_bytes
+    return int((device - kept - ACTIVATION_RESERVE) // (COST.kv_bytes_per_token_per_layer * HALF * 16))
+
+
+def test_one_instance_serves_exactly_as_simulate_does():
+    requests = trace(60)
+    alone = simulate(SimConfig(policy="fcfs", gpu=GPU, model=MODEL), requests)
+    cluster = simulate_cluster(cluster_config("fcfs", 1), requests)
+    for a, b in zip(alone.records, cluster.records):
+        assert b.ttft == pytest.approx(a.ttft, abs=1e-9) and b.e2e == pytest.approx(a.e2e, abs=1e-9)
+
+
+def test_drop_grows_a_pair_by_the_dropped_layers_and_restore_gives_it_back():
+    cluster = SimCluster(cluster_config(drop=True), [])
+    replica = cluster.members[0].engine.kv.num_blocks
+    change = cluster.regrouper.drop({0: 1}, cluster._loads(), cluster._call)
+    assert cluster._apply(change, 0.0) == {0, 1}
+    halves = (range(HALF), range(HALF, 2 * HALF))
+    assert [(g.instances, g.stages) for g in cluster.regrouper.groups] == [((0, 1), halves)]
+    pools = [m.engine.kv.num_blocks for m in cluster.members.values()]
+    assert sum(pools) == pair_pool_blocks() and abs(pools[0] - pools[1]) <= 1
+    # One copy of the layers became K/V: about layer_bytes per replica block's layer slice.
+    gained = sum(pools) - 2 * replica
+    assert gained == pytest.approx(HALF * COST.layer_bytes / (COST.kv_bytes_per_token_per_layer * HALF * 16), abs=2)
+    loads = cluster._loads()
+    groups = cluster.regrouper.restorable(loads)
+    cluster._apply(cluster.regrouper.restore(groups, loads, cluster._call), 0.0)
+    assert [m.engine.kv.num_blocks for m in cluster.members.values()] == [replica, replica]
+    # Each member pulled back the half it had dropped, over the network, before serving again.
+    pull = gpu(GPU).link_seconds(HALF * COST.layer_bytes, "network")
+    assert [m.clock.now for m in cluster.members.values()] == pytest.approx([pull, pull])
+
+
+def test_drop_keeps_every_running_request_and_stalls_it_for_its_kv():
+    requests = trace(40, rate=40.0)
+    cluster = SimCluster(cluster_config("fcfs"), requests)  # no monitor: the test drops by hand
+    for request_id in cluster.ids:
+        cluster.dispatch(request_id, requests[-1].arrival)
+    for _ in range(30):
+        member = min(cluster.members.values(), key=lambda m: m.next_time())
+        cluster._step(member, math.inf)
+    held = {i: m.engine.kv.num_used_blocks for i, m in cluster.members.items()}
+    tables = {i: {r.request_id: len(m.engine.kv.block_table(r)) for r in m.engine.scheduler.running}
+              for i, m in cluster.members.items()}
+    start = max(m.clock.now for m in cluster.members.values())
+    change = cluster.regrouper.drop({0: 1}, cluster._loads(), cluster._call)
+    cluster._apply(change, start)
+    block_layer = COST.kv_bytes_per_token_per_layer * 16
+    for i, m in cluster.members.items():
+        assert m.engine.kv.num_used_blocks == held[i]  # nothing lost, nothing recomputed
+        assert set(m.stalled) == set(tables[i])  # every running request waits for its other half
+        # Member i sends its own requests' K/V of the half it dropped, all of it over one link.
+        assert m.sent_bytes == held[i] * HALF * block_layer
+        last = max(ready for _, ready in m.stalled.values())
+        assert last == pytest.approx(start + gpu(GPU).link_seconds(held[i] * HALF * block_layer, "network"))
+    assert change.kv_bytes_sent == sum(held.values()) * HALF * block_layer
+    cluster.run()
+    result = cluster.result()  # raises unless every request finished exactly once
+    assert sorted(r.request_id for r in result.records) == sorted(cluster.ids)
+    assert all(r.finish_reason == "stop" for r in result.records)
+    for m in cluster.members.values():
+        m.engine.kv.check_invariants()
+        assert not m.stalled and m.engine.kv.num_used_blocks == 0
+
+
+def test_static_pipelines_pair_the_instances_with_half_a_pool_each():
+    cluster = SimCluster(cluster_config("fcfs", 4, static_pipeline_stages=2), [])
+    assert [g.instances for g in cluster.regrouper.groups] == [(0, 1), (2, 3)]
+    assert all(m.engine.kv.num_blocks in (pair_pool_blocks() // 2, -(-pair_pool_blocks() // 2))
+               for m in cluster.members.values())
+    with pytest.raises(ValueError):
+        cluster_config("fcfs", 6, static_pipeline_stages=3)
+    with pytest.raises(ValueError):
+        cluster_config("kunserve", 4, static_pipeline_stages=2, drop=True)
+
+
+def test_stages_price_their_own_layers_and_overlap_the_members_batches():
+    roofline = Roofline(gpu(GPU), model(MODEL))
+    batch = [(0, 1024)]
+    overhead = gpu(GPU).efficiency.iteration_overhead_s
+    one = StagePipeline(roofline, [range(2 * HALF)], "network", [0.0])
+    assert one.run([(batch, 1)], 0.0) == pytest.approx(roofline.iteration_seconds(batch) - overhead)
+    two = StagePipeline(roofline, [range(HALF), range(HALF, 2 * HALF)], "network", [0.0, 0.0])
+    first, last = (Roofline(roofline.gpu, roofline.model, layers=HALF, last_stage=k == 1) for k in range(2))
+    a = first.num_layers * first.layer_seconds(batch)
+    b = last.num_layers * last.layer_seconds(batch) + last.head_seconds(1)
+    hop = gpu(GPU).link_seconds(1024 * COST.config.hidden_size * 2, "network")
+    assert two.run([(batch, 1)], 0.0) == pytest.approx(a + hop + b)
+    # A second member's batch enters stage 0 as the first leaves it, and waits for stage 1.
+    assert two.run([(batch, 1)], 0.0) == pytest.approx(max(2 * a + hop, a + hop + b) + b)
+
+
+def test_ci_experiment_kunserve(monkeypatch):
+    monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "0")  # per step is too slow here; layout changes still check
+    result = run_experiment("kunserve", scale="ci", seed=0)
+    assert set(result.runs) == {"KunServe", "vLLM (fcfs)", "vLLM-PP"}
+    count = len(result.runs["KunServe"].records)
+    assert count > 300
+    for run in result.runs.values():
+        ids = [r.request_id for r in run.records]
+        assert len(ids) == count == len(set(ids))  # every request of the trace, once
+        assert all(r.finish_reason == "stop" and r.ttft is not None for r in run.records)
+    kun = result.runs["KunServe"]
+    assert kun.events["drops"] >= 1 and kun.events["restores"] >= 1
+    assert result.runs["vLLM (fcfs)"].events["throttled_steps"] > 0  # the bursts throttle vLLM's KV
+    stats = {label: summarize(run)["all"] for label, run in result.runs.items()}
+    # Robust across seeds 0-6: the static pipelines lose to KunServe's dropped-on-demand ones.
+    assert stats["vLLM-PP"].ttft_p99 >= 1.3 * stats["KunServe"].ttft_p99
+    assert stats["vLLM-PP"].ttft_p50 >= 1.2 * stats["KunServe"].ttft_p50
+    # Until a drop, KunServe's instances serve as vLLM's do: the medians stay close. (The P99
+    # against vLLM is not asserted: it swings either way with the seed, see the notes.)
+    assert stats["KunServe"].ttft_p50 == pytest.approx(stats["vLLM (fcfs)"].ttft_p50, rel=0.25)
+    claims = [c for c in result.comparisons if c.metric.startswith("P99 TTFT")]
+    assert claims and all(c.paper_low == 12.7 and math.isfinite(c.ours) for c in claims)
+    assert result.notes and "synthetic" in result.workload
