@@ -27,7 +27,7 @@ def test_unknown_experiment_and_scale_are_rejected():
         run_experiment("orca")
     with pytest.raises(ValueError, match="scale"):
         run_experiment("ecoserve", "huge")
-    assert set(EXPERIMENTS) == {"kunserve", "ecoserve", "bros", "conserve", "all"}
+    assert set(EXPERIMENTS) == {"kunserve", "ecoserve", "conserve", "all"}
 
 
 def test_sustained_rate_interpolates_the_crossing():
@@ -87,16 +87,16 @@ def test_simulate_example_writes_json_and_plots(ecoserve, tmp_path, monkeypatch,
     assert "ecoserve-sweep.png" in pngs and "ecoserve-latency-cdf.png" in pngs
 
 
-def test_all_runs_every_policy_on_one_trace():
-    from nanoserve.sched import SCHEDULERS
-    result = run_experiment("all", "ci")
-    assert set(result.runs) == set(SCHEDULERS)
-    traces = {tuple((r.arrival, r.prompt_len, r.output_len, r.priority) for r in run.records)
-              for run in result.runs.values()}
-    assert len(traces) == 1  # the same workload for every policy
-    for run in result.runs.values():
-        assert all(r.finish_reason == "stop" for r in run.records)
-    rows = {row["system"]: row for row in result.extra["policies"]}
+def test_all_workload_is_fixed_and_priority_protects_online_work():
+    """The `all` workload (one trace for every policy) at CI scale, under fcfs and priority; the
+    whole experiment, every policy, runs from examples/simulate.py (BROS is slow in its bursts)."""
+    from nanoserve.sim.experiments import mixed
+    from nanoserve.sim.metrics import summarize
+    from nanoserve.sim.simulation import simulate
+    trace, rate, batch = mixed.workload("ci", 0)
+    assert (trace, rate, batch) == mixed.workload("ci", 0)  # seeded: the same for every policy
+    assert {r.priority for r in trace} == {"online", "offline"} and rate > 0 and batch > 0
+    runs = {policy: summarize(simulate(mixed.config(policy), trace)) for policy in ("fcfs", "priority")}
     # Serving online work first (vLLM++) must cut online tail latency against plain fcfs.
-    assert rows["priority"]["online_ttft_p99"] * 2 < rows["fcfs"]["online_ttft_p99"]
-    assert "synthetic" in result.workload
+    assert runs["priority"]["online"].ttft_p99 * 2 < runs["fcfs"]["online"].ttft_p99
+    assert runs["priority"]["all"].count == len(trace)

@@ -1,7 +1,9 @@
 """Scheduling policies. Each is one file; `make_scheduler` picks one by name.
 
     fcfs      vLLM v1's first-come-first-served with chunked prefill (the baseline)
+    prefill-first  vLLM v0's (2023): whole prompts in steps of their own, before decodes
     priority  fcfs with online requests before offline ones, preempting offline ("vLLM++")
+    round-robin  RT and BE requests in turns, one class per iteration (bros.txt §2.2; BROS's RR)
     ecoserve  EcoServe's SyncDecoupled scheduling over exact allocation (ecoserve.txt §3)
     bros      BROS's priority packing over bidirectional blocks (bros.txt §4)
     conserve  ConServe's SLO-aware online/offline co-serving (conserve.txt §4.2-4.5)
@@ -30,10 +32,13 @@ SCHEDULERS: dict[str, str] = {
     "bros": "nanoserve.sched.bros:BROSScheduler",
     "conserve": "nanoserve.sched.conserve:ConServeScheduler",
     "kunserve": "nanoserve.sched.kunserve:KunServeScheduler",
+    "round-robin": "nanoserve.sched.round_robin:RoundRobinScheduler",
+    "prefill-first": "nanoserve.sched.prefill_first:PrefillFirstScheduler",
 }
 POLICY_MEMORY: dict[str, str] = {
     "fcfs": "paged", "priority": "paged", "ecoserve": "exact", "bros": "bidirectional",
-    "conserve": "checkpoint", "kunserve": "paged",
+    "conserve": "checkpoint", "kunserve": "paged", "round-robin": "paged",
+    "prefill-first": "paged",
 }
 
 

@@ -9,6 +9,7 @@ gets its own table and a latency-against-rate plot, as the papers draw it.
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ def _sweep_plot(result: ExperimentResult, rows: list[dict[str, Any]], directory:
     if threshold:
         ax.axhline(threshold * 1e3, color="grey", linestyle="--", label="sustained-rate threshold")
     ax.set(xlabel="request rate (req/s)", ylabel="normalized latency (ms/token)", yscale="log")
-    ax.set_title(f"{result.name}: {result.title}\n{result.workload}", fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(f"{result.name}: {result.title}", 90) + [result.workload]), fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = directory / f"{slugify(result.name)}-sweep.png"
