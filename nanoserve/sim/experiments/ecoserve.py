@@ -31,7 +31,7 @@ from typing import Callable
 from nanoserve.sched.predictor import BucketQuantilePredictor, OraclePredictor
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
 from nanoserve.sim.metrics import summarize
-from nanoserve.sim.simulation import SimConfig, SimResult, simulate
+from nanoserve.sim.simulation import SimConfig, simulate
 from nanoserve.sim.workloads import LENGTHS, TraceRequest, make_trace, poisson_arrivals
 
 LENGTH_DIST = LENGTHS["sharegpt-ecoserve"]

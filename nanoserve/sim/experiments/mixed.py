@@ -100,4 +100,4 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
         runs=runs, comparisons=comparisons, notes=notes, extra={"policies": rows, "online_base_rate": rate, "offline_batch": batch})
 
 
-__all__ = ["base_rate", "run", "workload"]
+__all__ = ["capacity", "run", "workload"]
