@@ -149,14 +149,33 @@ def test_batch_size_grows_without_rt_and_resets_on_slo_risk():
     assert sizes == [9, 10, 11, 12, 13]  # additive increase: no RT request is waiting
     assert len(engine.executor.batches[0].chunks) == 8  # the first step held to the initial size
     assert len(engine.executor.batches[-1].chunks) == 12
-    # An RT request whose TTFT target is shorter than any step: the SLO is at risk.
-    engine.add_request([2] * 4, SamplingParams(max_tokens=2, ignore_eos=True), "rt", priority="online",
-                       arrival_time=clock(), slo=SLO(ttft=0.005, tpot=0.05))
+    # Two RT arrivals whose TTFT target each prompt meets alone (17 ms) but not together: at risk.
+    for name in ("rt", "rt2"):
+        engine.add_request([2] * 30, SamplingParams(max_tokens=2, ignore_eos=True), name, priority="online",
+                           arrival_time=clock(), slo=SLO(ttft=0.02, tpot=0.05))
     engine.step()
     assert scheduler.slo_risk and scheduler.batch_size == 8
     assert [c.request.request_id for c in engine.executor.batches[-1].chunks] == ["rt"]  # lines 11-12
-    engine.step()  # its next token's TPOT budget holds alongside some BE work
+    engine.step()  # rt2 is late now: no batch saves it, so it no longer counts as risk
     assert not scheduler.slo_risk and scheduler.batch_size == 9
+    assert {"rt", "rt2"} < {c.request.request_id for c in engine.executor.batches[-1].chunks}
+    run(engine)
+
+
+def test_rt_request_that_misses_its_deadline_even_alone_is_no_slo_risk():
+    # Its TTFT target is shorter than any step. A smaller batch cannot save it, so it goes first
+    # but does not reset the batch size (the reset, kept up under overload, starved everyone).
+    engine, clock, _ = make_engine(num_blocks=64, max_seqs=32, budget=256)
+    scheduler = engine.scheduler
+    for i in range(12):
+        engine.add_request([1] * 4, SamplingParams(max_tokens=40, ignore_eos=True), f"be{i}", priority="offline")
+    engine.step()
+    engine.add_request([2] * 4, SamplingParams(max_tokens=2, ignore_eos=True), "rt", priority="online",
+                       arrival_time=clock(), slo=SLO(ttft=0.005, tpot=0.05))
+    engine.step()
+    assert not scheduler.slo_risk and scheduler.batch_size == 10
+    chunks = engine.executor.batches[-1].chunks
+    assert chunks[0].request.request_id == "rt" and len(chunks) == 9  # with 8 BE requests
     run(engine)
 
 

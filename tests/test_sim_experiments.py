@@ -27,7 +27,7 @@ def test_unknown_experiment_and_scale_are_rejected():
         run_experiment("orca")
     with pytest.raises(ValueError, match="scale"):
         run_experiment("ecoserve", "huge")
-    assert set(EXPERIMENTS) == {"kunserve", "ecoserve", "conserve", "all"}
+    assert set(EXPERIMENTS) == {"kunserve", "ecoserve", "bros", "conserve", "all"}
 
 
 def test_sustained_rate_interpolates_the_crossing():

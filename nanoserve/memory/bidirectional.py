@@ -21,7 +21,6 @@ allocate) is the one combined call whose copies are safe in a single execute; se
 """
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -56,12 +55,13 @@ class BidirectionalBlockManager(FastGrowth):
         """Whether `grow` would succeed; exact, and changes nothing."""
         if self._in_place(seq_id, num_tokens, best_effort) is not None:
             return True  # most decode steps
+        if not best_effort and self._no_block_for_rt_page(seq_id, num_tokens):
+            return False
         if not (self.has(seq_id) and self._seqs[seq_id].host_pages):
             return self.can_allocate(seq_id, num_tokens, best_effort=best_effort)
         # Growth after a restore depends on where the restore puts the pages and which host
         # blocks it frees: run both on a throwaway copy rather than predict them.
-        trial = copy.deepcopy(self, memo={id(self.host): HostLedger(
-            self.host.num_free_blocks, self.block_size, self.host.num_blocks)})
+        trial = self.what_if(HostLedger(self.host.num_free_blocks, self.block_size, self.host.num_blocks))
         try:
             trial._grow(seq_id, num_tokens, best_effort)
         except (NoFreeBlocksError, ValueError):

@@ -51,6 +51,18 @@ class FastGrowth(BidirectionalBlocks):
         count = max(0, -(-num_tokens // B) - have)
         return count if count <= self._index.sizes[FREE] else None
 
+    def _no_block_for_rt_page(self, seq_id: SeqId, num_tokens: int) -> bool:
+        """Whether an RT sequence growing to `num_tokens` needs a block for a page (a new page, or
+        a swapped-out one to restore) while no block can take one: none free and none holding a
+        BE page alone, FindPreemptBlock's only targets. Then its growth fails whatever else it
+        would plan. In overload the scheduler asks this of every waiting RT request, each step."""
+        sizes = self._index.sizes  # a BE-only block stays BE-only while its key is stale
+        if sizes[FREE] or any(n and key is not None and key[0] == "be" for key, n in sizes.items()):
+            return False
+        state = self._seqs.get(seq_id)
+        on_device = 0 if state is None else sum(block is not None for block in state.pages)
+        return -(-num_tokens // self.block_size) > on_device
+
     def _grow_in_place(self, state: SeqState, num_tokens: int) -> None:
         """Growth `_in_place` allowed: more of the last page, so only its block's key goes stale."""
         if num_tokens > state.num_tokens:

@@ -42,6 +42,52 @@ class SeqState:
     host_pages: set[int] = field(default_factory=set)  # pages with a preemption-table entry
 
 
+def clone_entry(entry: PreemptedPage) -> PreemptedPage:
+    return PreemptedPage(entry.block, dict(entry.host_slots), list(entry.host_blocks))
+
+
+def clone_state(state: SeqState) -> SeqState:
+    return SeqState(state.best_effort, state.num_tokens, list(state.pages), set(state.host_pages))
+
+
+class CopyOnRead(dict):
+    """A what-if twin's view of a table of mutable records (`BidirectionalBlocks.what_if`): it
+    shares the real records until one is read by key, and from then on holds its own copy, so a
+    trial mutates only copies. A trial reads a handful of records; copying all of them cost BROS
+    several ms a question with thousands of checkpointed pages. Iteration (`items`, `values`)
+    sees the shared records: only the read-only checks use it."""
+
+    def __init__(self, table: dict, clone):
+        super().__init__(table)
+        self._clone, self._own = clone, set()
+
+    def _owned(self, key):
+        if key not in self._own:
+            self._own.add(key)
+            if dict.__contains__(self, key):
+                dict.__setitem__(self, key, self._clone(dict.__getitem__(self, key)))
+
+    def __getitem__(self, key):
+        self._owned(key)
+        return dict.__getitem__(self, key)
+
+    def __setitem__(self, key, value) -> None:
+        self._own.add(key)
+        dict.__setitem__(self, key, value)
+
+    def get(self, key, default=None):
+        self._owned(key)
+        return dict.get(self, key, default)
+
+    def setdefault(self, key, default=None):
+        self._owned(key)
+        return dict.setdefault(self, key, default)
+
+    def pop(self, key, *default):
+        self._owned(key)
+        return dict.pop(self, key, *default)
+
+
 class HostLedger:
     """Stands in for the host store in a what-if copy of the manager (`can_grow`): it counts free
     blocks and holds no tensors. Its ids start past the real store's, so none collides."""
@@ -71,6 +117,13 @@ class BlockIndex:
         self.key: list[tuple | None] = [FREE] * num_blocks
         self.heaps: dict[tuple, list[int]] = defaultdict(list, {FREE: list(range(num_blocks))})
         self.sizes = Counter({FREE: num_blocks})  # blocks per key
+
+    def copy(self) -> BlockIndex:
+        twin = BlockIndex.__new__(BlockIndex)
+        twin.key = list(self.key)
+        twin.heaps = defaultdict(list, {key: list(heap) for key, heap in self.heaps.items()})
+        twin.sizes = Counter(self.sizes)
+        return twin
 
     def put(self, block: int, key: tuple | None) -> None:
         old = self.key[block]

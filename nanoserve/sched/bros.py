@@ -20,7 +20,8 @@ Each step maximises BE work while every RT request's next token can still meet i
                             size (7), the token budget and max_num_seqs allow and the cost model's
                             iteration time (2)-(5) stays within the smallest residual of the RT
                             requests in the batch (6). Adding one that would break it is the SLO
-                            risk of lines 11-12: stop, with no BE work this step.
+                            risk of lines 11-12: stop, with no BE work this step. A candidate
+                            that has no seat cannot join, so it breaks nothing: passed over.
     _be_candidates          Alg. 1 line 17: BE requests by fewest KV slots on the host (their
                             swap-in cost, `missing_positions`); running before waiting on ties.
                             Only checkpointed or swapped requests have any: the running ones are
@@ -32,7 +33,8 @@ Each step maximises BE work while every RT request's next token can still meet i
     _adapt_batch_size       §4.2 adaptive batch sizing (TCP-like): start at `initial_batch_size`,
                             add `batch_size_step` after a step with no SLO risk and no RT request
                             left waiting (except for lack of batch room); back to the start on
-                            SLO risk.
+                            SLO risk, i.e. when lines 11-12 returned early ("once the estimated
+                            iteration time surpasses the residual time").
     plan                    Packs twice. A draft runs Alg. 1 on paper (no KV touched) to find
                             which RT requests BE requests replace; the real pass packs again
                             without them, reserving KV as it goes, so every RT chunk is reserved
@@ -55,10 +57,14 @@ Each step maximises BE work while every RT request's next token can still meet i
 
 Chunked prefill is as in FCFS: a request takes min(tokens it lacks, budget left).
 
-Refinements the paper leaves open: an RT request already past its deadline cannot be saved by a
-smaller batch, so it is served first but does not bound the time budget (it still counts as SLO
-risk for the batch size). The cost model does not price KV copies (the paper overlaps swaps with
-the forward pass: max(T_exec, T_swap)); swap cost enters only through the BE ordering.
+Refinements the paper leaves open: an RT request that misses its deadline even alone in a batch
+(residual below its own chunk's cost) cannot be saved by a smaller batch, so it is served first
+but neither bounds the time budget nor counts as SLO risk. Counted, it reset the batch size to 8
+nearly every step once requests ran late, and the small batches made everything later: a load
+vLLM serves at 100% TPOT attainment never drained (the bros experiment, seed 1). Admission never
+evicts a running RT request (§5.2: RT preempts BE blocks); only a running one that cannot grow does.
+The cost model does not price KV copies (the paper overlaps swaps with the forward pass:
+max(T_exec, T_swap)); swap cost enters only through the BE ordering.
 """
 from __future__ import annotations
 
@@ -136,18 +142,22 @@ class BROSScheduler(PulledQueues):
             # Eq. (6)'s residual: the time each iteration it still needs may take, for its next
             # token to be on time ("assuming the remaining tokens are scheduled consecutively").
             residual = (due[request] - now) / -(-lacking // per_iteration)
-            late = residual <= 0  # already late: served first, but it cannot bound the batch
-            residual = INF if late else residual
             cost = chunk_cost(computed, num_new)
+            if residual < cost + iteration:
+                # It misses its deadline even alone: served first, but no smaller batch saves it,
+                # so it neither bounds the batch nor counts as SLO risk.
+                residual = INF
             if batch.rt and batch.chunk_cost + cost + iteration > min(batch.budget, residual):
+                if not batch.has_seat(request):
+                    batch.seatless = True
+                    continue  # it could not join the batch anyway, so it puts no one at risk
                 batch.risk = batch.stop = True  # lines 11-12: it would push someone past a deadline
                 break
             # The draft counts seats; for real, KV is found (evicting if need be) and reserved.
             if not (batch.has_seat(request) if draft else self._make_room_for_rt(batch, request, num_new)):
                 batch.seatless = True
                 continue  # no seat or no KV for it (FindPreemptBlock found nothing)
-            batch.add(request, num_new, cost, residual, late=late)
-            batch.risk |= late
+            batch.add(request, num_new, cost, residual)
             if batch.chunk_cost + iteration > batch.budget:
                 batch.risk = batch.stop = True  # even the most urgent request alone is at risk
                 break
@@ -216,13 +226,12 @@ class BROSScheduler(PulledQueues):
         if draft.seatless:
             return None
         max_seqs = self.config.max_num_seqs
-        for request, (num_new, cost, residual, late) in zip(draft.rt, draft.rt_chunks):
+        for request, (num_new, cost, residual) in zip(draft.rt, draft.rt_chunks):
             seated = request.status is not WAITING or len(self.running) < max_seqs
             chunk = self.try_chunk(request, num_new) if seated else None
             if chunk is None:
                 return None
-            batch.add(request, num_new, cost, residual, late=late, chunk=chunk)
-            batch.risk |= late
+            batch.add(request, num_new, cost, residual, chunk=chunk)
         batch.risk |= draft.rt_stop
         batch.stop = draft.rt_stop
         return draft.capped
@@ -282,10 +291,12 @@ class BROSScheduler(PulledQueues):
 
     def _rt_victim(self, batch: Batch, request: Request) -> Request | None:
         """BE requests first: those the draft did not serve, newest first, then those it did,
-        newest first. RT victims are only ever younger than the request: the oldest RT request
-        can never be evicted, so RT requests cannot evict each other in a loop (urgency alone
-        could). Among them the latest deadline goes first, the earliest in the queue on ties;
-        unplanned first. A request that is held or gone never becomes a victim again within the
+        newest first. Only a running RT request that cannot grow evicts RT requests: §5.2 lets RT
+        preempt BE blocks alone, and admissions that evicted RT requests threw away half-done
+        prefills in a loop under memory pressure. RT victims are only ever younger than the
+        request: the oldest RT request can never be evicted, so RT requests cannot evict each
+        other in a loop (urgency alone could). Among them the latest deadline goes first, the
+        earliest in the queue on ties; unplanned first. A request that is held or gone never becomes a victim again within the
         step, so both orders are built once per batch and the BE one is walked with a cursor:
         in overload an RT request evicts one victim after another, and rescanning every running
         request for each was quadratic."""
@@ -295,6 +306,8 @@ class BROSScheduler(PulledQueues):
             batch.be_cursor += 1
         if batch.be_cursor < len(be):
             return be[batch.be_cursor]
+        if request.status is WAITING:
+            return None  # §5.2: an RT request is admitted onto free or BE blocks, never another RT's
         mine = self._seniority(request)
         if not rt or mine >= batch.youngest_rt:  # the common case in overload: a newcomer
             return None

@@ -37,7 +37,7 @@ class Batch:
         self.replaced: set[int] = set()  # RT requests a BE request replaced (in a draft)
         self.held: set[int] = set()  # the requests given a chunk
         self.rt: list[Request] = []  # urgency order
-        self.rt_chunks: list[tuple[int, float, float, bool]] = []  # (tokens, cost, residual, late), as `rt`
+        self.rt_chunks: list[tuple[int, float, float]] = []  # (tokens, cost, residual), as `rt`
         self.be: list[Request] = []
         self.be_chunks: list[tuple[int, float]] = []  # (tokens, cost), as `be`
         self.chunk_cost = 0.0
@@ -104,7 +104,7 @@ class Batch:
         return is_rt(request) and self.admitted < self.free_seats + self.evictable
 
     def add(self, request: Request, num_new: int, cost: float, residual: float | None = None,
-            at: int | None = None, late: bool = False, chunk: ScheduledChunk | None = None) -> None:
+            at: int | None = None, chunk: ScheduledChunk | None = None) -> None:
         """Put `request` in with a chunk of `num_new` tokens costing `cost`; an RT request brings
         its residual. For real, this admits it and reserves its chunk's KV (unless `chunk`, the
         caller's `try_chunk`, already did)."""
@@ -125,17 +125,17 @@ class Batch:
             return
         at = len(self.rt) if at is None else at
         self.rt.insert(at, request)
-        self.rt_chunks.insert(at, (num_new, cost, residual, late))
+        self.rt_chunks.insert(at, (num_new, cost, residual))
         if residual < self.budget:
             self.budget, self.budget_holders = residual, 1
         elif residual == self.budget:
             self.budget_holders += 1
 
-    def remove(self, at: int) -> tuple[Request, int, float, float, bool, int]:
+    def remove(self, at: int) -> tuple[Request, int, float, float, int]:
         """Take the RT request at `at` out of a draft; returns what `restore` needs to put it back."""
         assert self.out is None, "a chunk already reserved is never taken back"
         request = self.rt.pop(at)
-        num_new, cost, residual, late = self.rt_chunks.pop(at)
+        num_new, cost, residual = self.rt_chunks.pop(at)
         self.held.discard(id(request))
         self.chunk_cost -= cost
         self.tokens_left += num_new
@@ -148,9 +148,9 @@ class Batch:
                 residuals = [chunk[2] for chunk in self.rt_chunks]
                 self.budget = min(residuals, default=INF)
                 self.budget_holders = residuals.count(self.budget)
-        return request, num_new, cost, residual, late, at
+        return request, num_new, cost, residual, at
 
-    def restore(self, removed: tuple[Request, int, float, float, bool, int]) -> None:
-        request, num_new, cost, residual, late, at = removed
+    def restore(self, removed: tuple[Request, int, float, float, int]) -> None:
+        request, num_new, cost, residual, at = removed
         self.replaced.discard(id(request))
-        self.add(request, num_new, cost, residual, at, late)
+        self.add(request, num_new, cost, residual, at)

@@ -4,7 +4,7 @@ Each experiment is one module with a `run(scale="paper", seed=0) -> ExperimentRe
 
     kunserve   kunserve.txt §6: P99 TTFT under bursts, drop + lookahead vs vLLM and vLLM-PP
     ecoserve   ecoserve.txt §4: sustainable rate at equal normalized latency vs vLLM
-    (bros, bros.txt §6: RT latency and BE throughput vs fcfs and round-robin: not built yet)
+    bros       bros.txt §7.2.1: RT normalized latency and BE throughput vs vLLM (v1, v0) and RR
     conserve   conserve.txt §6: throughput and online P99 vs online-only and vLLM++
     all        every policy on one mixed workload (no paper made this comparison)
 
@@ -31,6 +31,7 @@ SCALES = ("paper", "ci")
 EXPERIMENTS: dict[str, str] = {
     "kunserve": "nanoserve.sim.experiments.kunserve:run",
     "ecoserve": "nanoserve.sim.experiments.ecoserve:run",
+    "bros": "nanoserve.sim.experiments.bros:run",
     "conserve": "nanoserve.sim.experiments.conserve:run",
     "all": "nanoserve.sim.experiments.mixed:run",
 }
