@@ -96,7 +96,7 @@ def test_all_workload_is_fixed_and_priority_protects_online_work():
     trace, rate, batch = mixed.workload("ci", 0)
     assert (trace, rate, batch) == mixed.workload("ci", 0)  # seeded: the same for every policy
     assert {r.priority for r in trace} == {"online", "offline"} and rate > 0 and batch > 0
-    runs = {policy: summarize(simulate(mixed.config(policy), trace)) for policy in ("fcfs", "priority")}
+    runs = {policy: summarize(simulate(mixed.config(policy, "ci"), trace)) for policy in ("fcfs", "priority")}
     # Serving online work first (vLLM++) must cut online tail latency against plain fcfs.
     assert runs["priority"]["online"].ttft_p99 * 2 < runs["fcfs"]["online"].ttft_p99
     assert runs["priority"]["all"].count == len(trace)

@@ -229,3 +229,20 @@ def test_summarize_real_simulation() -> None:
     assert summaries["all"].throughput_tok_s == pytest.approx(53 / result.duration)
     kv = kv_usage_summary(result)
     assert 0 < kv["mean"] <= kv["peak"] <= 1
+
+
+def test_horizon_cuts_the_run_and_unfinished_requests_count_as_waiting_misses() -> None:
+    # 40 requests of 200 output tokens at once: far more than 2 virtual seconds of work.
+    trace = [TraceRequest(0.0, 64, 200) for _ in range(40)]
+    full = simulate(CONFIG, trace)
+    cut = simulate(SimConfig(policy="fcfs", online_slo=CONFIG.online_slo, horizon=2.0), trace)
+    assert full.unfinished == 0 and 0 < cut.unfinished <= len(trace)
+    assert 2.0 <= cut.duration < full.duration and cut.steps < full.steps
+    left = [r for r in cut.records if r.e2e is None]
+    assert all(r.finish_reason is None and r.tpot is None for r in left)
+    online = summarize(cut)["online"]
+    assert online.unfinished == cut.unfinished and online.count == len(trace)
+    # Each unfinished request counts as an SLO miss and with at least the time it had waited.
+    assert online.slo_attainment <= 1 - cut.unfinished / len(trace)
+    assert online.e2e_p99 >= cut.duration - 1e-9
+    assert online.output_tokens == sum(r.output_len for r in cut.records if r.e2e is not None)

@@ -52,6 +52,7 @@ class Summary:
     throughput_tok_s: float  # output tokens / the run's duration
     throughput_req_s: float  # requests / the run's duration
     preemptions: int
+    unfinished: int = 0  # cut off by SimConfig.horizon: counted as SLO misses
 
 
 def percentile(values: Iterable[float | None], q: float) -> float:
@@ -76,12 +77,14 @@ def _maybe_percentile(values: list[float | None], q: float) -> float | None:
 def _summary(result: SimResult, request_class: str, records: list[RequestRecord]) -> Summary:
     config = result.config
     slos = {"online": config.online_slo, "offline": config.offline_slo}
-    ttfts = [r.ttft for r in records]
+    # A request the horizon cut off counts with the time it had waited by the end (a lower
+    # bound, so a policy that falls behind cannot look better by leaving work unfinished).
+    end = min((r.arrival for r in result.records), default=0.0) + result.duration
+    ttfts = [r.ttft if r.ttft is not None or r.e2e is not None else end - r.arrival for r in records]
     tpots = [r.tpot for r in records]
-    e2es = [r.e2e for r in records]
-    # A request that never finished has no e2e and contributes no normalized latency.
-    norm = [r.e2e / r.output_len for r in records if r.e2e is not None and r.output_len > 0]
-    tokens = sum(r.output_len for r in records)
+    e2es = [r.e2e if r.e2e is not None else end - r.arrival for r in records]
+    norm = [e2e / r.output_len for e2e, r in zip(e2es, records) if r.output_len > 0]
+    tokens = sum(r.output_len for r in records if r.e2e is not None)
     # Every class divides by the whole run's duration, so per-class throughputs add up to "all".
     duration = result.duration
     return Summary(
@@ -93,11 +96,13 @@ def _summary(result: SimResult, request_class: str, records: list[RequestRecord]
         e2e_p50=percentile(e2es, 50), e2e_p99=percentile(e2es, 99),
         norm_latency_mean=sum(norm) / len(norm), norm_latency_p50=percentile(norm, 50),
         norm_latency_p99=percentile(norm, 99),
-        slo_attainment=sum(slos[r.priority].attained(r.ttft, r.tpot) for r in records) / len(records),
+        slo_attainment=sum(r.e2e is not None and slos[r.priority].attained(r.ttft, r.tpot)
+                           for r in records) / len(records),
         output_tokens=tokens,
         throughput_tok_s=tokens / duration if duration > 0 else math.nan,
         throughput_req_s=len(records) / duration if duration > 0 else math.nan,
         preemptions=sum(r.preemptions for r in records),
+        unfinished=sum(r.e2e is None for r in records),
     )
 
 
