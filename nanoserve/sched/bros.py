@@ -145,9 +145,10 @@ class BROSScheduler(PulledQueues):
             cost = chunk_cost(computed, num_new)
             if residual < cost + iteration:
                 # It misses its deadline even alone: served first, but no smaller batch saves it,
-                # so it neither bounds the batch nor counts as SLO risk.
+                # so it neither bounds the batch nor counts as SLO risk. So the first request
+                # always fits, and a request that fits keeps the batch within its budget.
                 residual = INF
-            if batch.rt and batch.chunk_cost + cost + iteration > min(batch.budget, residual):
+            if batch.chunk_cost + cost + iteration > min(batch.budget, residual):
                 if not batch.has_seat(request):
                     batch.seatless = True
                     continue  # it could not join the batch anyway, so it puts no one at risk
@@ -158,9 +159,6 @@ class BROSScheduler(PulledQueues):
                 batch.seatless = True
                 continue  # no seat or no KV for it (FindPreemptBlock found nothing)
             batch.add(request, num_new, cost, residual)
-            if batch.chunk_cost + iteration > batch.budget:
-                batch.risk = batch.stop = True  # even the most urgent request alone is at risk
-                break
         return False
 
     def _select_be(self, batch: Batch, replace: bool, skip: set[int] = frozenset()) -> None:
@@ -296,10 +294,10 @@ class BROSScheduler(PulledQueues):
         prefills in a loop under memory pressure. RT victims are only ever younger than the
         request: the oldest RT request can never be evicted, so RT requests cannot evict each
         other in a loop (urgency alone could). Among them the latest deadline goes first, the
-        earliest in the queue on ties; unplanned first. A request that is held or gone never becomes a victim again within the
-        step, so both orders are built once per batch and the BE one is walked with a cursor:
-        in overload an RT request evicts one victim after another, and rescanning every running
-        request for each was quadratic."""
+        earliest in the queue on ties; unplanned first. A request that is held or gone never
+        becomes a victim again within the step, so both orders are built once per batch and the
+        BE one is walked with a cursor: in overload an RT request evicts one victim after
+        another, and rescanning every running request for each was quadratic."""
         be, rt = batch.victims if batch.victims is not None else self._victim_orders(batch)
         held, gone = batch.held, batch.gone
         while batch.be_cursor < len(be) and (id(be[batch.be_cursor]) in gone or id(be[batch.be_cursor]) in held):

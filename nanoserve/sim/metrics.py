@@ -77,12 +77,10 @@ def _maybe_percentile(values: list[float | None], q: float) -> float | None:
 def _summary(result: SimResult, request_class: str, records: list[RequestRecord]) -> Summary:
     config = result.config
     slos = {"online": config.online_slo, "offline": config.offline_slo}
-    # A request the horizon cut off counts with the time it had waited by the end (a lower
-    # bound, so a policy that falls behind cannot look better by leaving work unfinished).
-    end = min((r.arrival for r in result.records), default=0.0) + result.duration
-    ttfts = [r.ttft if r.ttft is not None or r.e2e is not None else end - r.arrival for r in records]
+    # A request the horizon cut off counts with the time it had waited (`SimResult.waited`).
+    ttfts = [result.waited(r) if r.ttft is None and r.e2e is None else r.ttft for r in records]
     tpots = [r.tpot for r in records]
-    e2es = [r.e2e if r.e2e is not None else end - r.arrival for r in records]
+    e2es = [result.waited(r) for r in records]
     norm = [e2e / r.output_len for e2e, r in zip(e2es, records) if r.output_len > 0]
     tokens = sum(r.output_len for r in records if r.e2e is not None)
     # Every class divides by the whole run's duration, so per-class throughputs add up to "all".

@@ -30,6 +30,7 @@ do not count; a backlog makes it the BE capacity left beside the RT load.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
@@ -79,13 +80,9 @@ def rt_trace(setup: Setup, rate: float, seed: int) -> list[TraceRequest]:
     return make_trace(poisson_arrivals(rate, duration=setup.duration, seed=seed), RT_LENGTHS, seed=seed + 1)
 
 
-def run_end(result: SimResult) -> float:
-    return min((r.arrival for r in result.records), default=0.0) + result.duration
-
-
 def be_busy_seconds(result: SimResult) -> float:
     """Length of the union of BE requests' [arrival, finish] intervals (unfinished: to the end)."""
-    end = run_end(result)
+    end = result.end
     spans = sorted((r.arrival, r.arrival + r.e2e if r.e2e is not None else end)
                    for r in result.records if r.priority == "offline" and r.arrival <= end)
     total, end = 0.0, -math.inf
@@ -101,14 +98,13 @@ def rt_stats(result: SimResult, slo: SLO) -> dict[str, float]:
     in the normalized latency with the time it had waited so far (a lower bound)."""
     rt = [r for r in result.records if r.priority == "online"]
     be = [r for r in result.records if r.priority == "offline"]
-    busy, end = be_busy_seconds(result), run_end(result)
-    waited = [(r.e2e if r.e2e is not None else end - r.arrival) for r in rt]
+    busy = be_busy_seconds(result)
     return {
         # §7.1: "the mean of each RT request's end-to-end latency divided by the number of its output tokens"
-        "rt_norm_latency": sum(w / r.output_len for w, r in zip(waited, rt)) / len(rt),
+        "rt_norm_latency": sum(result.waited(r) / r.output_len for r in rt) / len(rt),
         "rt_ttft_attainment": sum(r.ttft is not None and r.ttft <= slo.ttft for r in rt) / len(rt),
         "rt_tpot_attainment": sum(r.e2e is not None and (r.tpot is None or r.tpot <= slo.tpot) for r in rt) / len(rt),
-        "rt_ttft_p50": _median([r.ttft if r.ttft is not None else math.inf for r in rt]),
+        "rt_ttft_p50": statistics.median(r.ttft if r.ttft is not None else math.inf for r in rt),
         "rt_unfinished": sum(r.e2e is None for r in rt),
         "be_unfinished": sum(r.e2e is None for r in be),
         "be_throughput_req_s": sum(r.e2e is not None for r in be) / busy if busy > 0 else math.nan,
@@ -118,12 +114,6 @@ def rt_stats(result: SimResult, slo: SLO) -> dict[str, float]:
         "copy_s": result.copy_seconds,
         "steps": result.steps,
     }
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def be_batch_alone_seconds(setup: Setup, seed: int) -> float:
