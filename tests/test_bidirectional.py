@@ -248,6 +248,7 @@ def test_rt_never_overwrites_a_pinned_sequence():
     with pytest.raises(NoFreeBlocksError):
         m.grow("rt", 1, best_effort=False)
     m.pinned.clear()
+    assert m.can_grow("rt", 1, best_effort=False)  # nothing else changed: the remembered miss is stale
     h.run(m.grow("rt", 1, best_effort=False))
     assert m.missing_positions("be") == [3]
     m.check_invariants()
@@ -343,6 +344,17 @@ class BidirectionalMachine(RuleBasedStateMachine):
         self.h.run(copies)
         assert m.num_tokens(seq) == max(start, target) and not m.missing_positions(seq)
         self.h.write(seq, start, max(start, target))
+
+    @rule(asks=st.lists(st.tuples(RT_SEQS, st.integers(0, 40)), min_size=2, max_size=8))
+    def ask_rt_in_a_row(self, asks):
+        """RT questions with nothing changing between them, as BROS asks its waiting queue: an
+        answer taken from a remembered miss is the one a full search gives."""
+        m = self.m
+        answers = [(seq, target, m.can_grow(seq, target, best_effort=False))
+                   for seq, extra in asks for target in [(m.num_tokens(seq) if m.has(seq) else 0) + extra]]
+        for seq, target, can in answers:
+            m._rt_miss = None  # forget, so that this answer comes from a search
+            assert m.can_grow(seq, target, best_effort=False) == can, (seq, target)
 
     @rule(seq=st.one_of(RT_SEQS, BE_SEQS), pin=st.booleans())
     def pin(self, seq, pin):

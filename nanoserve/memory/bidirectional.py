@@ -55,10 +55,14 @@ class BidirectionalBlockManager(FastGrowth):
         """Whether `grow` would succeed; exact, and changes nothing."""
         if self._in_place(seq_id, num_tokens, best_effort) is not None:
             return True  # most decode steps
-        if not best_effort and self._no_block_for_rt_page(seq_id, num_tokens):
+        if not best_effort and (self._no_block_for_rt_page(seq_id, num_tokens)
+                                or self._known_rt_miss(seq_id, num_tokens)):
             return False
         if not (self.has(seq_id) and self._seqs[seq_id].host_pages):
-            return self.can_allocate(seq_id, num_tokens, best_effort=best_effort)
+            fits = self.can_allocate(seq_id, num_tokens, best_effort=best_effort)
+            if not (fits or best_effort):
+                self._note_rt_miss(seq_id, num_tokens)
+            return fits
         # Growth after a restore depends on where the restore puts the pages and which host
         # blocks it frees: run both on a throwaway copy rather than predict them.
         trial = self.what_if(HostLedger(self.host.num_free_blocks, self.block_size, self.host.num_blocks))
@@ -238,6 +242,7 @@ class BidirectionalBlockManager(FastGrowth):
     # -- applying ------------------------------------------------------------------------
     def _commit(self, seq_id: SeqId, plan: _Plan, num_tokens: int, held: list[int] | None = None) -> list[KVCopy]:
         """Apply `plan`. The host blocks of restored pages are freed, or added to `held`."""
+        self.generation += 1
         state = self._seqs[seq_id]
         sides = self._be if state.best_effort else self._rt
         # Blocks to refile: each side that changes owner or fill, or whose BE page loses slots.
@@ -289,6 +294,7 @@ class BidirectionalBlockManager(FastGrowth):
         return copies
 
     def _drop(self, seq_id: SeqId, host_reserve: int) -> DropResult:
+        self.generation += 1
         state = self._seqs[seq_id]
         saves = [((seq_id, page), p) for page in range(len(state.pages)) for p in self._resident(seq_id, page)]
         if self._host_blocks_needed(saves) > self.host.num_free_blocks - host_reserve:

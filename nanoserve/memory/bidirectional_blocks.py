@@ -58,6 +58,8 @@ class BidirectionalBlocks:
         # Sequences whose device slots this step's forward pass reads: an RT page may not
         # overwrite them. The caller (the KVManager adapter) fills it and clears it each step.
         self.pinned: set[SeqId] = set()
+        # Bumped by every mutation, so an answer can be remembered until the state changes.
+        self.generation = 0
         # Event counters, so callers and tests can see which mechanism ran.
         self.preemptions = 0  # RT pages placed on a block with a live BE page
         self.overwrites = 0  # BE pages that lost slots to an RT page
@@ -121,6 +123,7 @@ class BidirectionalBlocks:
 
     def free(self, seq_id: SeqId) -> None:
         """Release every device and host block of `seq_id`. Freeing an unknown id is a no-op."""
+        self.generation += 1
         state = self._seqs.pop(seq_id, None)
         self.pinned.discard(seq_id)
         if state is None:

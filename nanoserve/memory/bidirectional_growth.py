@@ -21,6 +21,37 @@ def _any_block(block: int) -> bool:
 
 
 class FastGrowth(BidirectionalBlocks):
+    # (generation, pins, fewest positions) of a fresh RT sequence that could not grow; see `_known_rt_miss`.
+    _rt_miss: tuple[int, frozenset, int] | None = None
+
+    def _known_rt_miss(self, seq_id: SeqId, num_tokens: int) -> bool:
+        """Whether an RT sequence growing to `num_tokens` is known not to fit: a new one of at most
+        that many positions did not, and nothing changed since. In overload BROS asks this of
+        hundreds of waiting RT requests a step; between two mutations only the first costs a search.
+
+        Exact, because a new RT sequence of n positions needs the first ceil(n / B) blocks of
+        FindPreemptBlock's ranking, which does not depend on who asks, and saves the BE slots
+        under [0, fill) of each: a larger one needs a superset. An RT sequence that is wholly
+        swapped out (RT pages leave the device whole) needs no less to come back and grow to n:
+        the same blocks, the same saves, and less host room, since its host blocks are freed
+        only after the restore."""
+        miss = self._rt_miss
+        if miss is None or miss[0] != self.generation or miss[1] != self.pinned:
+            return False
+        state = self._seqs.get(seq_id)
+        if state is not None:
+            if state.best_effort or any(block is not None for block in state.pages):
+                return False
+            num_tokens = max(num_tokens, state.num_tokens)
+        return num_tokens >= miss[2]
+
+    def _note_rt_miss(self, seq_id: SeqId, num_tokens: int) -> None:
+        if seq_id in self._seqs:
+            return
+        miss = self._rt_miss
+        if miss is not None and miss[0] == self.generation and miss[1] == self.pinned:
+            num_tokens = min(num_tokens, miss[2])
+        self._rt_miss = (self.generation, frozenset(self.pinned), num_tokens)
     def _in_place(self, seq_id: SeqId, num_tokens: int, best_effort: bool) -> SeqState | None:
         """The sequence, if its growth adds no page and stays clear of the page on the other side
         of its last block (if any): nothing to save, move or restore, so nothing to plan."""
@@ -65,6 +96,7 @@ class FastGrowth(BidirectionalBlocks):
 
     def _grow_in_place(self, state: SeqState, num_tokens: int) -> None:
         """Growth `_in_place` allowed: more of the last page, so only its block's key goes stale."""
+        self.generation += 1
         if num_tokens > state.num_tokens:
             state.num_tokens = num_tokens
             self._stale.add(state.pages[-1])  # type: ignore[arg-type]
@@ -73,6 +105,7 @@ class FastGrowth(BidirectionalBlocks):
         """`_commit` of the plan `_fresh_pages` stands for: `count` new pages on the lowest free
         blocks. The new blocks are filed at once (they leave FREE); the last page, if its fill grows,
         is only marked stale, as for growth in place."""
+        self.generation += 1
         state = self._seqs.get(seq_id)
         if state is None:
             state = self._seqs[seq_id] = SeqState(best_effort)

@@ -78,7 +78,10 @@ from nanoserve.sched.bros_queue import PulledQueues
 
 class BROSScheduler(PulledQueues):
     initial_batch_size = 8  # §4.2 "start with a conservative batch size"
-    batch_size_step = 1  # additive increase per step without SLO risk
+    # Additive increase per step without SLO risk. The paper's increment is lost from its text
+    # ("we increase the batch size: to include more BE requests"); TCP's additive increase, which
+    # §4.2 names as the model, is one segment per round trip: one request per iteration here.
+    batch_size_step = 1
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
