@@ -20,18 +20,21 @@ import contextlib
 import uuid
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 
 from nanoserve.async_engine import AsyncEngine, EngineError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.slo import SLO
 from nanoserve.server import protocol as P
-from nanoserve.server.errors import APIError, install_error_handlers, model_not_found
+from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
+from nanoserve.server.batches import BatchService
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
 
 T = TypeVar("T")
@@ -82,9 +85,11 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+async def _unless_disconnected(request: Request | None, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it if the client goes away first (a non-streaming response
-    would otherwise keep generating for nobody)."""
+    would otherwise keep generating for nobody). No request: a batch line, nobody to lose."""
+    if request is None:
+        return await work
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_until_disconnected(request))
     try:
@@ -206,7 +211,7 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     # -- /v1/completions ---------------------------------------------------------------------
-    async def completions(self, req: P.CompletionRequest, raw: Request) -> Any:
+    async def completions(self, req: P.CompletionRequest, raw: Request | None) -> Any:
         self.admit(req)
         tok = self.engine.tokenizer
         prompts = [tok.encode(p) if isinstance(p, str) and tok is not None else p for p in req.prompt]
@@ -222,7 +227,7 @@ class OpenAIServer:
         return P.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens)
 
     # -- /v1/chat/completions ----------------------------------------------------------------
-    async def chat(self, req: P.ChatCompletionRequest, raw: Request) -> Any:
+    async def chat(self, req: P.ChatCompletionRequest, raw: Request | None) -> Any:
         self.admit(req)
         tok = self.engine.tokenizer
         if tok is None:
@@ -246,6 +251,27 @@ class OpenAIServer:
         finals = await _unless_disconnected(raw, self.final_outputs(choices))
         return P.chat_response(head, finals, self.tokenizer, top_n, len(ids))
 
+    # -- one line of a batch -----------------------------------------------------------------
+    async def run_batch_request(self, url: str, body: Any) -> dict:
+        """A batch line's request, run as the offline class whatever its body says: the response
+        body, or APIError for a line the endpoint itself would have refused."""
+        endpoint = {"/v1/completions": (P.CompletionRequest, self.completions),
+                    "/v1/chat/completions": (P.ChatCompletionRequest, self.chat)}.get(url)
+        if endpoint is None:
+            raise APIError(f"Unsupported url {url!r}: a batch line may call /v1/completions or "
+                           "/v1/chat/completions.", param="url")
+        model, handler = endpoint
+        if not isinstance(body, dict):
+            raise APIError("A batch line's body must be a JSON object.", param="body")
+        try:
+            req = model.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(list(exc.errors())) from exc
+        if req.stream:
+            raise APIError("stream is not allowed in a batch request.", param="stream")
+        req.priority = "offline"
+        return await handler(req, None)
+
     # -- the rest ----------------------------------------------------------------------------
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card()]}
@@ -255,24 +281,31 @@ class OpenAIServer:
                 "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
+               state_dir: str | Path | None = None) -> FastAPI:
     """Build the app around an AsyncEngine. The app starts the engine thread if it is not
-    running yet, and then also stops it when the app shuts down."""
+    running yet, and then also stops it when the app shuts down. `state_dir` keeps uploaded
+    files and batches across restarts (None: a temporary directory, gone with the process)."""
     server = OpenAIServer(engine, served_model_name or engine.model_name)
+    batches = BatchService(server, state_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = not engine.is_running
         engine.start()
+        await batches.start()  # resumes the batches a previous run left unfinished
         try:
             yield
         finally:
+            await batches.stop()  # persists where every batch stands
             if owned:
                 await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="nanoserve", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
     app.state.server = server
+    app.state.batches = batches
     install_error_handlers(app, on_error=server.metrics.observe_error)
+    app.include_router(batches.router)
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, raw: Request) -> Any:
