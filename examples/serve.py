@@ -71,8 +71,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds to the first token an online request is promised (its class default)")
     p.add_argument("--online-tpot", type=float, default=DEFAULT_SLOS["online"].tpot,
                    help="seconds per later output token an online request is promised")
+    p.add_argument("--state-dir", default=None,
+                   help="directory that keeps uploaded files and batches across restarts (default: a temporary one)")
+    p.add_argument("--max-queued", type=int, default=None,
+                   help="online requests that may wait to start; past it they get 429 with Retry-After")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which any request is cut off with a 408 (a body's `timeout` may shorten it)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds to let requests in flight finish before cutting them off")
+    p.add_argument("--no-request-log", action="store_true", help="no JSON line per finished request on stderr")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus: from the first SIGTERM or Ctrl-C on, new requests get 503 and /health
+    fails (so a load balancer stops sending), while uvicorn lets the requests in flight finish
+    (up to --shutdown-timeout). Then the app's shutdown persists the batches and stops the engine."""
+
+    def __init__(self, config: uvicorn.Config, admission) -> None:
+        super().__init__(config)
+        self.admission = admission
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.admission.draining:
+            log.info("signal %d: draining (no new requests; those in flight finish)", sig)
+        self.admission.draining = True
+        super().handle_exit(sig, frame)
+
+
+def _request_log(enabled: bool) -> None:
+    """The request log: bare JSON lines on stderr, one per request, apart from the text log."""
+    request_log = logging.getLogger("nanoserve.requests")
+    request_log.propagate = False
+    request_log.setLevel(logging.INFO if enabled else logging.WARNING)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    request_log.addHandler(handler)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,15 +134,19 @@ def main(argv: list[str] | None = None) -> None:
         online_slo=SLO(ttft=args.online_ttft, tpot=args.online_tpot),
     ))
     async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, served_model_name=args.served_model_name)
+    app = create_app(async_engine, served_model_name=args.served_model_name, state_dir=args.state_dir,
+                     max_queued=args.max_queued, request_timeout=args.request_timeout)
+    _request_log(enabled=not args.no_request_log)
     name = args.served_model_name or async_engine.model_name
     stats = async_engine.stats()
     log.info("model %s: max_model_len %d, KV cache %d blocks of %d tokens", name, async_engine.max_model_len,
              stats.kv_blocks_total, args.block_size)
     log.info("serving on http://%s:%d/v1  (health: /health, metrics: /metrics)", args.host, args.port)
     async_engine.start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        DrainingServer(config, app.state.server.admission).run()
     finally:
         async_engine.shutdown()  # also when uvicorn exits on Ctrl-C or fails to bind
         engine.shutdown()  # and its tensor-parallel workers

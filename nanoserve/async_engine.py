@@ -18,9 +18,10 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from nanoserve.engine import Engine, EngineStats
 from nanoserve.outputs import RequestOutput
@@ -59,6 +60,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+        # Called from the engine thread with each step's wall-clock seconds (the server's metrics).
+        self.step_observers: list[Callable[[float], None]] = []
         self.last_error: str | None = None
         self._deferred: list[_Abort | None] = []  # inbox messages that must wait for the step's end
         # ConServe's Alg. 2 runs when an online request arrives, which may be in the middle of a
@@ -206,7 +209,10 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
                 continue
             try:
+                started = time.perf_counter()
                 outputs = self.engine.step()
+                for observe in self.step_observers:
+                    observe(time.perf_counter() - started)
             except Exception as exc:
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self.last_error = f"{type(exc).__name__}: {exc}"

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
 from nanoserve.async_engine import AsyncEngine, EngineError
@@ -33,12 +33,11 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.slo import SLO
 from nanoserve.server import protocol as P
-from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
+from nanoserve.server.admission import Admission
 from nanoserve.server.batches import BatchService
-from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
-
-T = TypeVar("T")
-
+from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
+from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, log_request, render
+from nanoserve.server.streaming import EventStream, unless_disconnected
 
 @dataclass(frozen=True)
 class Choice:
@@ -50,66 +49,20 @@ class Choice:
     request_id: str
     priority: str = "online"
     slo: SLO | None = None  # None: the class's targets
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that notices a client disconnect even while waiting for the next token,
-    and always closes its body iterator, so the generation behind it is aborted promptly."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        # no-cache and no proxy buffering: each token must reach the client when it is made
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-                async def run_then_cancel(func: Any) -> None:
-                    try:
-                        await func()
-                    except OSError:  # the socket died mid-send: same as a disconnect
-                        pass
-                    finally:
-                        group.cancel_scope.cancel()
-
-                group.start_soon(run_then_cancel, partial(self.stream_response, send))
-                await run_then_cancel(partial(self.listen_for_disconnect, receive))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request | None, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client goes away first (a non-streaming response
-    would otherwise keep generating for nobody). No request: a batch line, nobody to lose."""
-    if request is None:
-        return await work
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        # 499 is nginx's "client closed request"; nobody reads it, but logs and metrics do.
-        raise APIError("The client disconnected before the response was ready.", 499, type="client_closed_request")
-    finally:
-        task.cancel()
-        watcher.cancel()
+    deadline: float | None = None  # time.monotonic() by which it must finish, else it is cut off
 
 
 class OpenAIServer:
     """The routes' logic, kept off the FastAPI objects so it reads top to bottom."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, *, max_queued: int | None = None,
+                 request_timeout: float | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.metrics = ServerMetrics()
+        engine.step_observers.append(self.metrics.observe_step)
+        self.admission = Admission(max_queued)
+        self.request_timeout = request_timeout  # seconds; a body's `timeout` may only shorten it
         self.created = P.now()
 
     @property
@@ -123,6 +76,8 @@ class OpenAIServer:
         req.check_supported()
         if not self.engine.is_running:
             raise APIError(f"The engine is not running ({self.engine.last_error or 'stopped'}).", 503)
+        if self.admission.draining:
+            self.admission.check(req.priority, 1)  # raises: the server is shutting down
 
     def plan(self, req: P._SamplingRequest, prompts: list[str | list[int]], max_tokens: int | None,
              logprobs: int | None, prefix: str, prompt_field: str, max_tokens_field: str = "max_tokens",
@@ -131,6 +86,8 @@ class OpenAIServer:
         Without max_tokens a choice may use the rest of the context, as in vLLM."""
         choices: list[Choice] = []
         n = req.n or 1
+        limits = [t for t in (self.request_timeout, req.timeout) if t is not None]
+        deadline = time.monotonic() + min(limits) if limits else None
         slo = None
         if req.slo is not None:  # targets left out keep the class's defaults
             slo = replace(self.engine.default_slo(req.priority), **req.slo.model_dump(exclude_unset=True))
@@ -145,32 +102,55 @@ class OpenAIServer:
                         long = "context length" in str(exc)
                         raise APIError(str(exc), param=max_tokens_field if long and max_tokens is not None
                                        else prompt_field) from exc
-                choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}", req.priority, slo))
+                choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}", req.priority, slo,
+                                      deadline))
+        # Last, once the request is known to be valid: a malformed one is a 400, never a 429.
+        self.admission.check(req.priority, len(choices), self.engine.is_running)
         return choices
 
     # -- running -----------------------------------------------------------------------------
     async def outputs(self, choices: list[Choice]) -> P.Outputs:
-        """Merge the output streams of all choices, in arrival order, until every one finishes."""
+        """Merge the output streams of all choices, in arrival order, until every one finishes
+        (or the earliest deadline passes: then a 408, and the rest are aborted)."""
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        admission = self.admission
 
         async def pump(choice: Choice) -> None:
+            admission.entered(choice.priority)
+            last: RequestOutput | None = None
             try:
                 async for out in self.engine.generate(choice.token_ids, choice.params, choice.request_id,
                                                       priority=choice.priority, slo=choice.slo):
+                    if last is None:
+                        admission.left(choice.priority, started=True)
+                    last = out
                     queue.put_nowait((choice.index, out))
             except Exception as exc:  # CancelledError passes: it means we are being torn down
                 queue.put_nowait((choice.index, exc))
+            finally:
+                if last is None:
+                    admission.left(choice.priority, started=False)
+                finished = last is not None and last.finished
+                log_request(choice.request_id, choice.priority, len(choice.token_ids), last,
+                            None if finished else "abort")
+                if finished:
+                    self.metrics.observe_finished(last, choice.priority)
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
         remaining = len(choices)
+        deadline = min((c.deadline for c in choices if c.deadline is not None), default=None)
         try:
             while remaining:
-                index, item = await queue.get()
+                try:
+                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    index, item = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise APIError("The request timed out before it finished; its generation was stopped.",
+                                   408, code="request_timeout") from None
                 if isinstance(item, BaseException):
                     raise self._as_api_error(item)
                 if item.finished:
                     remaining -= 1
-                    self.metrics.observe_finished(item)
                 yield index, item
         finally:
             for task in tasks:  # a no-op for finished ones; aborts the rest
@@ -223,7 +203,7 @@ class OpenAIServer:
             return EventStream(self.stream(choices, partial(
                 P.completion_events, head=head, n=len(choices), tokenizer=self.tokenizer, logprobs=req.logprobs,
                 include_usage=req.include_usage, prompt_tokens=prompt_tokens)))
-        finals = await _unless_disconnected(raw, self.final_outputs(choices))
+        finals = await unless_disconnected(raw, self.final_outputs(choices))
         return P.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens)
 
     # -- /v1/chat/completions ----------------------------------------------------------------
@@ -248,7 +228,7 @@ class OpenAIServer:
             return EventStream(self.stream(choices, partial(
                 P.chat_events, head={**head, "object": "chat.completion.chunk"}, n=len(choices),
                 tokenizer=self.tokenizer, top_n=top_n, include_usage=req.include_usage, prompt_tokens=len(ids))))
-        finals = await _unless_disconnected(raw, self.final_outputs(choices))
+        finals = await unless_disconnected(raw, self.final_outputs(choices))
         return P.chat_response(head, finals, self.tokenizer, top_n, len(ids))
 
     # -- one line of a batch -----------------------------------------------------------------
@@ -282,11 +262,15 @@ class OpenAIServer:
 
 
 def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
-               state_dir: str | Path | None = None) -> FastAPI:
+               state_dir: str | Path | None = None, max_queued: int | None = None,
+               request_timeout: float | None = None) -> FastAPI:
     """Build the app around an AsyncEngine. The app starts the engine thread if it is not
     running yet, and then also stops it when the app shuts down. `state_dir` keeps uploaded
-    files and batches across restarts (None: a temporary directory, gone with the process)."""
-    server = OpenAIServer(engine, served_model_name or engine.model_name)
+    files and batches across restarts (None: a temporary directory, gone with the process);
+    `max_queued` bounds the online requests waiting to start (429 past it, see admission.py);
+    `request_timeout` cuts off any request after that many seconds (408)."""
+    server = OpenAIServer(engine, served_model_name or engine.model_name, max_queued=max_queued,
+                          request_timeout=request_timeout)
     batches = BatchService(server, state_dir)
 
     @contextlib.asynccontextmanager
@@ -327,13 +311,16 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
 
     @app.get("/health")
     async def health() -> Any:
+        if server.admission.draining:
+            return APIError("The server is shutting down.", 503).response()
         if engine.is_running:
             return {"status": "ok"}
         return APIError(f"The engine is not running ({engine.last_error or 'stopped'}).", 503).response()
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = render(engine.stats(), server.metrics, server.model_name, engine.is_running)
+        text = render(engine.stats(), server.metrics, server.model_name, engine.is_running,
+                      server.admission.queued, server.admission.rejected)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     return app

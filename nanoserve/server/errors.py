@@ -24,18 +24,19 @@ log = logging.getLogger("nanoserve.server")
 
 # OpenAI's error `type` per status; clients key retry logic off the status, humans off the type.
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error", 500: "server_error",
-          503: "service_unavailable_error"}
+          408: "timeout_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):
     """An error to send to the client as-is. Raise it anywhere inside a route."""
 
     def __init__(self, message: str, status: int = 400, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None, type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.headers = headers or {}
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
@@ -44,7 +45,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def model_not_found(name: str) -> APIError:

@@ -13,7 +13,11 @@ request finishes and kept here as histograms, because that is the only place tha
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -21,9 +25,11 @@ from nanoserve.engine import EngineStats
 from nanoserve.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+request_log = logging.getLogger("nanoserve.requests")
 
 # Seconds. Wide on purpose: a CPU serves a token in tens of ms, a busy queue takes minutes.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -57,6 +63,11 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = [0] * len(self.buckets)
 
+    def copy(self) -> Histogram:
+        twin = Histogram(self.buckets)
+        twin.counts, twin.total, twin.count = list(self.counts), self.total, self.count
+        return twin
+
     def observe(self, value: float) -> None:
         self.total += value
         self.count += 1
@@ -73,28 +84,46 @@ class Histogram:
         yield f"{name}_count{_labels(labels)} {self.count}"
 
 
+@dataclass
+class ClassLatencies:
+    """The latency histograms of one request class."""
+
+    ttft: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+
+
 class ServerMetrics:
     """Request-level metrics the server observes; rendered together with the engine's stats."""
 
     def __init__(self) -> None:
-        self.ttft = Histogram(LATENCY_BUCKETS)
-        self.tpot = Histogram(LATENCY_BUCKETS)
-        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.by_class = {"online": ClassLatencies(), "offline": ClassLatencies()}
         self.prompt_len = Histogram(TOKEN_BUCKETS)
         self.output_len = Histogram(TOKEN_BUCKETS)
         self.finished: dict[str, int] = {}  # by finish reason
         self.errors: dict[str, int] = {}  # by OpenAI error type, for requests refused or failed
+        self._step_seconds = Histogram(STEP_BUCKETS)  # observed by the engine thread
+        self._step_lock = threading.Lock()
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        m = output.metrics
+    def observe_step(self, seconds: float) -> None:
+        with self._step_lock:
+            self._step_seconds.observe(seconds)
+
+    def step_seconds(self) -> Histogram:
+        """A consistent copy, safe to render while the engine thread observes."""
+        with self._step_lock:
+            return self._step_seconds.copy()
+
+    def observe_finished(self, output: RequestOutput, priority: str = "online") -> None:
+        m, latencies = output.metrics, self.by_class.setdefault(priority, ClassLatencies())
         reason = output.finish_reason or "unknown"
         self.finished[reason] = self.finished.get(reason, 0) + 1
         if m.ttft is not None:
-            self.ttft.observe(m.ttft)
+            latencies.ttft.observe(m.ttft)
         if m.tpot is not None:
-            self.tpot.observe(m.tpot)
+            latencies.tpot.observe(m.tpot)
         if m.e2e is not None:
-            self.e2e.observe(m.e2e)
+            latencies.e2e.observe(m.e2e)
         self.prompt_len.observe(m.num_prompt_tokens)
         self.output_len.observe(m.num_output_tokens)
 
@@ -111,7 +140,8 @@ def _metric(name: str, kind: str, help_text: str, samples: Iterable[str]) -> lis
     return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
 
 
-def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_alive: bool) -> str:
+def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_alive: bool,
+           queued: dict[str, int], rejected: int) -> str:
     """The whole /metrics page."""
     model = {"model_name": model_name}
 
@@ -124,6 +154,11 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
         *simple("nanoserve_requests_running", "gauge", "Requests scheduled in the running batch.", stats.num_running),
         *simple("nanoserve_requests_waiting", "gauge", "Requests queued, waiting for KV memory or a slot.",
                 stats.num_waiting),
+        *_metric("nanoserve_requests_queued", "gauge",
+                 "Requests admitted by the server that have no first token yet, per class (what --max-queued bounds).",
+                 [f"nanoserve_requests_queued{_labels({**model, 'priority': c})} {n}" for c, n in sorted(queued.items())]),
+        *simple("nanoserve_requests_rejected_total", "counter",
+                "Requests turned away with 429 (queue full) or 503 (shutting down).", rejected),
         *simple("nanoserve_kv_blocks_used", "gauge", "KV cache blocks held by requests.", stats.kv_blocks_used),
         *simple("nanoserve_kv_blocks_total", "gauge", "KV cache blocks in the pool.", stats.kv_blocks_total),
         *simple("nanoserve_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0..1).", usage),
@@ -155,12 +190,38 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
                  [f"nanoserve_request_errors_total{_labels({**model, 'type': t})} {n}"
                   for t, n in sorted(server.errors.items())]),
     ]
+    for name, attr, help_text in (
+        ("nanoserve_time_to_first_token_seconds", "ttft", "Time from arrival to the first token, per class."),
+        ("nanoserve_time_per_output_token_seconds", "tpot", "Mean gap between output tokens, per class."),
+        ("nanoserve_e2e_request_latency_seconds", "e2e", "Time from arrival to the last token, per class."),
+    ):
+        samples = [line for c, latencies in sorted(server.by_class.items())
+                   for line in getattr(latencies, attr).lines(name, {**model, "priority": c})]
+        lines += _metric(name, "histogram", help_text, samples)
     for name, hist, help_text in (
-        ("nanoserve_time_to_first_token_seconds", server.ttft, "Time from arrival to the first token."),
-        ("nanoserve_time_per_output_token_seconds", server.tpot, "Mean gap between output tokens."),
-        ("nanoserve_e2e_request_latency_seconds", server.e2e, "Time from arrival to the last token."),
         ("nanoserve_request_prompt_tokens", server.prompt_len, "Prompt length of finished requests."),
         ("nanoserve_request_generation_tokens", server.output_len, "Output length of finished requests."),
+        ("nanoserve_scheduler_step_seconds", server.step_seconds(), "Wall-clock time of one engine step (schedule + forward)."),
     ):
         lines += _metric(name, "histogram", help_text, hist.lines(name, model))
     return "\n".join(lines) + "\n"
+
+
+def log_request(request_id: str, priority: str, prompt_tokens: int, last: RequestOutput | None,
+                cut_short: str | None) -> None:
+    """One JSON line per request, when it ends: `finish_reason` is the engine's (stop, length),
+    or `cut_short` (abort: the client left, a sibling choice failed, a deadline passed)."""
+    if not request_log.isEnabledFor(logging.INFO):
+        return
+    m = last.metrics if last is not None else None
+    request_log.info(json.dumps({
+        "ts": round(time.time(), 3), "event": "request", "id": request_id, "class": priority, "prompt_tokens": prompt_tokens,
+        "output_tokens": len(last.token_ids) if last is not None else 0,
+        "ttft_s": _rounded(m.ttft if m else None), "tpot_s": _rounded(m.tpot if m else None),
+        "e2e_s": _rounded(m.e2e if m else None), "preemptions": m.num_preemptions if m else 0,
+        "finish_reason": cut_short or (last.finish_reason if last is not None else None),
+    }))
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)

@@ -68,6 +68,7 @@ class _SamplingRequest(BaseModel):
     user: StrictStr | None = None
     priority: Literal["online", "offline"] = "online"  # nanoserve's request class (vLLM takes a priority too)
     slo: SLOTargets | None = None
+    timeout: Seconds | None = None  # nanoserve: seconds until the server cuts the request off (408)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Penalty | None = None

@@ -1,0 +1,78 @@
+"""Back-pressure: which requests the server takes in, and what it tells the ones it turns away.
+
+A queue that grows without bound serves nobody: every request waits behind all the others, and
+clients time out after the server has already spent KV memory on them. So, as vLLM's and
+OpenAI's servers do, nanoserve refuses work it cannot start soon and says when to come back:
+
+- `max_queued` bounds the online requests admitted but not yet started (no first token). Past
+  it an online request gets 429 `rate_limit_exceeded` with a `Retry-After` header: the seconds
+  the queue ahead of it takes to drain at the rate requests have been starting lately.
+- Offline requests (`"priority": "offline"`, and every batch line) are never refused, only
+  queued: they are the work that fills the gaps, and a batch must not fail because the server
+  was busy when a line's turn came. They do not count against the bound either.
+- While the server drains for shutdown (SIGTERM) or its engine is down, everything new gets
+  503 with `Retry-After`: the request is fine, this process is going away.
+
+All counting happens on the event loop, the only thread that admits and starts requests, so
+the check and the count it guards cannot race.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+from nanoserve.server.errors import APIError
+
+RATE_WINDOW_S = 30.0  # how far back "lately" looks for the start rate
+MAX_RETRY_AFTER_S = 60
+
+
+class Admission:
+    def __init__(self, max_queued: int | None = None) -> None:
+        if max_queued is not None and max_queued < 0:
+            raise ValueError("max_queued must be >= 0")
+        self.max_queued = max_queued
+        self.draining = False  # set at the start of a graceful shutdown
+        self.queued = {"online": 0, "offline": 0}  # admitted, no first token yet
+        self.rejected = 0
+        self._starts: deque[float] = deque()  # when recent requests got their first token
+
+    # -- the gate ------------------------------------------------------------------------
+    def check(self, priority: str, count: int, engine_running: bool = True) -> None:
+        """Raise the error that turns away `count` new requests of `priority`, if any."""
+        if self.draining or not engine_running:
+            self.rejected += count
+            why = "shutting down" if self.draining else "not running its engine"
+            raise APIError(f"The server is {why}; retry against another replica or later.", 503,
+                           code="server_unavailable", headers={"Retry-After": str(self.retry_after())})
+        if priority != "online" or self.max_queued is None:
+            return
+        if self.queued["online"] + count > self.max_queued:
+            self.rejected += count
+            raise APIError(f"Too many requests queued ({self.queued['online']} online requests waiting to start, "
+                           f"limit {self.max_queued}); retry after the Retry-After seconds.", 429,
+                           code="rate_limit_exceeded", type="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.retry_after())})
+
+    # -- the counts, kept by the request's own task -------------------------------------------
+    def entered(self, priority: str) -> None:
+        self.queued[priority] = self.queued.get(priority, 0) + 1
+
+    def left(self, priority: str, started: bool) -> None:
+        """The request got its first token (`started`), or ended without one."""
+        self.queued[priority] -= 1
+        if started:
+            now = time.monotonic()
+            self._starts.append(now)
+            while self._starts and self._starts[0] < now - RATE_WINDOW_S:
+                self._starts.popleft()
+
+    def retry_after(self) -> int:
+        """Seconds until the online queue ahead has likely started, from the recent start rate."""
+        now = time.monotonic()
+        recent = [t for t in self._starts if t >= now - RATE_WINDOW_S]
+        if not recent:
+            return 1
+        rate = len(recent) / max(1.0, now - recent[0])
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.queued["online"] / rate)))
