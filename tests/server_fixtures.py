@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -32,6 +32,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 class LiveServer:
     url: str  # http://127.0.0.1:PORT
     engine: AsyncEngine
+    app: Any = None  # the FastAPI app (app.state.server, app.state.batches)
 
     @property
     def base_url(self) -> str:
@@ -73,13 +74,32 @@ class LiveServer:
         return self.metrics()
 
 
+def leaks(live: LiveServer) -> list[str]:
+    """What an idle server still holds: KV blocks, host KV blocks (checkpoints, swaps), blocks a
+    peer hosts, requests. Read while the engine thread is idle (after `wait_idle`)."""
+    engine, found = live.engine.engine, []
+    if engine.requests:
+        found.append(f"{len(engine.requests)} requests still in the engine")
+    if engine.kv.num_used_blocks:
+        found.append(f"{engine.kv.num_used_blocks} KV blocks used")
+    host = getattr(engine.executor, "host_store", None)
+    if host is not None and host.num_free_blocks != host.num_blocks:
+        found.append(f"{host.num_blocks - host.num_free_blocks} host KV blocks held")
+    arena = getattr(engine.executor, "arena", None)
+    if arena is not None and arena.num_used_blocks:
+        found.append(f"{arena.num_used_blocks} arena blocks held")
+    engine.kv.check_invariants()
+    return found
+
+
 @contextlib.contextmanager
-def live_server(**engine_kwargs) -> Iterator[LiveServer]:
-    """Build the engine, serve it on a free port, and stop everything on exit."""
+def live_server(app_kwargs: dict | None = None, **engine_kwargs) -> Iterator[LiveServer]:
+    """Build the engine, serve it on a free port, and stop everything on exit. `app_kwargs` go
+    to `create_app` (max_queued, request_timeout, state_dir)."""
     args = EngineArgs(**{"device": "cpu", "kv_cache_tokens": KV_CACHE_TOKENS, "max_model_len": MAX_MODEL_LEN,
                          **engine_kwargs})
     engine = AsyncEngine(build_engine(args))
-    app = create_app(engine)  # its lifespan starts and stops the engine thread
+    app = create_app(engine, **(app_kwargs or {}))  # its lifespan starts and stops the engine thread
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # bound here, so no other process can take the port meanwhile
@@ -93,7 +113,7 @@ def live_server(**engine_kwargs) -> Iterator[LiveServer]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", engine)
+        yield LiveServer(f"http://127.0.0.1:{port}", engine, app)
     finally:
         server.should_exit = True
         thread.join(30)

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -28,29 +28,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
-from nanoserve.async_engine import AsyncEngine, EngineError
+from nanoserve.async_engine import AsyncEngine
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampling import SamplingParams
-from nanoserve.slo import SLO
 from nanoserve.server import protocol as P
 from nanoserve.server.admission import Admission
 from nanoserve.server.batches import BatchService
 from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
-from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, log_request, render
+from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
+from nanoserve.server.running import Choice, Launch
 from nanoserve.server.streaming import EventStream, unless_disconnected
-
-@dataclass(frozen=True)
-class Choice:
-    """One engine request: choice `index` of the response (n per prompt, prompts in order)."""
-
-    index: int
-    token_ids: list[int]
-    params: SamplingParams
-    request_id: str
-    priority: str = "online"
-    slo: SLO | None = None  # None: the class's targets
-    deadline: float | None = None  # time.monotonic() by which it must finish, else it is cut off
-
 
 class OpenAIServer:
     """The routes' logic, kept off the FastAPI objects so it reads top to bottom."""
@@ -109,79 +95,26 @@ class OpenAIServer:
         return choices
 
     # -- running -----------------------------------------------------------------------------
-    async def outputs(self, choices: list[Choice]) -> P.Outputs:
-        """Merge the output streams of all choices, in arrival order, until every one finishes
-        (or the earliest deadline passes: then a 408, and the rest are aborted)."""
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-        admission = self.admission
+    def launch(self, choices: list[Choice]) -> Launch:
+        """Start the choices now, counted as queued before any other handler runs."""
+        return Launch(self.engine, self.admission, self.metrics, choices)
 
-        async def pump(choice: Choice) -> None:
-            admission.entered(choice.priority)
-            last: RequestOutput | None = None
-            try:
-                async for out in self.engine.generate(choice.token_ids, choice.params, choice.request_id,
-                                                      priority=choice.priority, slo=choice.slo):
-                    if last is None:
-                        admission.left(choice.priority, started=True)
-                    last = out
-                    queue.put_nowait((choice.index, out))
-            except Exception as exc:  # CancelledError passes: it means we are being torn down
-                queue.put_nowait((choice.index, exc))
-            finally:
-                if last is None:
-                    admission.left(choice.priority, started=False)
-                finished = last is not None and last.finished
-                log_request(choice.request_id, choice.priority, len(choice.token_ids), last,
-                            None if finished else "abort")
-                if finished:
-                    self.metrics.observe_finished(last, choice.priority)
-
-        tasks = [asyncio.create_task(pump(c)) for c in choices]
-        remaining = len(choices)
-        deadline = min((c.deadline for c in choices if c.deadline is not None), default=None)
+    async def finals(self, launch: Launch, raw: Request | None) -> list[RequestOutput]:
         try:
-            while remaining:
-                try:
-                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    index, item = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    raise APIError("The request timed out before it finished; its generation was stopped.",
-                                   408, code="request_timeout") from None
-                if isinstance(item, BaseException):
-                    raise self._as_api_error(item)
-                if item.finished:
-                    remaining -= 1
-                yield index, item
+            return await unless_disconnected(raw, launch.finals())
         finally:
-            for task in tasks:  # a no-op for finished ones; aborts the rest
-                task.cancel()
-            self.metrics.observe_aborted(remaining)
+            launch.cancel()  # also when the wait was cancelled before it began
 
-    @staticmethod
-    def _as_api_error(exc: BaseException) -> APIError:
-        if isinstance(exc, APIError):
-            return exc
-        if isinstance(exc, ValueError):
-            return APIError(str(exc))
-        if isinstance(exc, EngineError):
-            return APIError(str(exc), 500)
-        return APIError(f"Internal error: {type(exc).__name__}: {exc}", 500)
+    def stream(self, launch: Launch, events: Callable[[P.Outputs], AsyncIterator[str]]) -> EventStream:
+        """An SSE response: `events(outputs)`, a mid-stream failure as an error event, then [DONE].
+        The stream cancels the launch when it closes, even if its body never started."""
+        return EventStream(self._events(launch, events), on_close=launch.cancel)
 
-    async def final_outputs(self, choices: list[Choice]) -> list[RequestOutput]:
-        finals: dict[int, RequestOutput] = {}
-        async with contextlib.aclosing(self.outputs(choices)) as outputs:
-            async for index, out in outputs:
-                if out.finished:
-                    finals[index] = out
-        return [finals[c.index] for c in choices]
-
-    async def stream(self, choices: list[Choice], events: Callable[[P.Outputs], AsyncIterator[str]]
-                     ) -> AsyncIterator[str]:
-        """Run `events(outputs)`, reporting a mid-stream failure as an error event, then [DONE].
-        Both generators are closed explicitly: when the client leaves, the response closes only
-        the outermost one, and an unclosed inner one would keep its requests running."""
+    async def _events(self, launch: Launch, events: Callable[[P.Outputs], AsyncIterator[str]]) -> AsyncIterator[str]:
+        # Both generators are closed explicitly: when the client leaves, the response closes only
+        # the outermost one, and an unclosed inner one would keep its requests running.
         try:
-            async with contextlib.aclosing(self.outputs(choices)) as outputs, \
+            async with contextlib.aclosing(launch.outputs()) as outputs, \
                     contextlib.aclosing(events(outputs)) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -200,10 +133,10 @@ class OpenAIServer:
         prompt_tokens = sum(len(choices[i].token_ids) for i in range(0, len(choices), req.n or 1))
         head = {"id": rid, "object": "text_completion", "created": P.now(), "model": self.model_name}
         if req.stream:
-            return EventStream(self.stream(choices, partial(
+            return self.stream(self.launch(choices), partial(
                 P.completion_events, head=head, n=len(choices), tokenizer=self.tokenizer, logprobs=req.logprobs,
-                include_usage=req.include_usage, prompt_tokens=prompt_tokens)))
-        finals = await unless_disconnected(raw, self.final_outputs(choices))
+                include_usage=req.include_usage, prompt_tokens=prompt_tokens))
+        finals = await self.finals(self.launch(choices), raw)
         return P.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens)
 
     # -- /v1/chat/completions ----------------------------------------------------------------
@@ -225,10 +158,10 @@ class OpenAIServer:
                             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": self.model_name}
         if req.stream:
-            return EventStream(self.stream(choices, partial(
+            return self.stream(self.launch(choices), partial(
                 P.chat_events, head={**head, "object": "chat.completion.chunk"}, n=len(choices),
-                tokenizer=self.tokenizer, top_n=top_n, include_usage=req.include_usage, prompt_tokens=len(ids))))
-        finals = await unless_disconnected(raw, self.final_outputs(choices))
+                tokenizer=self.tokenizer, top_n=top_n, include_usage=req.include_usage, prompt_tokens=len(ids)))
+        finals = await self.finals(self.launch(choices), raw)
         return P.chat_response(head, finals, self.tokenizer, top_n, len(ids))
 
     # -- one line of a batch -----------------------------------------------------------------

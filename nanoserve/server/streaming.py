@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from fastapi import Request
@@ -23,9 +23,10 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
         # no-cache and no proxy buffering: each token must reach the client when it is made
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -43,6 +44,8 @@ class EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            if self.on_close is not None:  # the body may never have started: aclose ran nothing
+                self.on_close()
 
 
 async def _until_disconnected(request: Request) -> None:
