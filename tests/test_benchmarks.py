@@ -63,3 +63,11 @@ def test_sim_fidelity_benchmark_smoke():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| TTFT p99 (s) |" in proc.stdout and "median error" in proc.stdout
+
+
+def test_server_load_benchmark_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/server_load.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| HTTP (examples/serve.py, streaming) | 8 |" in proc.stdout
+    assert "| in-process (AsyncEngine.generate) | 8 |" in proc.stdout and "HTTP / in-process throughput" in proc.stdout

@@ -1,0 +1,205 @@
+"""What HTTP and streaming cost: one open-loop Poisson workload sent through the OpenAI server
+(`examples/serve.py` in its own process, streaming over HTTP) and through the in-process engine
+(`AsyncEngine.generate`, the API the server itself calls, no HTTP), one after the other.
+
+Both get the same requests at the same offsets: token-id prompts of 16-128 tokens, greedy,
+`max_tokens` outputs with EOS ignored, Poisson arrivals at `--rate` (seeded). The rate is well
+above what a CPU serves, so both runs are saturated and throughput is the engine's capacity; the
+ratio HTTP / in-process is the share the server keeps (goal: >= 0.9). TTFT and TPOT are taken
+where the client sees them: for HTTP, when the first and last content chunks arrive.
+
+    python benchmarks/server_load.py [--num-requests 128] [--rate 32] [--max-tokens 32] [--policy fcfs]
+    python benchmarks/server_load.py --smoke      # a few requests: checks that it runs
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nanoserve.async_engine import AsyncEngine  # noqa: E402
+from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
+from nanoserve.sampling import SamplingParams  # noqa: E402
+
+
+VOCAB = 32000  # prompt token ids are drawn below this: inside SmolLM2's, Llama's, Qwen's and OPT's vocabularies
+
+
+@dataclass(frozen=True)
+class Work:
+    at: float  # seconds after the start
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    arrival: float
+    first: float
+    last: float
+    tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.last - self.first) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+def workload(num: int, rate: float, max_tokens: int, seed: int, vocab: int) -> list[Work]:
+    rng, at, work = random.Random(seed), 0.0, []
+    for _ in range(num):
+        at += rng.expovariate(rate)
+        length = rng.randint(16, 128)
+        work.append(Work(at, [rng.randrange(100, vocab) for _ in range(length)], max_tokens))
+    return work
+
+
+async def open_loop(work: list[Work], send) -> list[Timing]:
+    """Start each request at its offset, whatever is still running (open loop)."""
+    start = time.perf_counter()
+
+    async def one(item: Work) -> Timing:
+        await asyncio.sleep(max(0.0, start + item.at - time.perf_counter()))
+        return await send(item)
+
+    return list(await asyncio.gather(*(one(item) for item in work)))
+
+
+async def drive_engine(engine: AsyncEngine, work: list[Work]) -> list[Timing]:
+    async def send(item: Work) -> Timing:
+        arrival, first, tokens = time.perf_counter(), None, 0
+        params = SamplingParams(temperature=0, max_tokens=item.max_tokens, ignore_eos=True)
+        async for out in engine.generate(item.prompt, params):
+            first = first or time.perf_counter()
+            tokens = len(out.token_ids)
+        return Timing(arrival, first, time.perf_counter(), tokens)
+
+    return await open_loop(work, send)
+
+
+async def drive_http(url: str, work: list[Work]) -> list[Timing]:
+    limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        async def send(item: Work) -> Timing:
+            arrival, first, last, tokens = time.perf_counter(), None, None, 0
+            body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"]:
+                        last = time.perf_counter()
+                        first = first or last
+                    else:
+                        tokens = chunk["usage"]["completion_tokens"]
+            return Timing(arrival, first, last, tokens)
+
+        return await open_loop(work, send)
+
+
+def serve_process(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, str(ROOT / "examples" / "serve.py"), "--port", str(port), "--policy", args.policy,
+           "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning", "--no-request-log",
+           *(["--device", args.device] if args.device else []), *(["--model", args.model] if args.model else [])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the server did not come up (exit {proc.poll()})")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def summary(label: str, timings: list[Timing], expected_tokens: int) -> dict:
+    tokens = sum(t.tokens for t in timings)
+    assert tokens == expected_tokens, f"{label}: {tokens} tokens, expected {expected_tokens}"
+    span = max(t.last for t in timings) - min(t.arrival for t in timings)
+    ttft = sorted(t.ttft for t in timings)
+    tpot = sorted(t.tpot for t in timings if t.tpot is not None)
+
+    def pct(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3
+
+    return {"path": label, "requests": len(timings), "tokens": tokens, "seconds": span, "tok_s": tokens / span,
+            "ttft_p50_ms": statistics.median(ttft) * 1e3, "ttft_p99_ms": pct(ttft, 0.99),
+            "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else 0.0, "tpot_p99_ms": pct(tpot, 0.99) if tpot else 0.0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--rate", type=float, default=32.0, help="Poisson arrivals per second (above capacity)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--policy", default="fcfs")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--model", default=None, help="HF model directory (default: the embedded SmolLM2)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="8 requests of 4 tokens")
+    args = p.parse_args()
+    if args.smoke:
+        args.num_requests, args.max_tokens = 8, 4
+    warm = [Work(0.0, list(range(100, 116)), 2)] * 2
+
+    proc, url = serve_process(args)  # the server first, alone on the machine
+    try:
+        asyncio.run(drive_http(url, warm))
+        work = workload(args.num_requests, args.rate, args.max_tokens, args.seed, VOCAB)
+        http = summary("HTTP (examples/serve.py, streaming)", asyncio.run(drive_http(url, work)),
+                       len(work) * args.max_tokens)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+    engine = AsyncEngine(build_engine(EngineArgs(model=args.model, device=args.device, policy=args.policy,
+                                                 max_num_seqs=args.max_num_seqs)))
+    engine.start()
+    try:
+        asyncio.run(drive_engine(engine, warm))
+        local = summary("in-process (AsyncEngine.generate)", asyncio.run(drive_engine(engine, work)),
+                        len(work) * args.max_tokens)
+    finally:
+        engine.shutdown()
+        engine.engine.shutdown()
+
+    print(f"{args.num_requests} requests, Poisson {args.rate:g}/s, prompts 16-128 tokens, {args.max_tokens} output "
+          f"tokens each, policy {args.policy}, max_num_seqs {args.max_num_seqs}; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores\n")
+    print("| path | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for row in (http, local):
+        print(f"| {row['path']} | {row['requests']} | {row['tok_s']:.1f} | {row['ttft_p50_ms']:.0f} | "
+              f"{row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} | {row['tpot_p99_ms']:.1f} |")
+    ratio = http["tok_s"] / local["tok_s"]
+    print(f"\nHTTP / in-process throughput: {ratio:.3f} (overhead {(1 - ratio) * 100:.1f}%; goal <= 10%)")
+
+
+if __name__ == "__main__":
+    main()
