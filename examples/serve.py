@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -100,6 +101,10 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _exit_after_drain(sig: int, frame) -> None:
+    raise SystemExit(0)
+
+
 def _request_log(enabled: bool) -> None:
     """The request log: bare JSON lines on stderr, one per request, apart from the text log."""
     request_log = logging.getLogger("nanoserve.requests")
@@ -143,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
              stats.kv_blocks_total, args.block_size)
     log.info("serving on http://%s:%d/v1  (health: /health, metrics: /metrics)", args.host, args.port)
     async_engine.start()
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this
+    # one, so that the process still stops the engine (and its workers) below and exits 0.
+    signal.signal(signal.SIGTERM, _exit_after_drain)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     try:
