@@ -33,7 +33,8 @@ _PARAM = re.compile(r';\s*([\w*]+)="((?:[^"\\]|\\.)*)"|;\s*([\w*]+)=([^;\s]+)')
 
 @dataclass(frozen=True)
 class BatchLine:
-    index: int  # 0-based position in the file
+    index: int  # 0-based position among the file's requests
+    number: int  # 1-based line number in the file (blank lines count)
     custom_id: str
     url: str
     body: dict[str, Any]
@@ -102,7 +103,7 @@ def parse_batch_file(data: bytes) -> list[BatchLine]:
         if not isinstance(body, dict):
             raise _bad(number, "needs 'body', the request as a JSON object", param="body")
         seen[custom_id] = number
-        lines.append(BatchLine(len(lines), custom_id, url, body))
+        lines.append(BatchLine(len(lines), number, custom_id, url, body))
         if len(lines) > MAX_REQUESTS:
             raise APIError(f"The file has more than {MAX_REQUESTS} requests, the most one batch may hold.",
                            code="too_many_requests_in_file")

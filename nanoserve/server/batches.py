@@ -1,19 +1,206 @@
-"""PLACEHOLDER while the batch API is being written (see issue 8); replaced by the real module."""
+"""The OpenAI Batch API (and the part of the Files API it needs) on top of the server's handlers.
+
+    POST /v1/files (multipart: file, purpose=batch)   GET /v1/files, /v1/files/{id}, /v1/files/{id}/content
+    DELETE /v1/files/{id}
+    POST /v1/batches {input_file_id, endpoint, completion_window: "24h", metadata?}
+    GET  /v1/batches (limit, after), /v1/batches/{id}   POST /v1/batches/{id}/cancel
+
+OpenAI's conventions, so the official clients work unchanged: FileObject and Batch objects with
+OpenAI's field names (`file-…`, `batch_…` ids, Unix-second timestamps, `request_counts`, `usage`),
+cursor lists (`data`, `first_id`, `last_id`, `has_more`; newest first), OpenAI-shaped errors, the
+JSONL input format (checked at upload, see batch_input.py) and output lines
+
+    {"id": "batch_req_…", "custom_id": …, "response": {"status_code": 200, "request_id": …,
+     "body": <the endpoint's response>}, "error": null}
+
+A request the endpoint refuses (APIError: a bad body such as max_tokens "ten", an unknown model)
+goes to the *error* file in the same shape, with its status code and OpenAI error body; the
+upload does not validate bodies, as OpenAI's does not. A 503 (the server draining or its
+engine down) is no verdict on the request: the line is left to run after a restart. `request_counts.completed` counts the
+output file's lines and `failed` the error file's. Status: validating -> in_progress ->
+finalizing -> completed, or after a cancel cancelling -> cancelled (lines in flight are aborted;
+the files hold what finished). Output and error files exist once the batch ends, and only if they
+have lines. `completion_window` is not enforced: a batch runs until done, nothing expires.
+
+Invariants (batch_runner.py has them in full): each custom_id appears exactly once in the output
+or error file, whatever stops, kills (SIGKILL included) and restarts happen, since a request
+counts as done only once its output line is fsynced, and only requests without one are launched.
+`start()` resumes every unfinished batch: results finished before a stop or kill are kept byte for
+byte, the requests in flight then run again. `stop()` stops launching, aborts the lines in flight
+and persists every record. State lives under `state_dir` (layout in batch_store.py); without one,
+a temporary directory, so batches then last only as long as the process.
+"""
 from __future__ import annotations
 
+import asyncio
+import copy
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, StrictStr
+
+from nanoserve.server.batch_input import BATCH_URLS, parse_batch_file, parse_form
+from nanoserve.server.batch_runner import MAX_IN_FLIGHT, BatchRunner, Job
+from nanoserve.server.batch_store import BatchStore, new_id
+from nanoserve.server.errors import APIError
+
+MAX_FILE_BYTES = 32 * 1024 * 1024  # per uploaded file (OpenAI allows 200 MB; we hold it in memory)
+_FORM_OVERHEAD = 64 * 1024  # multipart headers and the purpose field around the file
 
 
-class BatchService:
-    def __init__(self, server: Any, state_dir: str | Path | None) -> None:
-        self.server = server
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: StrictStr
+    endpoint: StrictStr
+    completion_window: StrictStr
+    metadata: dict[StrictStr, StrictStr] | None = None
+    output_expires_after: dict[str, Any] | None = None  # accepted; outputs stay until deleted
+
+
+def _not_found(kind: str, object_id: str, param: str) -> APIError:
+    return APIError(f"No such {kind}: {object_id!r}.", 404, param=param, code="not_found")
+
+
+def _page(items: list[dict], limit: int, after: str | None) -> dict:
+    if not 1 <= limit <= 10_000:
+        raise APIError(f"limit must be between 1 and 10000 (got {limit}).", param="limit")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    data = items[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
+
+
+class BatchService(BatchRunner):
+    """The Files and Batches routes (`router`) over a BatchRunner. `max_file_bytes` and
+    `max_in_flight` may be changed on a live service (tests make them small)."""
+
+    def __init__(self, server: Any, state_dir: str | Path | None, *, max_file_bytes: int = MAX_FILE_BYTES,
+                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="nanoserve-"))
+        super().__init__(server, BatchStore(self.state_dir), max_in_flight)
+        self.max_file_bytes = max_file_bytes
         self.router = APIRouter()
+        self._add_routes()
 
-    async def start(self) -> None:
-        pass
+    # -- the API -----------------------------------------------------------------------------
+    async def create(self, req: CreateBatch) -> dict:
+        if req.endpoint not in BATCH_URLS:
+            raise APIError(f"Unsupported endpoint {req.endpoint!r}: nanoserve batches can call "
+                           f"{' or '.join(BATCH_URLS)}.", param="endpoint", code="invalid_endpoint")
+        if req.completion_window != "24h":
+            raise APIError(f"completion_window must be '24h' (got {req.completion_window!r}).",
+                           param="completion_window")
+        if req.metadata is not None and len(req.metadata) > 16:
+            raise APIError("metadata may hold at most 16 keys.", param="metadata")
+        meta = self.store.files.get(req.input_file_id)
+        if meta is None:
+            raise _not_found("File", req.input_file_id, "input_file_id")
+        if meta["purpose"] != "batch":
+            raise APIError(f"File {req.input_file_id!r} has purpose {meta['purpose']!r}; a batch's input "
+                           "file must be uploaded with purpose 'batch'.", param="input_file_id")
+        lines = await asyncio.to_thread(lambda: parse_batch_file(self.store.file_content(req.input_file_id)))
+        for line in lines:
+            if line.url != req.endpoint:
+                raise APIError(f"Line {line.number} of the input file has url {line.url!r}, but the batch's "
+                               f"endpoint is {req.endpoint!r}; every line must match it.", param="endpoint",
+                               code="mismatched_endpoint")
+        now = int(time.time())
+        rec: dict[str, Any] = {
+            "id": new_id("batch_"), "object": "batch", "endpoint": req.endpoint, "errors": None,
+            "input_file_id": req.input_file_id, "completion_window": req.completion_window,
+            "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
+            "in_progress_at": None, "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None,
+            "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": req.metadata,
+            "model": self.server.model_name, "usage": None}
+        self.store.save_batch(rec)
+        job = self.jobs[rec["id"]] = Job(rec)
+        if self._running:
+            self._launch(job, lines)
+        return copy.deepcopy(rec)
 
-    async def stop(self) -> None:
-        pass
+    def _file(self, file_id: str) -> dict:
+        meta = self.store.files.get(file_id)
+        if meta is None:
+            raise _not_found("File", file_id, "file_id")
+        return meta
+
+    async def upload(self, request: Request) -> dict:
+        limit = self.max_file_bytes + _FORM_OVERHEAD
+        too_big = APIError(f"The file is larger than {self.max_file_bytes} bytes, the most this server "
+                           "accepts; split it into several batches.", 413, param="file", code="file_too_large")
+        body, size = bytearray(), 0
+        async for chunk in request.stream():  # read it all, even past the limit: the client is still
+            size += len(chunk)                # sending and would not see a response sent early
+            if size <= limit:
+                body += chunk
+            elif size > 8 * limit:
+                raise too_big
+        if size > limit:
+            raise too_big
+        form = parse_form(request.headers.get("content-type", ""), bytes(body))
+        purpose = form.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
+        if purpose != "batch":
+            raise APIError(f"Unsupported purpose {purpose!r}: nanoserve keeps files for the Batch API only, "
+                           "so purpose must be 'batch'.", param="purpose")
+        if "file" not in form:
+            raise APIError("Missing the 'file' field of the form.", param="file")
+        filename, data = form["file"]
+        if len(data) > self.max_file_bytes:
+            raise too_big
+        await asyncio.to_thread(parse_batch_file, data)
+        return await asyncio.to_thread(self.store.add_file, data, filename or "batch.jsonl", "batch")
+
+    def _add_routes(self) -> None:
+        r = self.router
+
+        @r.post("/v1/files")
+        async def upload(request: Request) -> dict:
+            return await self.upload(request)
+
+        @r.get("/v1/files")
+        async def list_files(purpose: str | None = None, limit: int = 10_000, after: str | None = None,
+                             order: str = "desc") -> dict:
+            files = [f for f in self.store.files.values() if purpose is None or f["purpose"] == purpose]
+            files.sort(key=lambda f: (f["created_at"], f["id"]), reverse=order != "asc")
+            return _page(files, limit, after)
+
+        @r.get("/v1/files/{file_id}")
+        async def get_file(file_id: str) -> dict:
+            return self._file(file_id)
+
+        @r.get("/v1/files/{file_id}/content")
+        async def file_content(file_id: str) -> Response:
+            self._file(file_id)
+            data = await asyncio.to_thread(self.store.file_content, file_id)
+            return Response(data, media_type="application/octet-stream")
+
+        @r.delete("/v1/files/{file_id}")
+        async def delete_file(file_id: str) -> dict:
+            self._file(file_id)
+            self.store.delete_file(file_id)
+            return {"id": file_id, "object": "file", "deleted": True}
+
+        @r.post("/v1/batches")
+        async def create_batch(body: CreateBatch) -> dict:
+            return await self.create(body)
+
+        @r.get("/v1/batches")
+        async def list_batches(limit: int = 20, after: str | None = None) -> dict:
+            records = sorted((copy.deepcopy(j.record) for j in self.jobs.values()), key=lambda b: b["id"],
+                             reverse=True)
+            return _page(records, min(limit, 100), after)
+
+        @r.get("/v1/batches/{batch_id}")
+        async def get_batch(batch_id: str) -> dict:
+            return copy.deepcopy(self._job(batch_id).record)
+
+        @r.post("/v1/batches/{batch_id}/cancel")
+        async def cancel_batch(batch_id: str) -> dict:
+            return self.cancel(batch_id)
