@@ -125,6 +125,10 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[str], None] | None 
                       "POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics."
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed for {request.url.path}."
+        elif isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            bad = exc.__cause__
+            return respond(APIError(f"The request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at "
+                                    f"position {bad.start}. Send JSON encoded as UTF-8.", code="invalid_json"))
         else:
             message = str(exc.detail)
         return APIError(message, exc.status_code).response()

@@ -26,6 +26,7 @@ MAX_N = 16  # choices per prompt; each is its own engine request
 MAX_CHOICES = 64  # prompts x n per call, so one call cannot flood the queue
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 MAX_TOP_LOGPROBS = 20  # the chat API's limit
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 Temperature = Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]
 TopP = Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)]
@@ -174,6 +175,15 @@ class ChatMessage(BaseModel):
 
     role: StrictStr
     content: Any = None  # a string or text parts; the tokenizer checks and explains the shape
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        # A template renders any role it is given, so an unknown one would quietly become a
+        # prompt the model was never trained on; OpenAI refuses it, and so do we.
+        if value not in CHAT_ROLES:
+            raise ValueError(f"unknown role {value!r}; expected one of {', '.join(CHAT_ROLES)}")
+        return value
 
 
 class ChatCompletionRequest(_SamplingRequest):
