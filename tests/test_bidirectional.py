@@ -355,6 +355,12 @@ class BidirectionalMachine(RuleBasedStateMachine):
         for seq, target, can in answers:
             m._rt_miss = None  # forget, so that this answer comes from a search
             assert m.can_grow(seq, target, best_effort=False) == can, (seq, target)
+        m._rt_miss = None
+        if not m.can_place_rt_page():  # then no new or swapped-out RT sequence gains a page
+            assert not m.can_grow("a new one", 1, best_effort=False)
+            for seq, target, can in answers:
+                swapped = m.has(seq) and all(block is None for block in m._seqs[seq].pages)
+                assert not (can and target > 0 and (swapped or not m.has(seq))), (seq, target)
 
     @rule(seq=st.one_of(RT_SEQS, BE_SEQS), pin=st.booleans())
     def pin(self, seq, pin):

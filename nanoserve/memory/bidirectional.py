@@ -31,6 +31,9 @@ from nanoserve.memory.bidirectional_index import (NOBODY, DropResult, HostLedger
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.host import KVCopy
 
+_PROBE = ("no such sequence", "can_place_rt_page")  # a sequence id no caller uses
+
+
 @dataclass
 class _Plan:
     """An allocation or restore worked out before anything changes, so each is all or nothing."""
@@ -71,6 +74,12 @@ class BidirectionalBlockManager(FastGrowth):
         except (NoFreeBlocksError, ValueError):
             return False
         return True
+
+    def can_place_rt_page(self) -> bool:
+        """Whether any block could take a new RT page now (FindPreemptBlock finds one whose BE
+        slots, if any, can be checkpointed). If not, no RT sequence can gain a page: every page
+        needs at least the block and the saves a one-position page does."""
+        return self.can_grow(_PROBE, 1, best_effort=False)
 
     # -- mutations -----------------------------------------------------------------------
     def grow(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> list[KVCopy]:

@@ -122,7 +122,7 @@ class BROSScheduler(PulledQueues):
         """Alg. 1 lines 5-15, up to `cap` RT requests (the batch size less the seats the draft
         gave BE requests). Returns whether an RT request was left out for lack of batch room."""
         cap = self.batch_size if cap is None else cap
-        candidates = self._rt_candidates()
+        candidates = self._rt_candidates(lambda: batch.waiting_closed)
         try:
             return self._pack_rt(batch, candidates, skip, cap)
         finally:
@@ -160,6 +160,10 @@ class BROSScheduler(PulledQueues):
             # The draft counts seats; for real, KV is found (evicting if need be) and reserved.
             if not (batch.has_seat(request) if draft else self._make_room_for_rt(batch, request, num_new)):
                 batch.seatless = True
+                if not draft and request.status is WAITING and self._no_block_for_rt():
+                    # Alg. 1 adds RT requests "until ... no empty and preemptible cache blocks exist":
+                    # every waiting one needs a block, so none is tried again this step.
+                    batch.waiting_closed = True
                 continue  # no seat or no KV for it (FindPreemptBlock found nothing)
             batch.add(request, num_new, cost, residual)
         return False

@@ -51,6 +51,7 @@ class Batch:
         # What the real pass needs to know to replay a draft (see BROSScheduler._replay_rt).
         self.capped = self.rt_stop = False  # the RT packing's outcome
         self.seatless = False  # an RT request was passed over for lack of a seat
+        self.waiting_closed = False  # no block can take an RT page: waiting RT requests are not tried
         self.constrained = False  # the last BE decision gave less than a whole chunk
         self.unsettled = False  # ... and a BE decision after it followed
         self.host_version = 0  # the host-slot counts BE requests were ordered by

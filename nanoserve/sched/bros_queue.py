@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from nanoserve.memory.bidirectional_kv import BidirectionalKV
 from nanoserve.request import Request, RequestStatus
@@ -195,6 +195,10 @@ class PulledQueues(Scheduler):
             return len(self.kv.blocks.missing_positions(request.request_id))
         return 0
 
+    def _no_block_for_rt(self) -> bool:
+        """No block can take a new RT page (bidirectional memory only; others cannot tell)."""
+        return isinstance(self.kv, BidirectionalKV) and not self.kv.blocks.can_place_rt_page()
+
     def _host_slots_version(self) -> int:
         """Changes whenever RT growth checkpoints BE slots, which reorders BE requests."""
         return self.kv.blocks.checkpointed_slots if isinstance(self.kv, BidirectionalKV) else 0
@@ -203,32 +207,38 @@ class PulledQueues(Scheduler):
         return self._rt_by_age.key(request) or (request.arrival_time, 0)
 
     # -- Alg. 1's orders -----------------------------------------------------------------------
-    def _rt_candidates(self) -> Iterator[Request]:
+    def _rt_candidates(self, waiting_closed: Callable[[], bool] = lambda: False) -> Iterator[Request]:
         """Lines 3-4 with request pulling (Fig. 8): the running ("pending") RT requests sorted by
         deadline, polled against the waiting ones (pending first on ties). The oldest RT request
         goes first whatever its urgency: it may evict any other request, so it always advances,
         and requests that urgency alone orders cannot evict one another in a loop (a guarantee
-        the paper leaves implicit; FCFS has it for its head)."""
+        the paper leaves implicit; FCFS has it for its head). Once `waiting_closed()` holds, no
+        more waiting requests are pulled (Alg. 1 stops adding RT requests when no block is left
+        for them); the pending ones still come."""
         due = self._due
         pending = sorted([r for r in self.running if is_rt(r)], key=due.__getitem__)
         oldest = self._rt_by_age.first()
         if oldest is not None:
             yield oldest
         waiting = self._rt_waiting.pull()
+
+        def pull() -> tuple | None:
+            return None if waiting_closed() else next(waiting, None)
+
         try:
-            head = next(waiting, None)
+            head = pull()
             for request in pending:
                 deadline = due[request]
                 while head is not None and head[0] < deadline:
                     if head[1] is not oldest:
                         yield head[1]
-                    head = next(waiting, None)
+                    head = pull()
                 if request is not oldest:
                     yield request
             while head is not None:
                 if head[1] is not oldest:
                     yield head[1]
-                head = next(waiting, None)
+                head = pull()
         finally:
             waiting.close()  # puts back the waiting requests not admitted
 
