@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from nanoserve.async_engine import AsyncEngine
 from nanoserve.outputs import RequestOutput
 from nanoserve.server import protocol as P
+from nanoserve.server import responses as R
 from nanoserve.server.admission import Admission
 from nanoserve.server.batches import BatchService
 from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
@@ -49,11 +50,11 @@ class OpenAIServer:
         engine.step_observers.append(self.metrics.observe_step)
         self.admission = Admission(max_queued)
         self.request_timeout = request_timeout  # seconds; a body's `timeout` may only shorten it
-        self.created = P.now()
+        self.created = R.now()
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer or P.IdTokenizer()
+        return self.engine.tokenizer or R.IdTokenizer()
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, req: P._SamplingRequest) -> None:
@@ -105,12 +106,12 @@ class OpenAIServer:
         finally:
             launch.cancel()  # also when the wait was cancelled before it began
 
-    def stream(self, launch: Launch, events: Callable[[P.Outputs], AsyncIterator[str]]) -> EventStream:
+    def stream(self, launch: Launch, events: Callable[[R.Outputs], AsyncIterator[str]]) -> EventStream:
         """An SSE response: `events(outputs)`, a mid-stream failure as an error event, then [DONE].
         The stream cancels the launch when it closes, even if its body never started."""
         return EventStream(self._events(launch, events), on_close=launch.cancel)
 
-    async def _events(self, launch: Launch, events: Callable[[P.Outputs], AsyncIterator[str]]) -> AsyncIterator[str]:
+    async def _events(self, launch: Launch, events: Callable[[R.Outputs], AsyncIterator[str]]) -> AsyncIterator[str]:
         # Both generators are closed explicitly: when the client leaves, the response closes only
         # the outermost one, and an unclosed inner one would keep its requests running.
         try:
@@ -120,7 +121,7 @@ class OpenAIServer:
                     yield chunk
         except APIError as exc:
             self.metrics.observe_error(exc.type)
-            yield P.sse(exc.body())
+            yield R.sse(exc.body())
         yield "data: [DONE]\n\n"
 
     # -- /v1/completions ---------------------------------------------------------------------
@@ -131,13 +132,13 @@ class OpenAIServer:
         rid = f"cmpl-{uuid.uuid4().hex}"
         choices = self.plan(req, prompts, req.max_tokens, req.logprobs, rid, "prompt")
         prompt_tokens = sum(len(choices[i].token_ids) for i in range(0, len(choices), req.n or 1))
-        head = {"id": rid, "object": "text_completion", "created": P.now(), "model": self.model_name}
+        head = {"id": rid, "object": "text_completion", "created": R.now(), "model": self.model_name}
         if req.stream:
             return self.stream(self.launch(choices), partial(
-                P.completion_events, head=head, n=len(choices), tokenizer=self.tokenizer, logprobs=req.logprobs,
+                R.completion_events, head=head, n=len(choices), tokenizer=self.tokenizer, logprobs=req.logprobs,
                 include_usage=req.include_usage, prompt_tokens=prompt_tokens))
         finals = await self.finals(self.launch(choices), raw)
-        return P.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens)
+        return R.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens)
 
     # -- /v1/chat/completions ----------------------------------------------------------------
     async def chat(self, req: P.ChatCompletionRequest, raw: Request | None) -> Any:
@@ -156,13 +157,13 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = self.plan(req, [ids], req.requested_max_tokens, top_n, rid, "messages",
                             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-        head = {"id": rid, "object": "chat.completion", "created": P.now(), "model": self.model_name}
+        head = {"id": rid, "object": "chat.completion", "created": R.now(), "model": self.model_name}
         if req.stream:
             return self.stream(self.launch(choices), partial(
-                P.chat_events, head={**head, "object": "chat.completion.chunk"}, n=len(choices),
+                R.chat_events, head={**head, "object": "chat.completion.chunk"}, n=len(choices),
                 tokenizer=self.tokenizer, top_n=top_n, include_usage=req.include_usage, prompt_tokens=len(ids)))
         finals = await self.finals(self.launch(choices), raw)
-        return P.chat_response(head, finals, self.tokenizer, top_n, len(ids))
+        return R.chat_response(head, finals, self.tokenizer, top_n, len(ids))
 
     # -- one line of a batch -----------------------------------------------------------------
     async def run_batch_request(self, url: str, body: Any) -> dict:

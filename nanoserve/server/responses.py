@@ -1,0 +1,146 @@
+"""The JSON bodies and SSE chunks nanoserve sends back, in OpenAI's shapes: whole responses,
+streamed chunks, usage and logprobs. What clients send is in protocol.py.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from nanoserve.outputs import RequestOutput
+
+# -- responses ------------------------------------------------------------------------------
+# Outputs arrive as (choice index, RequestOutput). A RequestOutput's `logprobs` list may be the
+# engine's live list, so it is always cut to the length of the `token_ids` snapshot beside it.
+
+Outputs = AsyncIterator[tuple[int, RequestOutput]]
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event, framed as OpenAI sends them."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class IdTokenizer:
+    """Stand-in for models served without a tokenizer: logprobs name tokens by id (as vLLM)."""
+
+    def token_to_str(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_to_str(token_id).encode()
+
+
+def completion_logprobs(tokenizer: Any, token_ids: list[int], rows: list[dict[int, float]],
+                        text_offset: int) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, one entry per generated token.
+    `text_offset` is where the first token's text starts in the choice's text (for streaming)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, row in zip(token_ids, rows):
+        text = tokenizer.token_to_str(token_id)
+        tokens.append(text)
+        token_logprobs.append(row[token_id])
+        alternatives: dict[str, float] = {}
+        for alt_id, lp in sorted(row.items(), key=lambda kv: -kv[1]):
+            alternatives.setdefault(tokenizer.token_to_str(alt_id), lp)  # keep the best of same-text ids
+        top.append(alternatives)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Any, token_ids: list[int], rows: list[dict[int, float]],
+                  top_n: int) -> list[dict[str, Any]]:
+    """The chat shape: `content` entries with the sampled token and exactly `top_n` alternatives.
+    The engine's row holds the top-n plus the sampled token, which may rank below them."""
+    def entry(token_id: int, lp: float) -> dict[str, Any]:
+        return {"token": tokenizer.token_to_str(token_id), "logprob": lp,
+                "bytes": list(tokenizer.token_bytes(token_id))}
+
+    content = []
+    for token_id, row in zip(token_ids, rows):
+        best = sorted(row.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({**entry(token_id, row[token_id]), "top_logprobs": [entry(t, lp) for t, lp in best]})
+    return content
+
+
+def completion_response(head: dict, finals: list[RequestOutput], tokenizer: Any, logprobs: int | None,
+                        prompt_tokens: int) -> dict[str, Any]:
+    return {**head, "choices": [{
+        "index": i, "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+        "logprobs": None if logprobs is None else completion_logprobs(
+            tokenizer, out.token_ids, out.logprobs[:len(out.token_ids)], 0),
+    } for i, out in enumerate(finals)], "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in finals))}
+
+
+def chat_response(head: dict, finals: list[RequestOutput], tokenizer: Any, top_n: int | None,
+                  prompt_tokens: int) -> dict[str, Any]:
+    return {**head, "choices": [{
+        "index": i, "message": {"role": "assistant", "content": out.text},
+        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+        "logprobs": None if top_n is None else {"content": chat_logprobs(
+            tokenizer, out.token_ids, out.logprobs[:len(out.token_ids)], top_n)},
+    } for i, out in enumerate(finals)], "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in finals))}
+
+
+async def completion_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, logprobs: int | None,
+                            include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    """Stream chunks for /v1/completions: text deltas, the finish reason on a choice's last one."""
+    extra = {"usage": None} if include_usage else {}
+    sent = [0] * n  # tokens already reported, per choice
+    offset = [0] * n  # text_offset of the next token, per choice
+    completion_tokens = 0
+    async for i, out in outputs:
+        new_ids = out.token_ids[sent[i]:]
+        if not out.new_text and not out.finished and (logprobs is None or not new_ids):
+            continue  # text held back (half a character, a possible stop string): nothing to say
+        lp = None
+        if logprobs is not None:
+            lp = completion_logprobs(tokenizer, new_ids, out.logprobs[sent[i]:len(out.token_ids)], offset[i])
+            offset[i] += sum(len(t) for t in lp["tokens"])
+        sent[i] = len(out.token_ids)
+        if out.finished:
+            completion_tokens += len(out.token_ids)
+        yield sse({**head, "choices": [{"index": i, "text": out.new_text, "logprobs": lp,
+                                        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}],
+                   **extra})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+
+async def chat_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, top_n: int | None,
+                      include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    """Stream chunks for /v1/chat/completions, as OpenAI orders them: a `role` delta per choice,
+    content deltas, then a chunk with an empty delta and the finish reason."""
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs: Any = None, **more: Any) -> str:
+        return sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish, **more}], **extra})
+
+    for i in range(n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    sent = [0] * n
+    completion_tokens = 0
+    async for i, out in outputs:
+        new_ids = out.token_ids[sent[i]:]
+        lp = None
+        if top_n is not None and new_ids:
+            lp = {"content": chat_logprobs(tokenizer, new_ids, out.logprobs[sent[i]:len(out.token_ids)], top_n)}
+        sent[i] = len(out.token_ids)
+        if out.new_text or lp is not None:
+            yield chunk(i, {"content": out.new_text}, logprobs=lp)
+        if out.finished:
+            completion_tokens += len(out.token_ids)
+            yield chunk(i, {}, out.finish_reason, stop_reason=out.stop_reason)
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
