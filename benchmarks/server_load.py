@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
 from nanoserve.sampling import SamplingParams  # noqa: E402
+from nanoserve.slo import percentile  # noqa: E402
 
 
 VOCAB = 32000  # prompt token ids are drawn below this: inside SmolLM2's, Llama's, Qwen's and OPT's vocabularies
@@ -141,15 +142,11 @@ def summary(label: str, timings: list[Timing], expected_tokens: int) -> dict:
     tokens = sum(t.tokens for t in timings)
     assert tokens == expected_tokens, f"{label}: {tokens} tokens, expected {expected_tokens}"
     span = max(t.last for t in timings) - min(t.arrival for t in timings)
-    ttft = sorted(t.ttft for t in timings)
-    tpot = sorted(t.tpot for t in timings if t.tpot is not None)
-
-    def pct(values: list[float], q: float) -> float:
-        return values[min(len(values) - 1, int(q * len(values)))] * 1e3
-
+    ttft = [t.ttft * 1e3 for t in timings]
+    tpot = [t.tpot * 1e3 for t in timings if t.tpot is not None]
     return {"path": label, "requests": len(timings), "tokens": tokens, "seconds": span, "tok_s": tokens / span,
-            "ttft_p50_ms": statistics.median(ttft) * 1e3, "ttft_p99_ms": pct(ttft, 0.99),
-            "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else 0.0, "tpot_p99_ms": pct(tpot, 0.99) if tpot else 0.0}
+            "ttft_p50_ms": statistics.median(ttft), "ttft_p99_ms": percentile(ttft, 99),
+            "tpot_p50_ms": statistics.median(tpot) if tpot else 0.0, "tpot_p99_ms": percentile(tpot, 99) or 0.0}
 
 
 def main() -> None:

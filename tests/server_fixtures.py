@@ -74,6 +74,16 @@ class LiveServer:
         return self.metrics()
 
 
+def near_tie_equal(ref: dict, out: dict) -> bool:
+    """Two completions' `logprobs` (token strings and top-5 dicts) hold the same greedy tokens,
+    or, from the first difference on, a near tie: each side's token in the other's top 5, since
+    batched arithmetic may round a near tie the other way (vLLM's rule; test_invariance's on ids)."""
+    for i, (a, b) in enumerate(zip(ref["tokens"], out["tokens"])):
+        if a != b:
+            return a in out["top_logprobs"][i] and b in ref["top_logprobs"][i]
+    return len(ref["tokens"]) == len(out["tokens"])
+
+
 def leaks(live: LiveServer) -> list[str]:
     """What an idle server still holds: KV blocks, host KV blocks (checkpoints, swaps), blocks a
     peer hosts, requests. Read while the engine thread is idle (after `wait_idle`)."""

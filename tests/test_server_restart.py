@@ -13,21 +13,13 @@ import pytest
 
 from nanoserve.server.batch_store import BatchStore
 from serve_process import Serve, require_embedded_model
+from server_fixtures import near_tie_equal
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "The color of the sky is",
            "Water boils at"]
 N_LINES = 40
 
 pytestmark = pytest.mark.slow
-
-
-def near_tie_equal(ref: dict, out: dict) -> bool:
-    """Identical greedy tokens, or, from the first difference on, a near tie (each side's token
-    in the other's top 5): batched arithmetic may round a near tie the other way."""
-    for i, (a, b) in enumerate(zip(ref["tokens"], out["tokens"])):
-        if a != b:
-            return a in out["top_logprobs"][i] and b in ref["top_logprobs"][i]
-    return len(ref["tokens"]) == len(out["tokens"])
 
 
 def test_batch_survives_sigkill(tmp_path: Path):

@@ -10,8 +10,9 @@ OpenAI's servers do, nanoserve refuses work it cannot start soon and says when t
 - Offline requests (`"priority": "offline"`, and every batch line) are never refused, only
   queued: they are the work that fills the gaps, and a batch must not fail because the server
   was busy when a line's turn came. They do not count against the bound either.
-- While the server drains for shutdown (SIGTERM) or its engine is down, everything new gets
-  503 with `Retry-After`: the request is fine, this process is going away.
+- While the server drains for shutdown (SIGTERM), everything new gets 503 with `Retry-After`:
+  the request is fine, this process is going away. (A server whose engine is down says 503 too,
+  before admission: see `OpenAIServer.admit`.)
 
 All counting happens on the event loop, the only thread that admits and starts requests, so
 the check and the count it guards cannot race.
@@ -39,12 +40,11 @@ class Admission:
         self._starts: deque[float] = deque()  # when recent requests got their first token
 
     # -- the gate ------------------------------------------------------------------------
-    def check(self, priority: str, count: int, engine_running: bool = True) -> None:
+    def check(self, priority: str, count: int) -> None:
         """Raise the error that turns away `count` new requests of `priority`, if any."""
-        if self.draining or not engine_running:
+        if self.draining:
             self.rejected += count
-            why = "shutting down" if self.draining else "not running its engine"
-            raise APIError(f"The server is {why}; retry against another replica or later.", 503,
+            raise APIError("The server is shutting down; retry against another replica or later.", 503,
                            code="server_unavailable", headers={"Retry-After": str(self.retry_after())})
         if priority != "online" or self.max_queued is None:
             return

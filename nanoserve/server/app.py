@@ -92,7 +92,7 @@ class OpenAIServer:
                 choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}", req.priority, slo,
                                       deadline))
         # Last, once the request is known to be valid: a malformed one is a 400, never a 429.
-        self.admission.check(req.priority, len(choices), self.engine.is_running)
+        self.admission.check(req.priority, len(choices))
         return choices
 
     # -- running -----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from typing import Any
 from nanoserve.server.batch_input import BatchLine, parse_batch_file
 from nanoserve.server.batch_store import BatchStore, ResultLog, derived_id, new_id
 from nanoserve.server.errors import APIError
+from nanoserve.server.running import as_api_error
 
 log = logging.getLogger("nanoserve.server.batches")
 
@@ -165,15 +167,14 @@ class BatchRunner:
         try:
             body = await self.server.run_batch_request(line.url, line.body)
             status, request_id = 200, str(body.get("id") or uuid.uuid4().hex)
-        except APIError as exc:
-            if exc.status == 503:  # not the line's fault (draining, engine down): no result, so it
+        except Exception as exc:  # CancelledError is not an Exception: a cancelled line writes nothing
+            error = as_api_error(exc)  # what the endpoint would have answered
+            if error.status == 503:  # not the line's fault (draining, engine down): no result, so it
                 self._unavailable = True  # runs again after a restart instead of failing for good
                 return
-            status, body, request_id = exc.status, exc.body(), uuid.uuid4().hex
-        except Exception as exc:  # CancelledError is not an Exception: a cancelled line writes nothing
-            log.exception("batch %s, line %s", job.record["id"], line.custom_id)
-            status, request_id = 500, uuid.uuid4().hex
-            body = APIError(f"Internal error: {type(exc).__name__}: {exc}", 500).body()
+            if not isinstance(exc, APIError):
+                log.exception("batch %s, line %s", job.record["id"], line.custom_id)
+            status, body, request_id = error.status, error.body(), uuid.uuid4().hex
         out = {"id": new_id("batch_req_"), "custom_id": line.custom_id,
                "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
         job.log.append(line.custom_id, json.dumps(out, ensure_ascii=False).encode())
@@ -216,7 +217,7 @@ class BatchRunner:
                 job.runner.cancel()
             elif self._running:
                 self._launch(job)
-        return json.loads(json.dumps(job.record))
+        return copy.deepcopy(job.record)
 
     def _job(self, batch_id: str) -> Job:
         job = self.jobs.get(batch_id)

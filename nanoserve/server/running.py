@@ -93,12 +93,9 @@ class Launch:
 
     async def finals(self) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
-        try:
-            async for index, out in self.outputs():
-                if out.finished:
-                    finals[index] = out
-        finally:
-            self.cancel()
+        async for index, out in self.outputs():
+            if out.finished:
+                finals[index] = out
         return [finals[c.index] for c in self.choices]
 
     def cancel(self) -> None:
