@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
@@ -181,7 +180,9 @@ class Engine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one step; return outputs of those that changed."""
-        started = time.perf_counter()
+        # The scheduler's clock: wall time in a server, virtual time in the simulator, where the
+        # policy's cost model is calibrated against the simulated GPU as it is against a real one.
+        started = self.clock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -195,7 +196,7 @@ class Engine:
             self.scheduler.update_after_step(batch)
             outputs = self._postprocess(batch, result, self.clock())
             # The whole step, as a client's TPOT sees it: scheduling, forward, sampling, output.
-            measured = time.perf_counter() - started
+            measured = self.clock() - started
             predicted = self.scheduler.cost_model.predict_output(batch)  # by the model the policy used
             self.step_seconds_total += measured
             self.predicted_step_seconds_total += predicted

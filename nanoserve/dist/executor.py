@@ -52,21 +52,24 @@ def _chunk_message(c: ScheduledChunk) -> ChunkMessage:
 
 @dataclass(frozen=True)
 class StepMessage:
-    """One step: its micro-batches (one without a pipeline) and its KV copy groups."""
+    """One step: its micro-batches (one without a pipeline), its KV copy groups, and the tickets
+    of earlier copies the manager saw land (every rank retires them before reusing their blocks)."""
 
     microbatches: tuple[tuple[ChunkMessage, ...], ...]
     kv_copies: tuple[tuple[KVCopy, ...], ...] = ()
+    landed_copies: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, batch: SchedulerOutput, microbatches: list[list[ScheduledChunk]] | None = None) -> StepMessage:
         return cls(tuple(tuple(_chunk_message(c) for c in mb) for mb in (microbatches or [batch.chunks])),
-                   tuple(tuple(group) for group in batch.kv_copies))
+                   tuple(tuple(group) for group in batch.kv_copies), tuple(batch.landed_copies))
 
     def outputs(self) -> list[SchedulerOutput]:
         """The micro-batches as batches a runner executes (the first carries the KV copies)."""
         out = [SchedulerOutput([ScheduledChunk(StepRequest(m), m.start, len(m.token_ids), list(m.block_table),
                                                m.right_to_left) for m in mb]) for mb in self.microbatches]
         out[0].kv_copies = [list(group) for group in self.kv_copies]
+        out[0].landed_copies = self.landed_copies
         return out
 
     def batch(self) -> SchedulerOutput:
@@ -145,7 +148,7 @@ class DriverExecutor:
             broadcast_message(message, self.control_group)
             # Rank 0 runs stage 0 on the real requests (their params and generators sample).
             outputs = [SchedulerOutput(mb) for mb in microbatches]
-            outputs[0].kv_copies = batch.kv_copies
+            outputs[0].kv_copies, outputs[0].landed_copies = batch.kv_copies, batch.landed_copies
             return self.stage.run(outputs)
         except RuntimeError as exc:  # gloo reports a lost peer as a RuntimeError
             self.failed = f"a parallel step failed, a worker is gone: {exc}"

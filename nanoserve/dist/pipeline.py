@@ -171,7 +171,10 @@ class PipelineStage:
         runner, cfg = self.runner, self.runner.model_config
         sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until their sends complete
         sampling: list[list] = []
-        runner.apply_kv_copies(microbatches[0].kv_copies)  # each stage, for its own layers
+        # Each stage, for its own layers; the forward of every micro-batch follows, so all their
+        # requests are this step's readers.
+        runner.apply_kv_copies(microbatches[0].kv_copies, microbatches[0].landed_copies,
+                               (c.request.request_id for mb in microbatches for c in mb.chunks))
         for mb in microbatches:
             prepared = runner.prepare(mb)
             sampling.append([c.request for c in mb.chunks if c.samples])

@@ -244,9 +244,10 @@ class BidirectionalBlockManager(FastGrowth):
         kept = self._resident(seq_id, page) if state.pages[page] != target else []
         lost = sorted(entry.host_slots) if entry else []
         copies = [KVCopy("move", tuple(self._device_slot(seq_id, p) for p in kept),
-                         tuple(self._slot_in(target, state.best_effort, p) for p in kept))] if kept else []
+                         tuple(self._slot_in(target, state.best_effort, p) for p in kept), reader=seq_id)] if kept else []
         return copies + ([KVCopy("load", tuple(entry.host_slots[p] for p in lost),
-                                 tuple(self._slot_in(target, state.best_effort, p) for p in lost))] if lost else [])
+                                 tuple(self._slot_in(target, state.best_effort, p) for p in lost), reader=seq_id)]
+                         if lost else [])
 
     # -- applying ------------------------------------------------------------------------
     def _commit(self, seq_id: SeqId, plan: _Plan, num_tokens: int, held: list[int] | None = None) -> list[KVCopy]:
@@ -298,8 +299,10 @@ class BidirectionalBlockManager(FastGrowth):
                 entry.host_blocks += new
                 spare += [s for b in new for s in self.host.slots(b)]
             entry.host_slots.update(zip(positions, spare))
+            # Blocking: an RT page overwrites these slots in this very step (§5.2), or the
+            # swapped-out sequence's blocks are handed on at once; the step waits for the save.
             copies.append(KVCopy("save", tuple(self._device_slot(seq_id, p) for p in positions),
-                                 tuple(entry.host_slots[p] for p in positions)))
+                                 tuple(entry.host_slots[p] for p in positions), blocking=True))
         return copies
 
     def _drop(self, seq_id: SeqId, host_reserve: int) -> DropResult:

@@ -44,6 +44,7 @@ class BidirectionalKV(KVManager):
     def __init__(self, blocks: BidirectionalBlockManager):
         self.blocks = blocks
         self.block_size = blocks.block_size
+        self.host_store = blocks.host
         self.num_preempted = 0  # scheduler preemptions: swap-outs plus recomputes
 
     # -- capacity --------------------------------------------------------------------------

@@ -6,16 +6,20 @@ block table, a list of block ids; its token at position p lives at slot
 handed out one at a time as a sequence grows, so no sequence reserves memory it has not used
 beyond its last, partly filled block.
 
+A block a sequence gave up while an in-flight copy still reads or writes it (a checkpoint's
+save, memory/copies.py) is *held*: out of every table and off the free list, until `unhold`
+returns it once the copy has landed.
+
 Invariants (checked by `check_invariants`):
-  1. Every block id in [0, num_blocks) is either free or in exactly one table, never both:
-     free + owned == total, and no id appears twice.
+  1. Every block id in [0, num_blocks) is free, held, or in exactly one table, never two of
+     these: free + held + owned == total, and no id appears twice.
   2. A sequence reserving n token slots owns exactly ceil(n / block_size) blocks.
   3. `slot_mapping` is consistent with the tables: position p maps into block table[p // B].
-  4. With no sequences, every block is free.
+  4. With no sequences and nothing held, every block is free.
 """
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Collection, Hashable, Iterable
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -32,6 +36,7 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[Hashable, list[int]] = {}
         self._reserved: dict[Hashable, int] = {}  # token slots each sequence has reserved
+        self._held: set[int] = set()  # freed by their sequence, waiting for a copy to land
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -40,7 +45,12 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks not free: in a table or held for an in-flight copy."""
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._held)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -96,12 +106,28 @@ class BlockPool:
             raise NoFreeBlocksError(f"need {self.blocks_needed(seq_id, num_tokens)} blocks, {len(self._free)} free")
         return new
 
-    def free(self, seq_id: Hashable) -> int:
-        """Return all of `seq_id`'s blocks to the pool. Freeing an unknown id is a no-op."""
+    def free(self, seq_id: Hashable, hold: Collection[int] = ()) -> int:
+        """Return `seq_id`'s blocks to the pool, except those in `hold`, which an in-flight copy
+        still uses: they stay out of reach until `unhold`. Freeing an unknown id is a no-op.
+        Returns how many blocks left the table."""
         table = self._tables.pop(seq_id, [])
         self._reserved.pop(seq_id, None)
+        if hold:
+            held = set(hold) & set(table)
+            self._held |= held
+            table = [b for b in table if b not in held]
+            self._free.extend(reversed(table))
+            return len(table) + len(held)
         self._free.extend(reversed(table))
         return len(table)
+
+    def unhold(self, blocks: Iterable[int]) -> None:
+        """The copy that held `blocks` landed: they are free again."""
+        blocks = list(blocks)
+        if not set(blocks) <= self._held:
+            raise ValueError(f"blocks {sorted(set(blocks) - self._held)} are not held")
+        self._held -= set(blocks)
+        self._free.extend(reversed(blocks))
 
     # -- invariants ----------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -109,10 +135,11 @@ class BlockPool:
         assert len(set(owned)) == len(owned), "a block appears in two tables (or twice in one)"
         assert len(set(self._free)) == len(self._free), "a block is on the free list twice"
         assert not set(owned) & set(self._free), "a block is both owned and free"
-        assert len(owned) + len(self._free) == self.num_blocks, "blocks were lost or invented"
-        assert all(0 <= b < self.num_blocks for b in owned + self._free), "block id out of range"
+        assert not self._held & (set(owned) | set(self._free)), "a held block is also owned or free"
+        assert len(owned) + len(self._free) + len(self._held) == self.num_blocks, "blocks were lost or invented"
+        assert all(0 <= b < self.num_blocks for b in owned + self._free + list(self._held)), "block id out of range"
         assert self._tables.keys() == self._reserved.keys()
         for seq_id, table in self._tables.items():
             assert len(table) == self.blocks_for(self._reserved[seq_id]), f"{seq_id}: table size != reservation"
-        if not self._tables:
+        if not self._tables and not self._held:
             assert len(self._free) == self.num_blocks

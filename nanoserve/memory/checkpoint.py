@@ -15,19 +15,24 @@ e.g. offline before online), then sequences that already hold a checkpoint (keep
 stable so those stay cheap to preempt), then the ones with most unsaved full blocks.
 
 `preempt` frees the device blocks at once and keeps the host copy; `prefetch` allocates fresh
-device blocks and returns the loads, which the caller issues a step ahead (they run on the host
-store's side stream on CUDA) while other work computes. A resumed sequence keeps its host copy, so
-a second preemption is free again.
+device blocks and returns the loads (read by the sequence: the forward that runs it waits for
+them, nothing else does). A resumed sequence keeps its host copy, so a second preemption is free
+again.
 
-Ordering contract: all ops returned for one step (saves from `plan_step`, loads from `prefetch`)
-are executed together before that step's forward pass. `HostKVStore.execute` runs saves before
-loads, so a block planned for saving and then freed by a preemption in the same step is read
-before anything refills it. Do not preempt a sequence whose prefetch loads have not run yet, nor
-`release` one whose saves have not (its host blocks could be handed out again in the same step).
+Saves are asynchronous ("checkpointing has no data dependency with follow-up computation, it can
+be done asynchronously in the background and overlapped with computation", §4.4): nobody waits
+for them. So the checkpointer tracks each of its copies until the host store's ledger reports it
+landed (memory/copies.py; the scheduler polls at every step's start):
+- a device block an in-flight save reads, or an in-flight load writes, is never handed to anyone
+  else: if its sequence is preempted or released meanwhile, the block is *held* in the pool and
+  freed when the copy lands;
+- a host copy is read only after its save landed: a preempted sequence with a save in flight is
+  not resumable (`can_resume` is False) until it lands, though it keeps those tokens.
+Copies land in issue order (one copy stream, one link), so host blocks need no holding: a save
+into a host block that a released sequence's copy still reads or writes is issued after it.
 The checkpointer is the host store's only client (it owns host blocks under the sequence ids).
-`CheckpointKV` (checkpoint_kv.py) drives it from the scheduler and keeps this contract: the
-step's saves are its first copy group, and it prefetches only inside `reserve`, i.e. in the step
-that resumes the sequence (the runner runs every copy group before the forward pass).
+`CheckpointKV` (checkpoint_kv.py) drives it from the scheduler: the step's saves are its first
+copy group, and it prefetches only inside `reserve`, in the step that resumes the sequence.
 
 Invariants (checked by `check_invariants`):
   1. The host store's owners are exactly the tracked sequences, each holding exactly the host
@@ -36,12 +41,15 @@ Invariants (checked by `check_invariants`):
   3. Saved host block i holds device block i: a resident sequence has at least as many device
      blocks as saved ones; a preempted one has none in the pool.
   4. Both pools keep their own invariants (conservation, no block in two places).
+  6. The pool's held blocks are exactly those held for the checkpointer's in-flight copies; a
+     tracked sequence's in-flight copies are known to it; a resident sequence's in-flight copies
+     touch only its own blocks.
   5. With nothing tracked every host block is free; with no sequences every device block is.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from nanoserve.memory.blocks import BlockPool
@@ -65,9 +73,10 @@ class CheckpointConfig:
 
 @dataclass
 class _Checkpoint:
-    host_blocks: list[int]  # host_blocks[i] holds the sequence's device block i
+    host_blocks: list[int]  # host_blocks[i] holds (once its save lands) the sequence's device block i
     num_tokens: int  # computed tokens last reported (saved tokens while preempted)
     resident: bool = True
+    in_flight: set[int] = field(default_factory=set)  # tickets of its saves and loads not yet landed
 
 
 class IncrementalCheckpointer:
@@ -76,6 +85,8 @@ class IncrementalCheckpointer:
             raise ValueError("device and host blocks must hold the same number of slots")
         self.pool, self.store, self.config = pool, store, config
         self._tracked: dict[Hashable, _Checkpoint] = {}
+        self._touching: dict[int, list[int]] = {}  # in-flight ticket -> device blocks it reads or writes
+        self._held_for: dict[int, list[int]] = {}  # in-flight ticket -> its blocks that left their table
         # Counters, so a caller (or test) can tell a mechanism actually ran.
         self.blocks_checkpointed = 0
         self.preemptions_with_checkpoint = 0
@@ -114,6 +125,15 @@ class IncrementalCheckpointer:
     def is_preempted(self, seq_id: Hashable) -> bool:
         entry = self._tracked.get(seq_id)
         return entry is not None and not entry.resident
+
+    def can_resume(self, seq_id: Hashable) -> bool:
+        """A preempted sequence may be prefetched once every save of its checkpoint landed."""
+        entry = self._tracked.get(seq_id)
+        return entry is not None and not entry.resident and not entry.in_flight
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._touching)
 
     # -- per-step planning ------------------------------------------------------------------
     def plan_step(self, num_tokens_by_seq: Mapping[Hashable, int],
@@ -165,7 +185,30 @@ class IncrementalCheckpointer:
         self.blocks_checkpointed += count
         src = tuple(b * size + i for b in device_blocks for i in range(size))
         dst = tuple(s for b in host_blocks for s in self.store.slots(b))
-        return KVCopy("save", src, dst)
+        return self._track(seq_id, KVCopy("save", src, dst), device_blocks)
+
+    def _track(self, seq_id: Hashable, copy: KVCopy, device_blocks: list[int]) -> KVCopy:
+        self._touching[copy.ticket] = list(device_blocks)
+        self._tracked[seq_id].in_flight.add(copy.ticket)
+        self.store.inflight.when_landed(copy, lambda: self._landed(seq_id, copy.ticket))
+        return copy
+
+    def _landed(self, seq_id: Hashable, ticket: int) -> None:
+        del self._touching[ticket]
+        entry = self._tracked.get(seq_id)
+        if entry is not None:
+            entry.in_flight.discard(ticket)
+        held = self._held_for.pop(ticket, None)
+        if held:
+            self.pool.unhold(held)
+
+    def _free_device(self, seq_id: Hashable, entry: _Checkpoint | None) -> None:
+        """Free the sequence's device blocks, holding those its in-flight copies still touch."""
+        hold: list[int] = []
+        for ticket in entry.in_flight if entry is not None else ():
+            self._held_for[ticket] = list(self._touching[ticket])
+            hold += self._touching[ticket]
+        self.pool.free(seq_id, hold=hold)
 
     # -- preemption and resume --------------------------------------------------------------
     def preempt(self, seq_id: Hashable) -> int:
@@ -176,8 +219,8 @@ class IncrementalCheckpointer:
         """
         if self.is_preempted(seq_id):
             raise ValueError(f"{seq_id!r} is already preempted")
-        self.pool.free(seq_id)
         entry = self._tracked.get(seq_id)
+        self._free_device(seq_id, entry)
         if entry is None:
             return 0
         entry.resident = False
@@ -189,13 +232,16 @@ class IncrementalCheckpointer:
         """Give a preempted `seq_id` fresh device blocks and return the loads that refill them.
 
         Afterwards the sequence is resident with `saved_tokens(seq_id)` computed tokens; the
-        caller issues the loads a step before it schedules the sequence. All or nothing: raises
-        NoFreeBlocksError (changing nothing) if the pool cannot hold the saved tokens; check with
-        `pool.can_allocate(seq_id, saved_tokens(seq_id))`.
+        loads name it as their reader, so the forward that runs it waits for them. All or nothing:
+        raises NoFreeBlocksError (changing nothing) if the pool cannot hold the saved tokens (check
+        with `pool.can_allocate(seq_id, saved_tokens(seq_id))`), ValueError if a save of its
+        checkpoint is still in flight (`can_resume`).
         """
         entry = self._tracked.get(seq_id)
         if entry is None or entry.resident:
             raise ValueError(f"{seq_id!r} is not a preempted sequence with a checkpoint")
+        if entry.in_flight:
+            raise ValueError(f"{seq_id!r}: its checkpoint has saves in flight; it resumes once they land")
         device_blocks = self.pool.allocate(seq_id, entry.num_tokens)
         entry.resident = True
         self.prefetches += 1
@@ -203,12 +249,14 @@ class IncrementalCheckpointer:
         size = self.pool.block_size
         src = tuple(s for b in entry.host_blocks for s in self.store.slots(b))
         dst = tuple(b * size + i for b in device_blocks for i in range(size))
-        return [KVCopy("load", src, dst)]
+        return [self._track(seq_id, KVCopy("load", src, dst, reader=seq_id), device_blocks)]
 
     def release(self, seq_id: Hashable) -> None:
-        """`seq_id` finished or was dropped: free its device blocks and its checkpoint."""
-        self.pool.free(seq_id)
-        if self._tracked.pop(seq_id, None) is not None:
+        """`seq_id` finished or was dropped: free its device blocks (holding those an in-flight
+        copy touches) and its checkpoint."""
+        entry = self._tracked.pop(seq_id, None)
+        self._free_device(seq_id, entry)
+        if entry is not None:
             self.store.free(seq_id)
 
     # -- invariants --------------------------------------------------------------------------
@@ -232,3 +280,13 @@ class IncrementalCheckpointer:
                 assert entry.num_tokens == len(entry.host_blocks) * size
         if not self._tracked:
             assert self.store.num_free_blocks == self.store.num_blocks, "host blocks leaked"
+        held = [b for blocks in self._held_for.values() for b in blocks]
+        assert len(held) == len(set(held)) == self.pool.num_held_blocks, "held blocks disagree with in-flight copies"
+        assert set(self._held_for) <= set(self._touching), "a block is held for a copy that landed"
+        for seq_id, entry in self._tracked.items():
+            assert entry.in_flight <= set(self._touching), f"{seq_id!r}: an in-flight copy is unknown"
+            if entry.resident:
+                table = set(self.pool.block_table(seq_id))
+                for ticket in entry.in_flight:
+                    if ticket not in self._held_for:
+                        assert set(self._touching[ticket]) <= table, f"{seq_id!r}: a copy touches a block not its own"

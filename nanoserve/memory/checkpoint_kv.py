@@ -11,15 +11,16 @@ The scheduler keeps thinking in requests and token counts; this adapter maps its
                            are returned), then grown to n like any other
     release(request)       free device blocks and host copy
 
-Why this is safe under the scheduler's step (see nanoserve/sched/base.py): the step's saves are
-the first copy group, so they read a block before any later group's loads or the forward pass
-can refill it, even if the block's owner is preempted later in the same step. Loads come from
-`reserve`, i.e. only for a request that is being given a chunk, which the scheduler never
-preempts in the same step; and a request is released only after its step's copies ran.
+Why this is safe beside the forward (memory/copies.py): checkpoint saves run on the copy stream
+under later forwards, and nobody waits for them; a block an in-flight save still reads is held,
+not freed, when its request is preempted or finishes, until the scheduler's poll reports the save
+landed. A preempted request whose checkpoint is still being written cannot be resumed
+(`can_reserve` is False) until it lands. Loads come from `reserve`, i.e. only for a request that is
+being given a chunk, and name it as their reader: that step's forward waits for them.
 
-Unlike the paper, a prefetch's loads run in the step that resumes the request, not a step ahead
-(the runner executes all of a step's copies before its forward; on CUDA they run on the host
-store's side stream). The scheduler decides when to resume; this adapter only restores.
+Unlike the paper, a prefetch's loads are issued in the step that resumes the request, not a step
+ahead, so that step waits for them (the ConServe issue moves them into the background). The
+scheduler decides when to resume; this adapter only restores.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class CheckpointKV(PagedKV):
 
     def __init__(self, pool: BlockPool, store: HostKVStore, config: CheckpointConfig = CheckpointConfig()):
         super().__init__(pool)
+        self.host_store = store
         self.checkpointer = IncrementalCheckpointer(pool, store, config)
         self.tokens_saved_from_recompute = 0  # restored by prefetch instead of recomputed
 
@@ -66,15 +68,19 @@ class CheckpointKV(PagedKV):
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
         # A preempted request holds no device blocks, so blocks_for(num_tokens) covers both its
         # prefetched prefix and its growth; max() guards a caller asking for less than it kept.
-        return self.pool.can_allocate(request.request_id, self._target(request, num_tokens))
+        rid = request.request_id
+        if self.checkpointer.is_preempted(rid) and not self.checkpointer.can_resume(rid):
+            return False  # its checkpoint is still being written
+        return self.pool.can_allocate(rid, self._target(request, num_tokens))
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
         rid = request.request_id
         if not self.checkpointer.is_preempted(rid):  # most calls: plain paged growth
             return super().reserve(request, num_tokens)
         target = self._target(request, num_tokens)
-        if not self.pool.can_allocate(rid, target):  # all or nothing: check before prefetching
-            raise NoFreeBlocksError(f"{rid}: cannot hold {target} tokens with {self.pool.num_free_blocks} free blocks")
+        if not self.can_reserve(request, num_tokens):  # all or nothing: check before prefetching
+            raise NoFreeBlocksError(f"{rid}: cannot hold {target} tokens with {self.pool.num_free_blocks} free blocks"
+                                    f" (or its checkpoint is still in flight)")
         copies = self.checkpointer.prefetch(rid)
         self.tokens_saved_from_recompute += self.checkpointer.saved_tokens(rid)
         self.pool.allocate(rid, target)
@@ -109,6 +115,7 @@ class CheckpointKV(PagedKV):
             "prefetches": ckpt.prefetches,
             "blocks_prefetched": ckpt.blocks_prefetched,
             "tokens_saved_from_recompute": self.tokens_saved_from_recompute,
+            "copies_in_flight": ckpt.num_in_flight,
         }
 
     def check_invariants(self) -> None:

@@ -222,7 +222,7 @@ class ExactAllocator:
         if seq.written == 0:
             return []
         saved = self._slots(self.host_store.blocks_of(seq_id), 0, seq.written)
-        return [KVCopy("load", tuple(saved), tuple(self.slot_mapping(seq_id, 0, seq.written)))]
+        return [KVCopy("load", tuple(saved), tuple(self.slot_mapping(seq_id, 0, seq.written)), reader=seq_id)]
 
     def free(self, seq_id: Hashable) -> int:
         """Release a finished request (guests keep their KV); returns the device blocks freed, 0 if unknown."""
@@ -276,7 +276,10 @@ class ExactAllocator:
             seq.written, self.hosted_drops = 0, self.hosted_drops + 1  # no room: recompute later
         elif seq.written:
             saved = self._slots(self.host_store.allocate(seq_id, host_blocks), 0, seq.written)
-            copies.append(KVCopy("save", tuple(self.slot_mapping(seq_id, 0, seq.written)), tuple(saved)))
+            # Blocking: the host takes its region back in this very step (§3.4), so the step
+            # waits for the guest's K/V to be out before its forward writes there.
+            copies.append(KVCopy("save", tuple(self.slot_mapping(seq_id, 0, seq.written)), tuple(saved),
+                                 blocking=True))
         self._give_back(self._owned(seq))
         self.num_guests -= seq.host is not None
         seq.table, seq.children, seq.host, seq.resident = [], [], None, False

@@ -52,6 +52,7 @@ class ExactKV(KVManager):
     def __init__(self, alloc: ExactAllocator, predicted_len: Predictor = None):
         self.alloc = alloc
         self.block_size = alloc.block_size
+        self.host_store = alloc.host_store
         self.predicted_len = predicted_len
         self._predicted: dict[str, int] = {}  # asked once per request; L_new after a preemption
         # `prediction`'s answer and the request's tokens it was for: the admission pass asks again

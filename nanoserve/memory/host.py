@@ -1,53 +1,45 @@
-"""Host-memory KV storage and the copies between it and the device cache.
+"""Host-memory KV storage, and the copy stream that moves K/V between it and the device cache.
 
 Every paper here moves KV off the accelerator and back: ConServe checkpoints finished blocks
 (conserve.txt §4.4), BROS saves only the best-effort slots a real-time sequence is about to
 overwrite (bros.txt §5.2), EcoServe evicts a hosted request whose host needs its region back
-(ecoserve.txt §3.4). They all use this one store.
+(ecoserve.txt §3.4), and vLLM's swap preemption copies a whole sequence out and back. They all
+use this one store.
 
 A memory manager never touches tensors. It decides *what* moves and describes it as `KVCopy`
-ops over flat slots: device slots are `block * B + slot` (the runner's slot-mapping numbering),
-host slots `host_block * B + i`. The runner executes the ops on the real caches
-(`HostKVStore.execute`) before the step's forward pass: saves, then device-to-device moves,
-then loads, so a slot can be saved and refilled in the same step. A slot copy carries every
-layer's K and V.
+ops over flat slots (memory/copies.py says who waits for which). The runner hands each step's
+copy groups to `execute`, which issues them on one copy stream in order (within a group: saves,
+then device-to-device moves, then loads, so a slot can be saved and refilled in the same step)
+and files each in `inflight`, the ledger the manager polls. Before its forward the runner calls
+`wait_for`, which makes the compute stream wait only for the copies that forward needs:
+
+    compute stream:  ─ forward n-1 ─┐               ┌─ wait(needed) ─ forward n ─
+    copy stream:                    └─ saves, moves, loads of step n ─┘ (the rest runs on)
+
+On CUDA the host tensors are pinned, copies run `non_blocking` on a dedicated stream, and one
+event per group tells when they landed. On a CPU there is no second engine: the same code runs
+the copies in order, at once, and they land immediately, with exactly the same bookkeeping.
 
 Host space is handed out in whole host blocks of B slots, owned by an owner id (a request id,
-usually); a save of fewer than B slots still takes a block. On CUDA the host tensors are
-pinned and copies run on a side stream; `fence()` makes the compute stream wait for them.
+usually); a save of fewer than B slots still takes a block. A slot copy carries every layer's
+K and V.
 
 Invariants (checked by `check_invariants`):
   1. Every host block is free or owned by exactly one owner: free + owned == total.
   2. No owner holds a block twice; no owner holds an empty list.
   3. With no owners, every host block is free.
+  4. The in-flight ledger keeps its own (memory/copies.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Hashable, Literal, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import torch
 
 from nanoserve.memory.blocks import NoFreeBlocksError
+from nanoserve.memory.copies import LANDED_NOW, InflightCopies, KVCopy
 
-
-@dataclass(frozen=True)
-class KVCopy:
-    """Copy every layer's K/V from slots `src` to slots `dst`, pairwise in order.
-
-    save: device slots -> host slots; load: host slots -> device slots; move: device slots ->
-    other device slots (BROS moves a best-effort page's surviving slots to a fresh block).
-    """
-
-    kind: Literal["save", "move", "load"]
-    src: tuple[int, ...]
-    dst: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("save", "move", "load"):
-            raise ValueError(f"unknown copy kind {self.kind!r}")
-        if len(self.src) != len(self.dst):
-            raise ValueError("a KV copy pairs source and destination slots one to one")
+__all__ = ["HostKVStore", "KVCopy"]
 
 
 class HostKVStore:
@@ -62,8 +54,8 @@ class HostKVStore:
         self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._owned: dict[Hashable, list[int]] = {}
+        self.inflight = InflightCopies()  # issued copies the manager has not yet seen land
         self._stream: torch.cuda.Stream | None = None
-        self._last_copy: torch.cuda.Event | None = None
 
     # -- host block allocation ------------------------------------------------------------
     @property
@@ -102,33 +94,63 @@ class HostKVStore:
         return len(drop)
 
     # -- copies (run by the executor) -----------------------------------------------------
-    def execute(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Run `copies` against the device caches: every save, then every move, then every load.
-
-        That order lets one step checkpoint a slot, then refill it, without losing the old K/V.
-        """
+    def execute(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Issue one group of copies against the device caches: every save, then every move, then
+        every load. That order lets one step checkpoint a slot, then refill it, without losing the
+        old K/V. The copies are filed in `inflight`; on a CPU they have landed when this returns."""
         if not copies:
             return
         # A pipeline stage holds only its layers' caches (None for the others'): it copies those.
         device = next(c for c in kv_caches if c is not None)[0].device
-        if device.type == "cuda" and self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        if self._stream is None:
-            self._copy(copies, kv_caches)
+        if device.type != "cuda":
+            self.copy_now(copies, kv_caches)
+            for copy in copies:
+                self.inflight.issue(copy, LANDED_NOW)
             return
-        self._stream.wait_stream(torch.cuda.current_stream(device))  # the K/V to save are written
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        # The copies read K/V earlier forwards wrote, and overwrite blocks earlier forwards read.
+        self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
-            self._copy(copies, kv_caches)
-        self._last_copy = torch.cuda.Event()
-        self._last_copy.record(self._stream)
+            self._copy(copies, kv_caches, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        for copy in copies:
+            self.inflight.issue(copy, event.query, event)
 
-    def fence(self) -> None:
-        """Make the compute stream wait for every issued copy (no-op on the CPU)."""
-        if self._last_copy is not None:
-            torch.cuda.current_stream().wait_event(self._last_copy)
-            self._last_copy = None
+    def copy_now(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Move the data of one group synchronously, in `execute`'s order, without filing it in
+        the ledger: what `execute` does on a CPU, and what a test's stand-in copy stream runs
+        when it decides a copy lands."""
+        if copies:
+            self._copy(copies, kv_caches, non_blocking=False)
 
-    def _copy(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    def wait_for(self, readers: Iterable[Hashable]) -> None:
+        """Make the compute stream wait for the in-flight copies a forward over `readers` needs
+        (`KVCopy.needed_by`): this step's blocking copies and the loads its requests read. Saves
+        and prefetches for other requests keep running under the forward. No-op on a CPU."""
+        readers = set(readers)
+        self._wait(self.inflight.handles(lambda copy: copy.needed_by(readers)))
+
+    def retire(self, tickets: Iterable[int]) -> None:
+        """The manager (in the scheduling process) saw `tickets` land and may now reuse what they
+        touched. Where this store's own copies of them may still run (another tensor- or
+        pipeline-parallel rank's stream), the compute and copy streams wait for them first."""
+        handles = self.inflight.forget(tickets)
+        self._wait(handles)
+        if handles and self._stream is not None:
+            for event in handles:
+                self._stream.wait_event(event)
+
+    @staticmethod
+    def _wait(events: list[Any]) -> None:
+        if events:
+            stream = torch.cuda.current_stream()
+            for event in events:
+                stream.wait_event(event)
+
+    def _copy(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+              non_blocking: bool) -> None:
         device = next(c for c in kv_caches if c is not None)[0].device
         for kind in ("save", "move", "load"):
             group = [c for c in copies if c.kind == kind]
@@ -136,35 +158,72 @@ class HostKVStore:
                 continue
             src_slots = [s for c in group for s in c.src]
             dst_slots = [s for c in group for s in c.dst]
-            src = torch.tensor(src_slots, dtype=torch.int64)
-            dst = torch.tensor(dst_slots, dtype=torch.int64)
-            if kind != "move" and len(src_slots) > 1:
-                # Runs where both sides are consecutive (whole blocks, a checkpoint's block
-                # ranges) are copied in one slice each: index_select + index_copy_ would move
-                # every byte twice. Saves and loads cross tensors, so runs cannot overlap; a move
-                # keeps the gather-then-scatter below. Short runs stay on the index path, where
-                # one call per run would cost more than the second copy.
-                breaks = ((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)
-                starts = [0, *(breaks.nonzero().flatten() + 1).tolist()]
-                if len(starts) * 64 <= len(src_slots):  # runs average at least 64 slots
-                    runs = [(src_slots[a], dst_slots[a], b - a) for a, b in zip(starts, [*starts[1:], len(src_slots)])]
-                    for layer, caches in enumerate(kv_caches):
-                        for host, cache in zip((self.k[layer], self.v[layer]), caches or ()):
-                            flat = cache.view(-1, *cache.shape[2:])
-                            source, target = (flat, host) if kind == "save" else (host, flat)
-                            for s, d, n in runs:
-                                target.narrow(0, d, n).copy_(source.narrow(0, s, n))
-                    continue
-            if kind != "load":
-                src = src.to(device)
-            if kind != "save":
-                dst = dst.to(device)
-            for layer, caches in enumerate(kv_caches):
-                for host, cache in zip((self.k[layer], self.v[layer]), caches or ()):
-                    flat = cache.view(-1, *cache.shape[2:])
-                    source, target = {"save": (flat, host), "move": (flat, flat), "load": (host, flat)}[kind]
-                    # Gather first, then scatter: a move's sources are read before any is overwritten.
-                    target.index_copy_(0, dst, source.index_select(0, src).to(target.device))
+            if kind == "move":
+                self._move(src_slots, dst_slots, kv_caches, device)
+            elif non_blocking:
+                self._transfer_async(kind, src_slots, dst_slots, kv_caches, device)
+            else:
+                self._transfer(kind, src_slots, dst_slots, kv_caches, device)
+
+    def _move(self, src_slots: list[int], dst_slots: list[int], kv_caches, device: torch.device) -> None:
+        src = torch.tensor(src_slots, dtype=torch.int64).to(device)
+        dst = torch.tensor(dst_slots, dtype=torch.int64).to(device)
+        for caches in kv_caches:
+            for cache in caches or ():
+                flat = cache.view(-1, *cache.shape[2:])
+                # Gather first, then scatter: a move's sources are read before any is overwritten.
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    def _layers(self, kv_caches):
+        """(host tensor, flat device cache) for every layer's K and V this rank holds."""
+        for layer, caches in enumerate(kv_caches):
+            for host, cache in zip((self.k[layer], self.v[layer]), caches or ()):
+                yield host, cache.view(-1, *cache.shape[2:])
+
+    def _transfer(self, kind: str, src_slots: list[int], dst_slots: list[int], kv_caches, device) -> None:
+        """A save or load on the CPU (or any synchronous device)."""
+        src = torch.tensor(src_slots, dtype=torch.int64)
+        dst = torch.tensor(dst_slots, dtype=torch.int64)
+        runs = _runs(src_slots, dst_slots)
+        if len(src_slots) > 1 and len(runs) * 64 <= len(src_slots):
+            # Runs where both sides are consecutive (whole blocks, a checkpoint's block ranges)
+            # are copied in one slice each: index_select + index_copy_ would move every byte
+            # twice. Saves and loads cross tensors, so runs cannot overlap. Short runs stay on the
+            # index path, where one call per run would cost more than the second copy.
+            for host, flat in self._layers(kv_caches):
+                source, target = (flat, host) if kind == "save" else (host, flat)
+                for s, d, n in runs:
+                    target.narrow(0, d, n).copy_(source.narrow(0, s, n))
+            return
+        src, dst = (src.to(device), dst) if kind == "save" else (src, dst.to(device))
+        for host, flat in self._layers(kv_caches):
+            source, target = (flat, host) if kind == "save" else (host, flat)
+            target.index_copy_(0, dst, source.index_select(0, src).to(target.device))
+
+    def _transfer_async(self, kind: str, src_slots: list[int], dst_slots: list[int], kv_caches,
+                        device: torch.device) -> None:
+        """A save or load on the copy stream, never blocking the host thread.
+
+        The device side may be scattered (a sequence's blocks lie anywhere in the pool), the host
+        side comes in runs (host blocks of B slots). So a save gathers its device slots into one
+        contiguous staging tensor with one kernel per layer and K/V, then copies each host run
+        out of it into pinned memory; a load copies each host run into a staging tensor, then
+        scatters it with one kernel. Staging tensors are allocated on the copy stream, so the
+        caching allocator reuses their memory only after the stream has finished with them."""
+        host_slots = dst_slots if kind == "save" else src_slots
+        device_slots = torch.tensor(src_slots if kind == "save" else dst_slots, dtype=torch.int64).to(
+            device, non_blocking=True)
+        runs = _runs(host_slots, range(len(host_slots)))  # (host start, staging start, length)
+        for host, flat in self._layers(kv_caches):
+            if kind == "save":
+                staged = flat.index_select(0, device_slots)
+                for h, s, n in runs:
+                    host.narrow(0, h, n).copy_(staged.narrow(0, s, n), non_blocking=True)
+            else:
+                staged = torch.empty((len(host_slots), *flat.shape[1:]), dtype=flat.dtype, device=device)
+                for h, s, n in runs:
+                    staged.narrow(0, s, n).copy_(host.narrow(0, h, n), non_blocking=True)
+                flat.index_copy_(0, device_slots, staged)
 
     # -- invariants -----------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -176,3 +235,14 @@ class HostKVStore:
         assert all(blocks for blocks in self._owned.values()), "an owner holds an empty list"
         if not self._owned:
             assert len(self._free) == self.num_blocks
+        self.inflight.check_invariants()
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal runs where both sides count up by one."""
+    if len(src) < 2:
+        return [(src[0], dst[0], 1)] if len(src) else []
+    s, d = torch.tensor(list(src)), torch.tensor(list(dst))
+    breaks = ((s[1:] - s[:-1]) != 1) | ((d[1:] - d[:-1]) != 1)
+    starts = [0, *(breaks.nonzero().flatten() + 1).tolist()]
+    return [(src[a], dst[a], b - a) for a, b in zip(starts, [*starts[1:], len(src)])]

@@ -10,7 +10,10 @@ policy runs over any allocator and the engine's step stays the same:
 
 Data never moves here. Operations that need K/V moved (a checkpoint, a swap, a restore) return
 `KVCopy` lists; the scheduler hands them to the executor in the step's `SchedulerOutput`, one
-group per call, in call order, and the runner executes them before the forward pass.
+group per call, in call order. The executor issues them on one copy stream beside the forward
+and waits only for what the forward reads (memory/copies.py). At the start of every step the
+scheduler calls `poll_copies`: the manager learns which of its copies landed since, and only
+then reuses what they touched (a block whose save was in flight, a host copy being written).
 
 Preemption is not always recompute. `preempt` returns how many leading tokens keep valid K/V
 off the device (on the host); the request resumes from there and the next `reserve` brings them
@@ -25,7 +28,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from nanoserve.memory.blocks import BlockPool
-from nanoserve.memory.host import KVCopy
+from nanoserve.memory.host import HostKVStore, KVCopy
 
 if TYPE_CHECKING:
     from nanoserve.request import Request
@@ -33,6 +36,8 @@ if TYPE_CHECKING:
 
 class KVManager(ABC):
     block_size: int
+    # Where this manager's copies go and whose ledger says when they landed; None: it makes none.
+    host_store: HostKVStore | None = None
 
     # -- capacity, for stats and policies ------------------------------------------------
     @property
@@ -85,6 +90,14 @@ class KVManager(ABC):
         """The order in which this step serves running requests (FCFS by default). An allocator
         whose growth can take slots from another request may need the taker served first."""
         return running
+
+    def poll_copies(self) -> tuple[int, ...]:
+        """At the start of a step: learn which of this manager's copies landed since the last
+        poll, running what their landing allows (`InflightCopies.when_landed`), and return
+        their tickets, which every rank's executor then retires (`HostKVStore.retire`)."""
+        if self.host_store is None:
+            return ()
+        return tuple(copy.ticket for copy in self.host_store.inflight.poll())
 
     def step_copies(self, running: list[Request]) -> list[KVCopy]:
         """Copies to run at the start of a step, whatever is scheduled (ConServe's checkpoints)."""

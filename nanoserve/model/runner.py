@@ -9,10 +9,10 @@ For a batch of chunks the runner builds flat tensors:
     query_start_loc        [num_seqs + 1]    where each chunk's tokens start in the flat batch
     directions             [num_seqs] or None  BROS: which sequences fill blocks right to left
 
-Before the forward pass it runs the batch's KV copies (checkpoints, swaps, restores) through
-the host store, so every slot the step reads holds the right K/V.
-
-then runs the model, takes the hidden state of the last token of every chunk that samples,
+Before the forward pass it issues the batch's KV copies (checkpoints, swaps, restores) on the
+host store's copy stream and makes the forward wait only for the ones it reads: this step's
+blocking copies and the loads of its own requests (memory/copies.py). Saves and prefetches for
+other requests run on beside the forward. It then runs the model, takes the hidden state of the last token of every chunk that samples,
 and samples. The simulator's executor has the same `execute` signature and returns the same
 `ExecutorOutput`, so the engine cannot tell them apart.
 
@@ -233,15 +233,19 @@ class ModelRunner:
         )
         return PreparedBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), ctx, sample_rows)
 
-    def apply_kv_copies(self, groups: list) -> None:
-        """Run the step's copy groups (checkpoints, swaps, restores) before its forward pass."""
-        if not groups:
+    def apply_kv_copies(self, groups: list, landed: Iterable[int] = (), readers: Iterable[str] = ()) -> None:
+        """Issue the step's copy groups (checkpoints, swaps, restores) and make the forward over
+        `readers` wait for those it needs. `landed`: copies the manager saw land, which it may now
+        reuse the blocks of: retired first, so this rank's streams are past them too."""
+        store = self.host_store
+        if store is None:
+            if groups:
+                raise RuntimeError("the batch carries KV copies but the runner has no host store")
             return
-        if self.host_store is None:
-            raise RuntimeError("the batch carries KV copies but the runner has no host store")
+        store.retire(landed)
         for group in groups:  # in order: a later group may save what an earlier one filled
-            self.host_store.execute(group, self.kv_caches)
-        self.host_store.fence()
+            store.execute(group, self.kv_caches)
+        store.wait_for(readers)
 
     def request_preemption(self) -> None:
         """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
@@ -267,7 +271,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        self.apply_kv_copies(batch.kv_copies)
+        self.apply_kv_copies(batch.kv_copies, batch.landed_copies, (c.request.request_id for c in batch.chunks))
         if not batch.chunks:
             return ExecutorOutput()
         prepared = self.prepare(batch)

@@ -47,9 +47,13 @@ class ScheduledChunk(NamedTuple):
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # K/V moves that must happen before this step's forward pass (checkpoints, swaps,
-    # restores): one group per memory-manager call, run by the executor in this order.
+    # K/V copies this step issues (checkpoints, swaps, restores): one group per memory-manager
+    # call, issued by the executor in this order on its copy stream (memory/copies.py); the
+    # forward waits only for those it reads.
     kv_copies: list[list[KVCopy]] = field(default_factory=list)
+    # Tickets of earlier copies the KV manager saw land at this step's start: from now on it may
+    # reuse what they touched, so every rank's executor retires them first (HostKVStore.retire).
+    landed_copies: tuple[int, ...] = ()
     # Under pipeline parallelism, how the policy cuts the chunks into micro-batches (KunServe's
     # lookahead); None lets the executor cut by token count (nanoserve/dist/pipeline.py).
     microbatches: list[list[ScheduledChunk]] | None = None
@@ -77,6 +81,7 @@ class Scheduler(ABC):
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._copies: list[list[KVCopy]] = []  # this step's copy groups, in call order
+        self._landed: tuple[int, ...] = ()  # landed tickets not yet sent to the executor
 
     # -- what a policy implements --------------------------------------------------------
     @abstractmethod
@@ -84,10 +89,13 @@ class Scheduler(ABC):
         """Pick this step's chunks with `chunk` (which reserves their KV) and `preempt`."""
 
     def schedule(self) -> SchedulerOutput:
+        self._landed += self.kv.poll_copies()  # first: what landed may be reused by this step
         self._copies = []
         self._add_copies(self.kv.step_copies(self.running))
         out = self.plan()
         out.kv_copies = self._copies
+        if not out.is_empty:  # an empty step reaches no executor: its tickets wait for the next
+            out.landed_copies, self._landed = self._landed, ()
         return out
 
     def _add_copies(self, copies: list[KVCopy]) -> None:
