@@ -152,6 +152,8 @@ class Engine:
         if request is None:
             return None
         self._finish(request, RequestStatus.FINISHED_ABORTED, self.clock())
+        if not self.has_unfinished_requests():
+            self.scheduler.settle()
         return self._output(request)
 
     def shutdown(self) -> None:
@@ -202,6 +204,8 @@ class Engine:
             self.predicted_step_seconds_total += predicted
             if self.calibrate_cost_model:
                 self.scheduler.calibrate(predicted, measured)
+        if not self.has_unfinished_requests():
+            self.scheduler.settle()  # idle from here: free what the last copies held
         if self.check_invariants:
             self.kv.check_invariants()
         return outputs

@@ -1,6 +1,8 @@
 """IncrementalCheckpointer (ConServe §4.4): unit checks, plus a hypothesis state machine that
 writes a unique value for every (sequence, position) into small real KV caches and checks after
-every operation that each resident position and each checkpointed position reads back exactly."""
+every operation that each resident position and each checkpointed position reads back exactly.
+In the machine copies are in flight: they move their data only when the test lands them, in
+issue order, as one copy stream would, while forwards keep writing."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,6 +67,12 @@ def assert_host_holds(store: HostKVStore, seq: str, num_tokens: int, host_blocks
 def setup(device_blocks: int, host_blocks: int, **config):
     pool, store = BlockPool(device_blocks, B), make_store(host_blocks)
     return pool, store, make_caches(device_blocks), IncrementalCheckpointer(pool, store, CheckpointConfig(**config))
+
+
+def run(store: HostKVStore, copies: list[KVCopy], caches) -> None:
+    """Issue a step's copies, and poll at the next step's start (on a CPU they land at once)."""
+    store.execute(copies, caches)
+    store.inflight.poll()
 
 
 def grow(pool, caches, seq, start, end):
@@ -137,7 +145,7 @@ def test_host_exhaustion_checkpoints_less_and_never_fails():
 def test_preempt_fully_saved_frees_device_at_once_and_prefetch_is_bit_identical():
     pool, store, caches, ckpt = setup(8, 8, threshold=0.0)
     grow(pool, caches, "s0", 0, 12)
-    store.execute(ckpt.plan_step({"s0": 12}), caches)
+    run(store, ckpt.plan_step({"s0": 12}), caches)
     assert ckpt.saved_tokens("s0") == 12
     host_before = (store.k.clone(), store.v.clone())
     saved_before = ckpt.blocks_checkpointed
@@ -152,7 +160,7 @@ def test_preempt_fully_saved_frees_device_at_once_and_prefetch_is_bit_identical(
         k.fill_(7.0), v.fill_(7.0)
     loads = ckpt.prefetch("s0")
     assert [c.kind for c in loads] == ["load"] and ckpt.prefetches == 1 and ckpt.blocks_prefetched == 3
-    store.execute(loads, caches)
+    run(store, loads, caches)
     assert_device_holds(pool, caches, "s0", 12)
     ckpt.check_invariants()
 
@@ -160,9 +168,9 @@ def test_preempt_fully_saved_frees_device_at_once_and_prefetch_is_bit_identical(
 def test_preempt_keeps_only_saved_prefix_and_tail_is_recomputed():
     pool, store, caches, ckpt = setup(8, 8, threshold=0.0)
     grow(pool, caches, "s0", 0, 10)
-    store.execute(ckpt.plan_step({"s0": 10}), caches)
+    run(store, ckpt.plan_step({"s0": 10}), caches)
     assert ckpt.preempt("s0") == 8  # the partial third block is not on host
-    store.execute(ckpt.prefetch("s0"), caches)
+    run(store, ckpt.prefetch("s0"), caches)
     grow(pool, caches, "s0", 8, 10)  # recompute the tail
     assert_device_holds(pool, caches, "s0", 10)
     assert ckpt.preempt("s0") == 8  # the host copy survived the resume: preempting again is free
@@ -181,7 +189,7 @@ def test_preempt_without_checkpoint_forgets_the_sequence():
 def test_prefetch_is_all_or_nothing():
     pool, store, caches, ckpt = setup(4, 8, threshold=0.0)
     grow(pool, caches, "s0", 0, 8)
-    ckpt.plan_step({"s0": 8})
+    run(store, ckpt.plan_step({"s0": 8}), caches)
     ckpt.preempt("s0")
     grow(pool, caches, "s1", 0, 12)  # 3 of 4 blocks: no room for s0's 2
     with pytest.raises(NoFreeBlocksError):
@@ -190,22 +198,46 @@ def test_prefetch_is_all_or_nothing():
     ckpt.check_invariants()
 
 
-def test_saves_run_before_loads_so_one_step_can_checkpoint_preempt_and_resume():
+def test_a_save_in_flight_holds_its_blocks_and_delays_the_resume_until_it_lands():
     pool, store, caches, ckpt = setup(4, 8, threshold=0.0)
     grow(pool, caches, "s0", 0, 8)
-    step = ckpt.plan_step({"s0": 8})  # not executed yet
-    ckpt.preempt("s0")
-    step += ckpt.prefetch("s0")  # refills the very blocks the pending saves read
-    store.execute(step, caches)
+    step = ckpt.plan_step({"s0": 8})  # planned this step, not yet issued
+    assert ckpt.preempt("s0") == 8  # the tokens count: their save will land
+    # The blocks the save reads are held, not free: nobody's forward may overwrite them.
+    assert pool.num_held_blocks == 2 and pool.num_free_blocks == 2 and not ckpt.can_resume("s0")
+    with pytest.raises(ValueError, match="in flight"):
+        ckpt.prefetch("s0")
+    ckpt.check_invariants()
+    store.execute(step, caches)  # issued; it lands, but the checkpointer learns it at the poll
+    assert pool.num_held_blocks == 2
+    assert [c.ticket for c in store.inflight.poll()] == [c.ticket for c in step]
+    assert pool.num_held_blocks == 0 and pool.num_free_blocks == 4 and ckpt.can_resume("s0")
+    for k, v in caches:  # someone else dirties the freed blocks
+        k.fill_(7.0), v.fill_(7.0)
+    run(store, ckpt.prefetch("s0"), caches)
     assert_device_holds(pool, caches, "s0", 8)
     assert_host_holds(store, "s0", 8)
+    ckpt.check_invariants()
+
+
+def test_release_with_copies_in_flight_holds_device_blocks_until_they_land():
+    pool, store, caches, ckpt = setup(4, 8, threshold=0.0)
+    grow(pool, caches, "s0", 0, 8)
+    step = ckpt.plan_step({"s0": 8})
+    store.execute(step, caches)
+    ckpt.release("s0")  # before the poll: the save is not known to have landed
+    assert pool.num_held_blocks == 2 and store.num_free_blocks == 8
+    ckpt.check_invariants()
+    store.inflight.poll()
+    assert pool.num_free_blocks == 4 and ckpt.num_in_flight == 0
+    ckpt.check_invariants()
 
 
 def test_release_frees_everything_in_both_pools():
     pool, store, caches, ckpt = setup(8, 8, threshold=0.0)
     grow(pool, caches, "s0", 0, 9)
     grow(pool, caches, "s1", 0, 12)
-    store.execute(ckpt.plan_step({"s0": 9, "s1": 12}), caches)
+    run(store, ckpt.plan_step({"s0": 9, "s1": 12}), caches)
     ckpt.preempt("s1")
     ckpt.release("s0")
     ckpt.release("s1")
@@ -228,10 +260,16 @@ DEVICE_BLOCKS, HOST_BLOCKS = 12, 8
 
 
 class CheckpointMachine(RuleBasedStateMachine):
-    """Grow, checkpoint, preempt, prefetch and release in any order against real caches.
+    """Grow, checkpoint, preempt, prefetch and release in any order against real caches, with
+    copies in flight.
 
-    Copies accumulate in `pending` like one step's ops and run before the next forward (`grow`),
-    so saves planned and blocks freed or refilled in the same step are exercised too.
+    A step's copies are planned (`planned`), then issued (`issue`: filed in the store's ledger,
+    their data not yet moved), then land when the test says so (`land`: a prefix of the issue
+    order, as one copy stream delivers them; only then is their data moved). The checkpointer
+    learns what landed at `poll`, the step start. A forward (`grow`) first waits for the loads
+    its sequence reads, as the runner does, and writes while other copies are still in flight:
+    had a block an in-flight save reads been handed to it, the save would read the new data and
+    the host check below would fail.
     """
 
     def __init__(self):
@@ -240,24 +278,52 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.caches = make_caches(DEVICE_BLOCKS)
         config = CheckpointConfig(threshold=0.3, max_blocks_per_step=3)
         self.ckpt = IncrementalCheckpointer(self.pool, self.store, config)
-        self.computed: dict[str, int] = {}  # resident sequences: tokens whose K/V is on device
+        self.computed: dict[str, int] = {}  # resident sequences: tokens whose K/V is (or will be) on device
         self.preempted: dict[str, int] = {}  # tokens kept on host
-        self.loading: set[str] = set()  # prefetched this step, loads not yet run
-        self.pending: list[KVCopy] = []
+        self.planned: list[KVCopy] = []  # this step's copies, not issued yet
+        self.issued: list[KVCopy] = []  # on the copy stream, in order, not landed
+        self.landed: set[int] = set()
+        self.owner: dict[int, str] = {}  # ticket -> the sequence whose K/V the copy carries
 
-    def flush(self) -> None:
-        self.store.execute(self.pending, self.caches)
-        self.pending, self.loading = [], set()
+    def issue_planned(self) -> None:
+        for copy in self.planned:
+            self.store.inflight.issue(copy, lambda t=copy.ticket: t in self.landed)
+        self.issued += self.planned
+        self.planned = []
+
+    def land_prefix(self, count: int) -> None:
+        for copy in self.issued[:count]:
+            self.store.copy_now([copy], self.caches)  # the copy stream gets to it
+            self.landed.add(copy.ticket)
+        self.issued = self.issued[count:]
+
+    @rule()
+    def issue(self):
+        self.issue_planned()
+
+    @rule(count=st.integers(0, 4))
+    def land(self, count):
+        self.land_prefix(count)
+
+    @rule()
+    def poll(self):
+        self.ckpt.check_invariants()
+        self.store.inflight.poll()
 
     @rule(seq=SEQS, extra=st.integers(1, 9))
     def grow(self, seq, extra):
         if seq in self.preempted:
             return
-        self.flush()  # the forward runs after this step's copies
+        self.issue_planned()  # the executor issues the step's copies, then runs the forward
+        reads = [i for i, c in enumerate(self.issued) if c.reader == seq]
+        if reads:
+            self.land_prefix(reads[-1] + 1)  # the forward waits for its loads (and what precedes them)
         start = self.computed.get(seq, 0)
         if not self.pool.can_allocate(seq, start + extra):
             return
-        grow(self.pool, self.caches, seq, start, start + extra)
+        self.pool.allocate(seq, start + extra)
+        self.no_block_an_unlanded_copy_touches_is_anyone_elses()  # the forward writes these blocks now
+        write_tokens(self.pool, self.caches, seq, start, start + extra)
         self.computed[seq] = start + extra
 
     @precondition(lambda self: self.computed)
@@ -272,20 +338,21 @@ class CheckpointMachine(RuleBasedStateMachine):
             assert copies == []
         saved = sum(len(c.src) for c in copies) // B
         assert saved == self.ckpt.blocks_checkpointed - before <= 3
-        self.pending += copies
+        assert all(c.kind == "save" and not c.blocking for c in copies)  # checkpoints never block
+        for c in copies:
+            self.owner[c.ticket] = next(s for s in reported if c.src[0] // B in self.pool.block_table(s))
+        self.planned += copies
 
     @precondition(lambda self: self.computed)
     @rule(data=st.data())
     def preempt(self, data):
         seq = data.draw(st.sampled_from(sorted(self.computed)))
-        if seq in self.loading:
-            self.flush()  # contract: loads land before their blocks can be freed
-        held = len(self.pool.block_table(seq))
-        free_before = self.pool.num_free_blocks
+        table = len(self.pool.block_table(seq))
+        free_before, held_before = self.pool.num_free_blocks, self.pool.num_held_blocks
         saved = self.ckpt.saved_tokens(seq)
         kept = self.ckpt.preempt(seq)
         assert kept == saved <= self.computed.pop(seq)
-        assert self.pool.num_free_blocks == free_before + held
+        assert self.pool.num_free_blocks + self.pool.num_held_blocks == free_before + held_before + table
         if kept:
             self.preempted[seq] = kept
 
@@ -294,19 +361,27 @@ class CheckpointMachine(RuleBasedStateMachine):
     def prefetch(self, data):
         seq = data.draw(st.sampled_from(sorted(self.preempted)))
         kept = self.preempted[seq]
+        if not self.ckpt.can_resume(seq):
+            with pytest.raises(ValueError):
+                self.ckpt.prefetch(seq)
+            return
         if not self.pool.can_allocate(seq, kept):
             with pytest.raises(NoFreeBlocksError):
                 self.ckpt.prefetch(seq)
             return
-        self.pending += self.ckpt.prefetch(seq)
+        loads = self.ckpt.prefetch(seq)
+        # A host copy is never read before its save landed.
+        unlanded = {s for c in self.issued + self.planned if c.kind == "save" for s in c.dst}
+        assert not unlanded & {s for c in loads for s in c.src}
+        assert all(c.reader == seq for c in loads)
+        self.owner.update((c.ticket, seq) for c in loads)
+        self.planned += loads
         self.computed[seq] = self.preempted.pop(seq)
-        self.loading.add(seq)
 
     @precondition(lambda self: self.computed or self.preempted)
     @rule(data=st.data())
     def release(self, data):
         seq = data.draw(st.sampled_from(sorted({*self.computed, *self.preempted})))
-        self.flush()  # contract: a sequence finishes after its step's copies ran
         self.ckpt.release(seq)
         self.computed.pop(seq, None)
         self.preempted.pop(seq, None)
@@ -318,19 +393,33 @@ class CheckpointMachine(RuleBasedStateMachine):
             assert self.ckpt.is_preempted(seq) and self.ckpt.saved_tokens(seq) == kept
 
     @invariant()
+    def no_block_an_unlanded_copy_touches_is_anyone_elses(self):
+        """A device block a save (not yet landed) reads, or a load writes, is still its own
+        sequence's, or held: never free, never another sequence's."""
+        held = set(self.pool._held)
+        for c in self.issued + self.planned:
+            seq = self.owner[c.ticket]
+            mine = set(self.pool.block_table(seq)) if seq in self.computed else set()
+            for block in {s // B for s in (c.src if c.kind == "save" else c.dst)}:
+                assert block in mine or block in held, f"block {block} of an unlanded copy of {seq} was handed on"
+
+    @invariant()
     def every_resident_and_saved_position_reads_back(self):
-        # Run this step's pending copies on scratch copies of both caches, leaving state alone.
+        # Land everything still planned or in flight on scratch copies of both caches.
         caches = [(k.clone(), v.clone()) for k, v in self.caches]
         store = make_store(HOST_BLOCKS)
         store.k.copy_(self.store.k), store.v.copy_(self.store.v)
-        store.execute(self.pending, caches)
+        for copy in self.issued + self.planned:  # in issue order, one by one: the copy stream's order
+            store.copy_now([copy], caches)
         for seq, n in self.computed.items():
             assert_device_holds(self.pool, caches, seq, n)
         for seq in [*self.computed, *self.preempted]:
             assert_host_holds(store, seq, self.ckpt.saved_tokens(seq), self.store.blocks_of(seq))
 
     def teardown(self):
-        self.flush()
+        self.issue_planned()
+        self.land_prefix(len(self.issued))
+        self.store.inflight.poll()
         for seq in [*self.computed, *self.preempted]:
             self.ckpt.release(seq)
         assert self.pool.num_free_blocks == DEVICE_BLOCKS and self.store.num_free_blocks == HOST_BLOCKS

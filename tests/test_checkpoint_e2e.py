@@ -21,6 +21,7 @@ from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig
 from nanoserve.memory.checkpoint_kv import CheckpointKV
+from nanoserve.memory.copies import LANDED_NOW
 from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request
 from nanoserve.sched.fcfs import FCFSScheduler
@@ -41,9 +42,16 @@ def make_request(rid: str, num_tokens: int, priority: str = "online") -> Request
     return Request(rid, list(range(1, num_tokens + 1)), SamplingParams(max_tokens=8), priority=priority)
 
 
+def land(kv: CheckpointKV, copies) -> None:
+    """Issue `copies` as an executor would, let them land, and poll as the next step's start does."""
+    for copy in copies:
+        kv.host_store.inflight.issue(copy, LANDED_NOW)
+    kv.poll_copies()
+
+
 def run_step(kv: CheckpointKV, requests: list[Request], extra: int = 0) -> None:
     """Stand-in for a step: report computed tokens, then grow each request by `extra`."""
-    kv.step_copies(requests)
+    land(kv, kv.step_copies(requests))
     for r in requests:
         kv.reserve(r, r.num_computed_tokens + extra)
         r.num_computed_tokens += extra
@@ -66,9 +74,12 @@ def test_preempt_keeps_checkpoint_and_reserve_prefetches_exactly():
     r = make_request("r", 10)
     kv.reserve(r, 10)
     r.num_computed_tokens = 10
-    kv.step_copies([r])  # saves the 2 full blocks, not the partial third
+    saves = kv.step_copies([r])  # saves the 2 full blocks, not the partial third
     kept, copies = kv.preempt(r)
-    assert (kept, copies) == (8, []) and kv.num_used_blocks == 0
+    # The saves have not landed yet: their 2 blocks are held, and r cannot resume.
+    assert (kept, copies) == (8, []) and kv.num_used_blocks == 2 and not kv.can_reserve(r, 10)
+    land(kv, saves)
+    assert kv.num_used_blocks == 0
     assert kv.events["preemptions_with_checkpoint"] == 1
     r.num_computed_tokens = kept
     other = make_request("other", 12)
@@ -83,6 +94,8 @@ def test_preempt_keeps_checkpoint_and_reserve_prefetches_exactly():
     assert kv.events["prefetches"] == 1 and kv.events["tokens_saved_from_recompute"] == 8
     kv.check_invariants()
     kv.release(r), kv.release(other)
+    assert kv.num_used_blocks == 2  # the load is still in flight: its blocks are held
+    land(kv, loads)
     assert kv.num_used_blocks == 0 and kv.checkpointer.store.num_free_blocks == 8
     kv.check_invariants()
 

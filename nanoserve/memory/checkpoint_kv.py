@@ -115,7 +115,6 @@ class CheckpointKV(PagedKV):
             "prefetches": ckpt.prefetches,
             "blocks_prefetched": ckpt.blocks_prefetched,
             "tokens_saved_from_recompute": self.tokens_saved_from_recompute,
-            "copies_in_flight": ckpt.num_in_flight,
         }
 
     def check_invariants(self) -> None:

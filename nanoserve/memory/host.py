@@ -125,6 +125,11 @@ class HostKVStore:
         if copies:
             self._copy(copies, kv_caches, non_blocking=False)
 
+    def synchronize(self) -> None:
+        """Block the host until every issued copy has run (no-op on a CPU, where they all have)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def wait_for(self, readers: Iterable[Hashable]) -> None:
         """Make the compute stream wait for the in-flight copies a forward over `readers` needs
         (`KVCopy.needed_by`): this step's blocking copies and the loads its requests read. Saves

@@ -91,12 +91,15 @@ class KVManager(ABC):
         whose growth can take slots from another request may need the taker served first."""
         return running
 
-    def poll_copies(self) -> tuple[int, ...]:
+    def poll_copies(self, wait: bool = False) -> tuple[int, ...]:
         """At the start of a step: learn which of this manager's copies landed since the last
         poll, running what their landing allows (`InflightCopies.when_landed`), and return
-        their tickets, which every rank's executor then retires (`HostKVStore.retire`)."""
+        their tickets, which every rank's executor then retires (`HostKVStore.retire`). With
+        `wait` (the engine fell idle: nothing to overlap), first wait for the copy stream."""
         if self.host_store is None:
             return ()
+        if wait:
+            self.host_store.synchronize()
         return tuple(copy.ticket for copy in self.host_store.inflight.poll())
 
     def step_copies(self, running: list[Request]) -> list[KVCopy]:

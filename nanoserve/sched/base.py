@@ -98,6 +98,11 @@ class Scheduler(ABC):
             out.landed_copies, self._landed = self._landed, ()
         return out
 
+    def settle(self) -> None:
+        """Nothing is left to run: let the KV manager see its last copies land (waiting for the
+        copy stream), so blocks held for them are free while the engine is idle."""
+        self._landed += self.kv.poll_copies(wait=True)
+
     def _add_copies(self, copies: list[KVCopy]) -> None:
         if copies:
             self._copies.append(copies)
