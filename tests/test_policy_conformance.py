@@ -30,7 +30,10 @@ from nanoserve.slo import SLO
 from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, TaggingExecutor
 
 BLOCK = 4
-POLICIES = sorted(SCHEDULERS)
+# Every policy over its own KV manager, and the papers' baselines over vLLM's swap preemption.
+POLICIES = [(policy, POLICY_MEMORY[policy]) for policy in sorted(SCHEDULERS)] + [
+    (policy, "swap") for policy in ("fcfs", "prefill-first", "priority") if POLICY_MEMORY[policy] != "swap"]
+IDS = [f"{policy}+{kv}" for policy, kv in POLICIES]
 
 
 
@@ -57,22 +60,22 @@ ARRIVALS = st.lists(st.tuples(
 ), min_size=1, max_size=12)
 
 
-def build(policy: str, num_blocks: int, host_blocks: int, budget: int, max_seqs: int):
+def build(policy: str, kv_name: str, num_blocks: int, host_blocks: int, budget: int, max_seqs: int):
     clock = MockClock(1000.0)
     store = HostKVStore(host_blocks, BLOCK, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
-    kv = make_kv_manager(POLICY_MEMORY[policy], KVBuildContext(num_blocks, BLOCK, None, store))  # type: ignore[arg-type]
+    kv = make_kv_manager(kv_name, KVBuildContext(num_blocks, BLOCK, None, store))  # type: ignore[arg-type]
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              max_model_len=kv.max_request_tokens, policy=policy)
     executor = ClockedExecutor(store, num_blocks, clock)
     return Engine(make_scheduler(config, kv, clock=clock), executor, tokenizer=None), executor, clock
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy, kv_name", POLICIES, ids=IDS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(arrivals=ARRIVALS, num_blocks=st.integers(6, 16), host_blocks=st.sampled_from([0, 4, 32]),
        budget=st.integers(4, 24), max_seqs=st.integers(1, 4))
-def test_policy_keeps_the_scheduling_contract(policy, arrivals, num_blocks, host_blocks, budget, max_seqs):
-    run_contract(policy, arrivals, num_blocks, host_blocks, budget, max_seqs)
+def test_policy_keeps_the_scheduling_contract(policy, kv_name, arrivals, num_blocks, host_blocks, budget, max_seqs):
+    run_contract(policy, kv_name, arrivals, num_blocks, host_blocks, budget, max_seqs)
 
 
 # Situations random arrivals rarely reach: (arrivals, num_blocks, host_blocks, budget, max_seqs).
@@ -86,14 +89,14 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy, kv_name", POLICIES, ids=IDS)
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_policy_keeps_the_contract_in_hard_situations(policy, scenario):
-    run_contract(policy, *SCENARIOS[scenario])
+def test_policy_keeps_the_contract_in_hard_situations(policy, kv_name, scenario):
+    run_contract(policy, kv_name, *SCENARIOS[scenario])
 
 
-def run_contract(policy, arrivals, num_blocks, host_blocks, budget, max_seqs):
-    engine, executor, clock = build(policy, num_blocks, host_blocks, budget, max_seqs)
+def run_contract(policy, kv_name, arrivals, num_blocks, host_blocks, budget, max_seqs):
+    engine, executor, clock = build(policy, kv_name, num_blocks, host_blocks, budget, max_seqs)
     limit = engine.config.max_model_len
     pending = sorted(((step, i, *rest) for i, (step, *rest) in enumerate(arrivals)), key=lambda a: a[:2])
     expected: dict[str, list[int]] = {}

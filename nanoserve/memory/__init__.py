@@ -2,6 +2,7 @@
 `KVManager` adapters a scheduler drives them with. `make_kv_manager` picks one by name.
 
     paged          vLLM's block pool, recompute on preemption (memory/blocks.py)
+    swap           vLLM's block pool, preemption swaps a request's blocks to host (memory/swap.py)
     exact          EcoServe's exact allocation from predicted lengths (memory/exact.py)
     bidirectional  BROS's shared RT/BE blocks with lazy checkpointing (memory/bidirectional.py)
     checkpoint     ConServe's incremental checkpointing (memory/checkpoint.py)
@@ -20,11 +21,12 @@ from nanoserve.memory.manager import KVManager
 # name -> "module:function"; each function takes a KVBuildContext and returns a KVManager.
 KV_MANAGERS: dict[str, str] = {
     "paged": "nanoserve.memory.manager:build_paged",
+    "swap": "nanoserve.memory.swap:build",
     "exact": "nanoserve.memory.exact_kv:build",
     "bidirectional": "nanoserve.memory.bidirectional_kv:build",
     "checkpoint": "nanoserve.memory.checkpoint_kv:build",
 }
-NEEDS_HOST_STORE = frozenset({"exact", "bidirectional", "checkpoint"})
+NEEDS_HOST_STORE = frozenset({"swap", "exact", "bidirectional", "checkpoint"})
 # Every name `EngineArgs.kv_manager` takes: the registry's, and "arena", which the builder makes
 # from the loaded model (its weights move into the arena).
 KV_MANAGER_NAMES = (*KV_MANAGERS, "arena")

@@ -2,7 +2,9 @@
 
     fcfs      vLLM v1's first-come-first-served with chunked prefill (the baseline)
     prefill-first  vLLM v0's (2023): whole prompts in steps of their own, before decodes
-    priority  fcfs with online requests before offline ones, preempting offline ("vLLM++")
+    priority  fcfs with online requests before offline ones, preempting offline at once
+    priority-nonselective  online first, but running offline work is never preempted for an
+              online arrival, only under memory pressure (ConServe's vLLM++, conserve.txt §3)
     round-robin  RT and BE requests in turns, one class per iteration (bros.txt §2.2; BROS's RR)
     ecoserve  EcoServe's SyncDecoupled scheduling over exact allocation (ecoserve.txt §3)
     bros      BROS's priority packing over bidirectional blocks (bros.txt §4)
@@ -28,6 +30,7 @@ from nanoserve.sched.cost_model import CostModel
 SCHEDULERS: dict[str, str] = {
     "fcfs": "nanoserve.sched.fcfs:FCFSScheduler",
     "priority": "nanoserve.sched.priority:PriorityScheduler",
+    "priority-nonselective": "nanoserve.sched.priority_nonselective:NonSelectivePriorityScheduler",
     "ecoserve": "nanoserve.sched.ecoserve:EcoServeScheduler",
     "bros": "nanoserve.sched.bros:BROSScheduler",
     "conserve": "nanoserve.sched.conserve:ConServeScheduler",
@@ -36,7 +39,7 @@ SCHEDULERS: dict[str, str] = {
     "prefill-first": "nanoserve.sched.prefill_first:PrefillFirstScheduler",
 }
 POLICY_MEMORY: dict[str, str] = {
-    "fcfs": "paged", "priority": "paged", "ecoserve": "exact", "bros": "bidirectional",
+    "fcfs": "paged", "priority": "paged", "priority-nonselective": "swap", "ecoserve": "exact", "bros": "bidirectional",
     "conserve": "checkpoint", "kunserve": "paged", "round-robin": "paged",
     "prefill-first": "paged",
 }

@@ -1,5 +1,7 @@
-"""FCFS with two classes: online requests before offline ones ("vLLM++", the baseline ConServe
-compares against in conserve.txt §5, and vLLM's priority scheduling with two levels).
+"""FCFS with two classes: online requests before offline ones, and offline work preempted the
+moment an online request needs room: "vLLM++ (selective, recompute)", stronger than the vLLM++
+ConServe compares against (conserve.txt §3, §6.1: there, running offline requests "cannot be
+pre-empted selectively"; that one is sched/priority_nonselective.py).
 
 Each step serves, in this order and under one token budget (chunked prefill as in fcfs):
 1. running online requests, oldest first;
@@ -31,6 +33,9 @@ class PriorityScheduler(Scheduler):
     # The waiting queue is kept online-first. Appending an offline request keeps that order, so
     # the queue (10,000 long under load) is re-sorted only after an online arrival or a preemption.
     _waiting_sorted = True
+    # Whether a waiting online request may preempt a running offline one (step 2 above). The
+    # non-selective variant (sched/priority_nonselective.py, ConServe's vLLM++) turns it off.
+    selective_preemption = True
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)
@@ -84,7 +89,8 @@ class PriorityScheduler(Scheduler):
                 return
             # Only an online arrival may preempt, and only offline work.
             chunk = self.try_chunk(request, num_new)
-            if chunk is None and cls == "online" and self._make_room(request, num_new, out, online_victims=False):
+            if (chunk is None and cls == "online" and self.selective_preemption
+                    and self._make_room(request, num_new, out, online_victims=False)):
                 chunk = self.chunk(request, num_new)
             if chunk is None:
                 return
