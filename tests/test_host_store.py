@@ -1,5 +1,7 @@
-"""HostKVStore: host block ownership under any sequence of operations, and copies that bring
-K/V back bit-identical."""
+"""HostKVStore: host block ownership under any sequence of operations, copies that bring K/V
+back bit-identical, and the ledger of copies in flight: a copy issued on a stand-in copy stream
+moves its data only when the test lands it, in issue order, and the ledger reports exactly the
+copies that landed, once each, in that order."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from nanoserve.memory.blocks import NoFreeBlocksError
+from nanoserve.memory.copies import InflightCopies
 from nanoserve.memory.host import HostKVStore, KVCopy
 
 BLOCK, DEVICE_BLOCKS, HOST_BLOCKS, LAYERS = 4, 6, 5, 2
@@ -24,6 +27,12 @@ class HostStoreMachine(RuleBasedStateMachine):
                         torch.randn(DEVICE_BLOCKS, BLOCK, 1, 2, generator=g)) for _ in range(LAYERS)]
         self.saved: dict[int, list[torch.Tensor]] = {}  # host slot -> what was saved there, per layer K and V
         self.owned: dict[str, list[int]] = {}
+        # The stand-in copy stream: issued copies, in order, and what each will have moved.
+        self.stream: list[tuple[KVCopy, dict[int, list[torch.Tensor]]]] = []
+        self.landed: set[int] = set()
+        self.reported: list[int] = []  # tickets the ledger's polls returned, in order
+        self.actions_run: list[int] = []
+        self.streamed: set[int] = set()  # tickets issued on the stand-in stream (with an action)
 
     def device_slot(self, slot: int) -> list[torch.Tensor]:
         return [c.view(-1, 1, 2)[slot].clone() for pair in self.caches for c in pair]
@@ -48,6 +57,8 @@ class HostStoreMachine(RuleBasedStateMachine):
         for b in blocks:
             for s in self.store.slots(b):
                 self.saved.pop(s, None)
+        # A save still in flight into a freed block would land after this: drop its record too.
+        self.stream = [(c, {h: v for h, v in values.items() if h // BLOCK not in blocks}) for c, values in self.stream]
 
     @precondition(lambda self: any(self.owned.values()))
     @rule(data=st.data())
@@ -57,7 +68,11 @@ class HostStoreMachine(RuleBasedStateMachine):
                                         min_size=1, max_size=6, unique=True))
         device_slots = data.draw(st.lists(st.integers(0, DEVICE_BLOCKS * BLOCK - 1), min_size=len(host_slots),
                                           max_size=len(host_slots)))
-        self.store.execute([KVCopy("save", tuple(device_slots), tuple(host_slots))], self.caches)
+        copy = KVCopy("save", tuple(device_slots), tuple(host_slots))
+        if self.stream:  # one stream: what was issued before lands first
+            self.land(len(self.stream))
+        self.store.execute([copy], self.caches)  # a CPU store: landed when issued
+        self.landed.add(copy.ticket)
         for d, h in zip(device_slots, host_slots):
             self.saved[h] = self.device_slot(d)
 
@@ -67,9 +82,57 @@ class HostStoreMachine(RuleBasedStateMachine):
         host_slots = data.draw(st.lists(st.sampled_from(sorted(self.saved)), min_size=1, max_size=6, unique=True))
         device_slots = data.draw(st.lists(st.integers(0, DEVICE_BLOCKS * BLOCK - 1), min_size=len(host_slots),
                                           max_size=len(host_slots), unique=True))
-        self.store.execute([KVCopy("load", tuple(host_slots), tuple(device_slots))], self.caches)
+        copy = KVCopy("load", tuple(host_slots), tuple(device_slots), reader="r")
+        if self.stream:  # one stream: what was issued before lands first
+            self.land(len(self.stream))
+        self.store.execute([copy], self.caches)
+        self.landed.add(copy.ticket)
         for d, h in zip(device_slots, host_slots):
             assert all(torch.equal(a, b) for a, b in zip(self.device_slot(d), self.saved[h]))
+
+    # -- copies in flight ----------------------------------------------------------------
+    @precondition(lambda self: any(self.owned.values()))
+    @rule(data=st.data())
+    def issue_save(self, data):
+        """Issue a save on the stand-in stream: filed in the ledger, no data moved yet."""
+        blocks = [b for held in self.owned.values() for b in held]
+        host_slots = data.draw(st.lists(st.sampled_from([s for b in blocks for s in self.store.slots(b)]),
+                                        min_size=1, max_size=6, unique=True))
+        device_slots = data.draw(st.lists(st.integers(0, DEVICE_BLOCKS * BLOCK - 1), min_size=len(host_slots),
+                                          max_size=len(host_slots)))
+        copy = KVCopy("save", tuple(device_slots), tuple(host_slots))
+        before = [t.clone() for t in (self.store.k, self.store.v)]
+        self.store.inflight.issue(copy, lambda t=copy.ticket: t in self.landed)
+        self.store.inflight.when_landed(copy, lambda t=copy.ticket: self.actions_run.append(t))
+        self.streamed.add(copy.ticket)
+        # The device slots may be overwritten after the save lands, not before: take their value now.
+        self.stream.append((copy, {h: self.device_slot(d) for d, h in zip(device_slots, host_slots)}))
+        assert torch.equal(before[0], self.store.k) and torch.equal(before[1], self.store.v)
+
+    @precondition(lambda self: self.stream)
+    @rule(count=st.integers(1, 3))
+    def land(self, count):
+        """The stream reaches the next `count` copies: only now do they move their data."""
+        for copy, values in self.stream[:count]:
+            self.store.copy_now([copy], self.caches)
+            self.landed.add(copy.ticket)
+            self.saved.update(values)
+        self.stream = self.stream[count:]
+
+    @rule()
+    def poll(self):
+        done = self.store.inflight.poll()
+        self.reported += [c.ticket for c in done]
+        assert all(c.ticket in self.landed for c in done), "the ledger reported a copy that did not land"
+        assert self.actions_run == [t for t in self.reported if t in self.streamed], \
+            "each landing's actions run once, at the poll, in order"
+
+    @invariant()
+    def ledger_holds_exactly_what_did_not_land_or_was_not_polled(self):
+        pending = [c.ticket for c in self.store.inflight.pending()]
+        assert pending == sorted(pending), "in-flight copies out of issue order"
+        assert {c.ticket for c, _ in self.stream} <= set(pending), "an unlanded copy left the ledger"
+        assert not set(pending) & set(self.reported), "a reported copy is still in flight"
 
     @invariant()
     def ownership_is_consistent(self):
@@ -78,6 +141,9 @@ class HostStoreMachine(RuleBasedStateMachine):
             assert sorted(self.store.blocks_of(owner)) == sorted(blocks)
 
     def teardown(self):
+        self.land(len(self.stream)) if self.stream else None
+        self.poll()
+        assert not self.store.inflight.pending()
         for owner in list(self.owned):
             self.store.free(owner)
         self.store.check_invariants()
@@ -105,3 +171,34 @@ def test_bad_copies_and_foreign_frees_are_refused():
     store.allocate("a", 1)
     with pytest.raises(ValueError):
         store.free("b", store.blocks_of("a"))
+
+
+def test_the_ledger_runs_actions_once_and_forgets_retired_copies():
+    ledger = InflightCopies()
+    first, second = KVCopy("save", (0,), (0,)), KVCopy("load", (0,), (1,), reader="r")
+    landed: set[int] = set()
+    seen: list[str] = []
+    ledger.when_landed(first, lambda: seen.append("first"))  # registered while only planned
+    for copy in (first, second):
+        ledger.issue(copy, lambda t=copy.ticket: t in landed)
+    with pytest.raises(ValueError):
+        ledger.issue(first, lambda: True)  # a copy is issued once
+    assert ledger.poll() == [] and seen == []
+    landed.add(first.ticket)
+    assert ledger.poll() == [first] and seen == ["first"] and ledger.pending() == [second]
+    assert ledger.poll() == [] and seen == ["first"]
+    assert second.needed_by({"r"}) and not second.needed_by({"x"}) and not first.needed_by({"r"})
+    assert ledger.forget([second.ticket]) == [] and ledger.pending() == []  # no wait handle on a CPU
+    ledger.check_invariants()
+
+
+def test_a_cpu_store_lands_copies_when_they_are_issued():
+    store = HostKVStore(2, 2, 1, 1, 1, torch.float32)
+    k = torch.arange(4.0).view(2, 2, 1, 1)
+    host = store.allocate("a", 1)
+    copy = KVCopy("save", (2, 3), tuple(store.slots(host[0])))
+    store.execute([copy], [(k, k.clone())])
+    assert store.k[0, :2].flatten().tolist() == [2.0, 3.0]
+    assert store.inflight.poll() == [copy]
+    store.wait_for({"anyone"})  # nothing to wait for on a CPU
+    store.retire([copy.ticket])
