@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanoserve.sim.experiments import EXPERIMENTS, Comparison, ExperimentResult, run_experiment
+from nanoserve.sim.experiments.baselines import BASELINES, FASTGEN, ORCA, markdown
 from nanoserve.sim.experiments.ecoserve import sustained_rate
 from nanoserve.sim.experiments.report import comparison_table, format_report, save_json
 
@@ -40,16 +41,18 @@ def test_sustained_rate_interpolates_the_crossing():
 def test_comparison_verdicts():
     table = comparison_table([Comparison("a", 3.0, "2-4x", 2.0), Comparison("b", 1.5, "2-4x", 2.0),
                               Comparison("c", 0.8, "2-4x", 2.0)])
-    assert "| a | 3.00x | 2-4x | yes |" in table
-    assert "| b | 1.50x | 2-4x | direction only |" in table
-    assert "| c | 0.80x | 2-4x | no |" in table
+    assert "| a | 3.00x | 2-4x | - | yes |" in table
+    assert "| b | 1.50x | 2-4x | - | direction only |" in table
+    assert "| c | 0.80x | 2-4x | - | no |" in table
+    labelled = comparison_table([Comparison("d", 3.0, "2-4x", 2.0, "vLLM with swapping (Fig. 10)")])
+    assert "| d | 3.00x | 2-4x | vLLM with swapping (Fig. 10) | yes |" in labelled
 
 
 def test_ecoserve_beats_max_allocation_and_every_request_finishes(ecoserve):
     sustained = ecoserve.extra["sustained_rate"]
     # ORCA's max-allocation with batch 8 saturates far below both paged and exact allocation.
-    assert sustained["EcoServe"] > 2 * sustained["ORCA (max-alloc, batch 8)"]
-    assert sustained["vLLM (fcfs)"] > 2 * sustained["ORCA (max-alloc, batch 8)"]
+    assert sustained["EcoServe"] > 2 * sustained[ORCA.label]
+    assert sustained[FASTGEN.label] > 2 * sustained[ORCA.label]
     for result in ecoserve.runs.values():
         assert all(r.finish_reason == "stop" for r in result.records)
     # Every system ran at every rate.
@@ -100,3 +103,17 @@ def test_all_workload_is_fixed_and_priority_protects_online_work():
     # Serving online work first (vLLM++) must cut online tail latency against plain fcfs.
     assert runs["priority"]["online"].ttft_p99 * 2 < runs["fcfs"]["online"].ttft_p99
     assert runs["priority"]["all"].count == len(trace)
+
+
+def test_every_baseline_names_its_paper_sentence_and_a_registered_policy_and_manager():
+    from nanoserve.memory import KV_MANAGER_NAMES
+    from nanoserve.sched import SCHEDULERS
+    from nanoserve.sim.simulation import SimConfig
+
+    for label, baseline in BASELINES.items():
+        assert baseline.policy in SCHEDULERS and baseline.kv_manager in KV_MANAGER_NAMES, label
+        assert baseline.defined_by.startswith(("ours", "assumption")) or '"' in baseline.defined_by, label
+        config = baseline.sim_config(SimConfig(model="OPT-13B"))
+        assert (config.policy, config.kv_manager, config.model) == (baseline.policy, baseline.kv_manager, "OPT-13B")
+    assert BASELINES[ORCA.label].sim_config(SimConfig()).max_num_seqs == 8
+    assert "| vLLM (2023): prefill-first + swap | `prefill-first` | `swap` |" in markdown()

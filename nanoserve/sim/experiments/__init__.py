@@ -15,7 +15,10 @@ which assert only who wins, with a margin.
 
 A `Comparison` puts our ratio next to the paper's claim. Ratios are oriented so that > 1 means
 the paper's policy wins (e.g. baseline P99 TTFT / policy P99 TTFT), and `paper_low` is the low
-end of the paper's claimed effect in that orientation.
+end of the paper's claimed effect in that orientation. `baseline` names what the paper's number
+was measured against (sim/experiments/baselines.py): a ratio is compared only with the paper's
+number from the same figure and the same baseline, and a row whose baseline the paper did not
+run says so ("none") instead of borrowing a headline.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class Comparison:
     ours: float  # > 1: the paper's policy wins
     paper: str  # the paper's claim, as it states it, e.g. "12.7-72.2x lower"
     paper_low: float | None = None  # low end of the claim, as a ratio oriented like `ours`
+    baseline: str = ""  # what the paper's number was measured against (its figure, its system)
 
     @property
     def same_direction(self) -> bool:

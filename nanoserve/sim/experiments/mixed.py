@@ -87,9 +87,11 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
         if row["system"] == "fcfs":
             continue
         comparisons.append(Comparison(f"online P99 TTFT: fcfs / {row['system']}",
-                                      fcfs["online_ttft_p99"] / row["online_ttft_p99"], "no paper made this comparison"))
+                                      fcfs["online_ttft_p99"] / row["online_ttft_p99"], "no paper made this comparison",
+                                      None, "none"))
         comparisons.append(Comparison(f"total throughput: {row['system']} / fcfs",
-                                      row["total_tok_s"] / fcfs["total_tok_s"], "no paper made this comparison"))
+                                      row["total_tok_s"] / fcfs["total_tok_s"], "no paper made this comparison",
+                                      None, "none"))
     meets = [row for row in rows if row["online_slo"] >= 0.9]
     best = max(meets, key=lambda row: row["total_tok_s"])["system"] if meets else None
     notes = [f"online base rate {rate:.2f} req/s (60% of capacity), x2-3 in bursts; "
