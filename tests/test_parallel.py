@@ -23,6 +23,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.dist.executor import StepMessage, WorkerFailure
 from nanoserve.dist.parallel import TPGroup, kv_head_shard, local_kv_heads
 from nanoserve.dist.pipeline import MissingLayer, partition_layers, split_microbatches, stage_layouts
+from nanoserve.memory.copies import KVCopy
 from nanoserve.model.loader import load_model
 from nanoserve.request import Request
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
@@ -123,6 +124,12 @@ def test_a_step_survives_its_wire_message(tiny_dirs):
                  (sent.ctx.directions, received.ctx.directions)]:
         assert torch.equal(a, b)
     assert sent.sample_rows == received.sample_rows == [14, 15]
+    # The step's copies travel with their tickets, and so do those of earlier copies that landed.
+    copy = KVCopy("load", (0, 1), (4, 5), reader="r0")
+    batch.kv_copies, batch.landed_copies = [[copy]], (7, 9)
+    wired = StepMessage.of(batch).batch()
+    assert wired.kv_copies == [[copy]] and wired.kv_copies[0][0].ticket == copy.ticket
+    assert wired.kv_copies[0][0].reader == "r0" and wired.landed_copies == (7, 9)
 
 
 # -- several processes: same answers, failures, shutdown -----------------------------------------
@@ -243,6 +250,7 @@ def test_kunserve_feeds_the_pipeline_its_lookahead_microbatches(tiny_dirs):
     ("bros", dict(kv_cache_tokens=64, host_kv_tokens=64), ("overwrites", "checkpointed_slots")),
     ("conserve", dict(kv_cache_tokens=96, host_kv_tokens=1024,
                       kv_manager_options={"threshold": 0.0, "max_blocks_per_step": 16}), ("blocks_checkpointed",)),
+    ("prefill-first", dict(kv_manager="swap", kv_cache_tokens=64, host_kv_tokens=1024), ("swap_outs", "swap_ins")),
 ])
 def test_host_copies_run_on_every_stage(tiny_dirs, policy, kwargs, fired):
     """Managers that move K/V to the host (BROS's overwritten slots, ConServe's checkpoints)
