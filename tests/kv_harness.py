@@ -55,3 +55,45 @@ class TaggingExecutor:
                     else:
                         kf[slot], vf[slot] = self.tag(rid, pos, layer, False), self.tag(rid, pos, layer, True)
         return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
+
+
+class StandInStream:
+    """A copy stream a state machine drives, for testing copies in flight on a CPU: `issue` files
+    the planned copies in the store's ledger without moving any data; `land(n)` moves the data of
+    the next n, in issue order, as one copy stream would, and marks them landed, so the ledger
+    reports them at the manager's next poll."""
+
+    def __init__(self, store: HostKVStore, caches) -> None:
+        self.store, self.caches = store, caches
+        self.planned: list = []  # this step's copies, not issued yet
+        self.issued: list = []  # on the stream, in order, not landed
+        self.landed: set[int] = set()
+
+    def issue(self) -> None:
+        for copy in self.planned:
+            self.store.inflight.issue(copy, lambda t=copy.ticket: t in self.landed)
+        self.issued += self.planned
+        self.planned = []
+
+    def land(self, count: int) -> None:
+        for copy in self.issued[:count]:
+            self.store.copy_now([copy], self.caches)
+            self.landed.add(copy.ticket)
+        self.issued = self.issued[count:]
+
+    def land_what(self, readers: set) -> None:
+        """What a forward over `readers` waits for (`KVCopy.needed_by`), and all issued before it."""
+        needed = [i for i, c in enumerate(self.issued) if c.needed_by(readers)]
+        self.land(needed[-1] + 1 if needed else 0)
+
+    def unlanded(self) -> list:
+        return self.issued + self.planned
+
+    def drain(self) -> None:
+        self.issue()
+        self.land(len(self.issued))
+
+    def replay(self, caches, store: HostKVStore) -> None:
+        """Land every unlanded copy, one by one in order, on scratch `caches` and `store`."""
+        for copy in self.unlanded():
+            store.copy_now([copy], caches)

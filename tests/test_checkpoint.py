@@ -17,6 +17,8 @@ from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
 from nanoserve.memory.host import HostKVStore, KVCopy
 
+from kv_harness import StandInStream
+
 B = 4
 LAYERS, HEADS, HEAD_DIM = 2, 1, 2
 SEQ_NAMES = [f"s{i}" for i in range(5)]
@@ -280,30 +282,16 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.ckpt = IncrementalCheckpointer(self.pool, self.store, config)
         self.computed: dict[str, int] = {}  # resident sequences: tokens whose K/V is (or will be) on device
         self.preempted: dict[str, int] = {}  # tokens kept on host
-        self.planned: list[KVCopy] = []  # this step's copies, not issued yet
-        self.issued: list[KVCopy] = []  # on the copy stream, in order, not landed
-        self.landed: set[int] = set()
+        self.stream = StandInStream(self.store, self.caches)
         self.owner: dict[int, str] = {}  # ticket -> the sequence whose K/V the copy carries
-
-    def issue_planned(self) -> None:
-        for copy in self.planned:
-            self.store.inflight.issue(copy, lambda t=copy.ticket: t in self.landed)
-        self.issued += self.planned
-        self.planned = []
-
-    def land_prefix(self, count: int) -> None:
-        for copy in self.issued[:count]:
-            self.store.copy_now([copy], self.caches)  # the copy stream gets to it
-            self.landed.add(copy.ticket)
-        self.issued = self.issued[count:]
 
     @rule()
     def issue(self):
-        self.issue_planned()
+        self.stream.issue()
 
     @rule(count=st.integers(0, 4))
     def land(self, count):
-        self.land_prefix(count)
+        self.stream.land(count)
 
     @rule()
     def poll(self):
@@ -314,10 +302,8 @@ class CheckpointMachine(RuleBasedStateMachine):
     def grow(self, seq, extra):
         if seq in self.preempted:
             return
-        self.issue_planned()  # the executor issues the step's copies, then runs the forward
-        reads = [i for i, c in enumerate(self.issued) if c.reader == seq]
-        if reads:
-            self.land_prefix(reads[-1] + 1)  # the forward waits for its loads (and what precedes them)
+        self.stream.issue()  # the executor issues the step's copies, then runs the forward,
+        self.stream.land_what({seq})  # which waits for the loads it reads
         start = self.computed.get(seq, 0)
         if not self.pool.can_allocate(seq, start + extra):
             return
@@ -341,7 +327,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         assert all(c.kind == "save" and not c.blocking for c in copies)  # checkpoints never block
         for c in copies:
             self.owner[c.ticket] = next(s for s in reported if c.src[0] // B in self.pool.block_table(s))
-        self.planned += copies
+        self.stream.planned += copies
 
     @precondition(lambda self: self.computed)
     @rule(data=st.data())
@@ -371,11 +357,11 @@ class CheckpointMachine(RuleBasedStateMachine):
             return
         loads = self.ckpt.prefetch(seq)
         # A host copy is never read before its save landed.
-        unlanded = {s for c in self.issued + self.planned if c.kind == "save" for s in c.dst}
+        unlanded = {s for c in self.stream.unlanded() if c.kind == "save" for s in c.dst}
         assert not unlanded & {s for c in loads for s in c.src}
         assert all(c.reader == seq for c in loads)
         self.owner.update((c.ticket, seq) for c in loads)
-        self.planned += loads
+        self.stream.planned += loads
         self.computed[seq] = self.preempted.pop(seq)
 
     @precondition(lambda self: self.computed or self.preempted)
@@ -397,7 +383,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         """A device block a save (not yet landed) reads, or a load writes, is still its own
         sequence's, or held: never free, never another sequence's."""
         held = set(self.pool._held)
-        for c in self.issued + self.planned:
+        for c in self.stream.unlanded():
             seq = self.owner[c.ticket]
             mine = set(self.pool.block_table(seq)) if seq in self.computed else set()
             for block in {s // B for s in (c.src if c.kind == "save" else c.dst)}:
@@ -409,16 +395,14 @@ class CheckpointMachine(RuleBasedStateMachine):
         caches = [(k.clone(), v.clone()) for k, v in self.caches]
         store = make_store(HOST_BLOCKS)
         store.k.copy_(self.store.k), store.v.copy_(self.store.v)
-        for copy in self.issued + self.planned:  # in issue order, one by one: the copy stream's order
-            store.copy_now([copy], caches)
+        self.stream.replay(caches, store)
         for seq, n in self.computed.items():
             assert_device_holds(self.pool, caches, seq, n)
         for seq in [*self.computed, *self.preempted]:
             assert_host_holds(store, seq, self.ckpt.saved_tokens(seq), self.store.blocks_of(seq))
 
     def teardown(self):
-        self.issue_planned()
-        self.land_prefix(len(self.issued))
+        self.stream.drain()
         self.store.inflight.poll()
         for seq in [*self.computed, *self.preempted]:
             self.ckpt.release(seq)

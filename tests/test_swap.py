@@ -23,7 +23,7 @@ from nanoserve.request import Request
 from nanoserve.sched import make_scheduler
 
 from conftest import build_tiny_model
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from kv_harness import HEAD_DIM, HEADS, LAYERS, StandInStream, TaggingExecutor
 from test_invariance import assert_close_greedy
 
 B = 4
@@ -145,30 +145,16 @@ class SwapMachine(RuleBasedStateMachine):
         self.requests = {rid: request(rid) for rid in NAMES}
         self.resident: set[str] = set()
         self.swapped: set[str] = set()
-        self.planned: list[KVCopy] = []
-        self.issued: list[KVCopy] = []
-        self.landed: set[int] = set()
-
-    def issue_planned(self) -> None:
-        for copy in self.planned:
-            self.store.inflight.issue(copy, lambda t=copy.ticket: t in self.landed)
-        self.issued += self.planned
-        self.planned = []
-
-    def land_prefix(self, count: int) -> None:
-        for copy in self.issued[:count]:
-            self.store.copy_now([copy], self.caches)
-            self.landed.add(copy.ticket)
-        self.issued = self.issued[count:]
+        self.stream = StandInStream(self.store, self.caches)
 
     @rule(count=st.integers(0, 3))
     def land(self, count):
-        self.land_prefix(count)
+        self.stream.land(count)
 
     @rule()
     def poll(self):
         """A step starts: the manager learns what landed; a new step's copies follow."""
-        self.issue_planned()
+        self.stream.issue()
         self.kv.poll_copies()
 
     @rule(rid=st.sampled_from(NAMES), extra=st.integers(1, 6))
@@ -178,14 +164,13 @@ class SwapMachine(RuleBasedStateMachine):
             return
         if rid not in self.swapped and not self.kv.can_reserve(r, r.num_computed_tokens + extra):
             return
-        self.planned += self.kv.reserve(r, r.num_computed_tokens + extra)
+        self.stream.planned += self.kv.reserve(r, r.num_computed_tokens + extra)
         self.a_swap_in_reads_only_a_landed_save()  # checked before the forward lands anything
         self.swapped.discard(rid)
         self.resident.add(rid)
         # The executor issues the step's copies, then the forward waits for what it needs.
-        self.issue_planned()
-        needed = [i for i, c in enumerate(self.issued) if c.needed_by({rid})]
-        self.land_prefix(needed[-1] + 1 if needed else 0)
+        self.stream.issue()
+        self.stream.land_what({rid})
         size = B
         table = self.kv.block_table(r)
         for pos in range(r.num_computed_tokens, r.num_computed_tokens + extra):
@@ -207,7 +192,7 @@ class SwapMachine(RuleBasedStateMachine):
         self.resident.discard(rid)
         if kept:
             self.swapped.add(rid)
-        self.planned += copies
+        self.stream.planned += copies
 
     @precondition(lambda self: self.resident or self.swapped)
     @rule(data=st.data())
@@ -226,8 +211,8 @@ class SwapMachine(RuleBasedStateMachine):
 
     @invariant()
     def a_swap_in_reads_only_a_landed_save(self):
-        unlanded = {s for c in self.issued + self.planned if c.kind == "save" for s in c.dst}
-        for c in self.planned:
+        unlanded = {s for c in self.stream.unlanded() if c.kind == "save" for s in c.dst}
+        for c in self.stream.planned:
             if c.kind == "load":
                 assert not unlanded & set(c.src), "a host copy is read before its save landed"
 
@@ -236,8 +221,7 @@ class SwapMachine(RuleBasedStateMachine):
         caches = [(k.clone(), v.clone()) for k, v in self.caches]
         store = HostKVStore(HOST_BLOCKS, B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
         store.k.copy_(self.store.k), store.v.copy_(self.store.v)
-        for copy in self.issued + self.planned:
-            store.copy_now([copy], caches)
+        self.stream.replay(caches, store)
         for rid in self.resident:
             r = self.requests[rid]
             table = self.kv.block_table(r)
@@ -254,8 +238,7 @@ class SwapMachine(RuleBasedStateMachine):
                     assert torch.equal(store.v[layer, slot], tag(rid, pos, layer, True)), (rid, pos)
 
     def teardown(self):
-        self.issue_planned()
-        self.land_prefix(len(self.issued))
+        self.stream.drain()
         self.kv.poll_copies()
         for rid in self.resident | self.swapped:
             self.kv.release(self.requests[rid])

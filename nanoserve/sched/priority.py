@@ -42,7 +42,16 @@ class PriorityScheduler(Scheduler):
         self._waiting_sorted &= request.priority == "offline"
 
     def plan(self) -> SchedulerOutput:
+        self._start_step()
         out = SchedulerOutput()
+        for cls in CLASSES:
+            self._serve_all_running([r for r in self.running if r.priority == cls], out)
+            self._after_running(cls, out)
+            self._admit_waiting(cls, out)
+        return out
+
+    def _start_step(self) -> None:
+        """Both queues online-first; a fresh token budget and step bookkeeping."""
         self.running = self.kv.order(_online_first(self.running))
         if not self._waiting_sorted:
             self.waiting = deque(_online_first(self.waiting))
@@ -50,13 +59,11 @@ class PriorityScheduler(Scheduler):
         self._budget = self.config.max_num_batched_tokens
         self._served: set[str] = set()
         self._preempted: set[str] = set()
-        for cls in CLASSES:
-            for request in [r for r in self.running if r.priority == cls]:
-                if request.request_id not in self._preempted and self._budget > 0:  # a victim is gone
-                    self._serve_running(request, out)
-            self._after_running(cls, out)
-            self._admit_waiting(cls, out)
-        return out
+
+    def _serve_all_running(self, requests: list[Request], out: SchedulerOutput) -> None:
+        for request in requests:
+            if request.request_id not in self._preempted and self._budget > 0:  # a victim is gone
+                self._serve_running(request, out)
 
     # -- what a subclass may change (ConServe: a time budget) --------------------------------
     def _allowance(self, request: Request) -> int:

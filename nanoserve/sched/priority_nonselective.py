@@ -24,27 +24,17 @@ an online request needs room, is the stronger "vLLM++ (selective, recompute)".
 """
 from __future__ import annotations
 
-from collections import deque
-
 from nanoserve.sched.base import SchedulerOutput
-from nanoserve.sched.priority import CLASSES, PriorityScheduler, _online_first
+from nanoserve.sched.priority import CLASSES, PriorityScheduler
 
 
 class NonSelectivePriorityScheduler(PriorityScheduler):
     selective_preemption = False
 
     def plan(self) -> SchedulerOutput:
+        self._start_step()
         out = SchedulerOutput()
-        self.running = self.kv.order(_online_first(self.running))
-        if not self._waiting_sorted:
-            self.waiting = deque(_online_first(self.waiting))
-            self._waiting_sorted = True
-        self._budget = self.config.max_num_batched_tokens
-        self._served: set[str] = set()
-        self._preempted: set[str] = set()
-        for request in list(self.running):  # every running request before any waiting one
-            if request.request_id not in self._preempted and self._budget > 0:  # a victim is gone
-                self._serve_running(request, out)
+        self._serve_all_running(list(self.running), out)  # every running request before any waiting one
         for cls in CLASSES:
             self._admit_waiting(cls, out)
         return out
