@@ -61,6 +61,7 @@ from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
 from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator
+from nanoserve.memory.copies import LANDED_NOW
 from nanoserve.memory.host import HostKVStore, KVCopy
 
 BOOKKEEPING_GOAL = 3.0  # at most this many times BlockPool's step time
@@ -155,7 +156,13 @@ class CheckpointAlloc(PagedAlloc):
         self.checkpointer.release(spec.seq_id)
 
     def end_step(self, running: dict[int, list]) -> None:
-        self.checkpointer.plan_step({seq_id: tokens for seq_id, (_, tokens) in running.items()})
+        copies = self.checkpointer.plan_step({seq_id: tokens for seq_id, (_, tokens) in running.items()})
+        # Not executed, but issued and landed at once, and polled as the next step's start does:
+        # the checkpointer frees what an in-flight save held only when it hears it landed.
+        ledger = self.checkpointer.store.inflight
+        for copy in copies:
+            ledger.issue(copy, LANDED_NOW)
+        ledger.poll()
 
     def events(self) -> dict[str, int]:
         return {"blocks_checkpointed": self.checkpointer.blocks_checkpointed,
@@ -415,6 +422,7 @@ def bench_copy(case: CopyCase, repeats: int) -> dict:
 
     def ours() -> None:
         store.execute(copies, caches)
+        store.inflight.poll()  # the next step's start: the same copy may be issued again
 
     def peer() -> None:
         for layer, (k, v) in enumerate(caches):

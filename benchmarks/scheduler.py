@@ -40,6 +40,7 @@ import torch
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory import KVBuildContext, make_kv_manager
+from nanoserve.memory.copies import LANDED_NOW
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.runner import ExecutorOutput
 from nanoserve.sampling import SamplingParams
@@ -60,9 +61,16 @@ def h100_iteration_ms(batch: int = 128, context: int = 1024) -> float:
 
 
 class InstantExecutor:
-    """Samples token (position % 100) for every chunk that samples; runs no model, no copies."""
+    """Samples token (position % 100) for every chunk that samples; runs no model. Its copies move
+    no data but land at once, so the managers free what they held for them at the next step."""
+
+    def __init__(self, store: HostKVStore) -> None:
+        self.store = store
 
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        for group in batch.kv_copies:
+            for copy in group:
+                self.store.inflight.issue(copy, LANDED_NOW)
         return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
 
 
@@ -70,7 +78,7 @@ def build(policy: str, running: int, waiting: int, seed: int) -> tuple[Engine, l
     rng = random.Random(seed)
     lengths = [(rng.randint(64, 256), rng.randint(256, 1024)) for _ in range(running + waiting)]
     num_blocks = sum(-(-(p + o) // BLOCK) for p, o in lengths[:running]) * 5 // 4 + 64
-    store = HostKVStore(64, BLOCK, 1, 1, 1, torch.float16, pin_memory=False)  # copies are never run
+    store = HostKVStore(64, BLOCK, 1, 1, 1, torch.float16, pin_memory=False)  # bookkeeping only: no data moves
     kv = make_kv_manager(POLICY_MEMORY[policy], KVBuildContext(num_blocks, BLOCK, None, store))  # type: ignore[arg-type]
     config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=running, max_model_len=4096, policy=policy,
                              online_slo=LOOSE_SLO)
@@ -85,7 +93,7 @@ def build(policy: str, running: int, waiting: int, seed: int) -> tuple[Engine, l
         return out
 
     scheduler.schedule = timed_schedule  # type: ignore[method-assign]
-    engine = Engine(scheduler, InstantExecutor(), tokenizer=None)
+    engine = Engine(scheduler, InstantExecutor(store), tokenizer=None)
     for i, (prompt, output) in enumerate(lengths):
         engine.add_request([1 + i % 1000] * prompt, SamplingParams(max_tokens=output, ignore_eos=True), f"r{i}",
                            priority="offline" if i % 3 == 2 else "online")
