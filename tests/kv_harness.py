@@ -93,6 +93,13 @@ class StandInStream:
         self.issue()
         self.land(len(self.issued))
 
+    def scrub(self, free_blocks) -> None:
+        """A free block holds nothing anyone may read: fill it with garbage, so a forward that
+        read it before its load landed would see it."""
+        for k, v in self.caches:
+            for block in free_blocks:
+                k[block].fill_(-7.0), v[block].fill_(-7.0)
+
     def replay(self, caches, store: HostKVStore) -> None:
         """Land every unlanded copy, one by one in order, on scratch `caches` and `store`."""
         for copy in self.unlanded():

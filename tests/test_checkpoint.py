@@ -297,13 +297,16 @@ class CheckpointMachine(RuleBasedStateMachine):
     def poll(self):
         self.ckpt.check_invariants()
         self.store.inflight.poll()
+        self.stream.scrub(self.pool._free)  # blocks a landed save held are free now
 
     @rule(seq=SEQS, extra=st.integers(1, 9))
     def grow(self, seq, extra):
         if seq in self.preempted:
             return
         self.stream.issue()  # the executor issues the step's copies, then runs the forward,
-        self.stream.land_what({seq})  # which waits for the loads it reads
+        self.stream.land_what({seq})  # which waits for the loads it reads:
+        if seq in self.computed:  # what it reads is there now, with other copies still in flight
+            assert_device_holds(self.pool, self.caches, seq, self.computed[seq])
         start = self.computed.get(seq, 0)
         if not self.pool.can_allocate(seq, start + extra):
             return
@@ -337,6 +340,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         free_before, held_before = self.pool.num_free_blocks, self.pool.num_held_blocks
         saved = self.ckpt.saved_tokens(seq)
         kept = self.ckpt.preempt(seq)
+        self.stream.scrub(self.pool._free)
         assert kept == saved <= self.computed.pop(seq)
         assert self.pool.num_free_blocks + self.pool.num_held_blocks == free_before + held_before + table
         if kept:
@@ -369,6 +373,7 @@ class CheckpointMachine(RuleBasedStateMachine):
     def release(self, data):
         seq = data.draw(st.sampled_from(sorted({*self.computed, *self.preempted})))
         self.ckpt.release(seq)
+        self.stream.scrub(self.pool._free)
         self.computed.pop(seq, None)
         self.preempted.pop(seq, None)
 

@@ -156,6 +156,7 @@ class SwapMachine(RuleBasedStateMachine):
         """A step starts: the manager learns what landed; a new step's copies follow."""
         self.stream.issue()
         self.kv.poll_copies()
+        self.stream.scrub(self.kv.pool._free)
 
     @rule(rid=st.sampled_from(NAMES), extra=st.integers(1, 6))
     def grow(self, rid, extra):
@@ -173,6 +174,10 @@ class SwapMachine(RuleBasedStateMachine):
         self.stream.land_what({rid})
         size = B
         table = self.kv.block_table(r)
+        for pos in range(r.num_computed_tokens):  # what it reads is there now, other copies still in flight
+            slot = table[pos // size] * size + pos % size
+            for layer, (k, v) in enumerate(self.caches):
+                assert torch.equal(k.view(-1, HEADS, HEAD_DIM)[slot], tag(rid, pos, layer, False)), (rid, pos)
         for pos in range(r.num_computed_tokens, r.num_computed_tokens + extra):
             slot = table[pos // size] * size + pos % size
             for layer, (k, v) in enumerate(self.caches):
@@ -186,19 +191,23 @@ class SwapMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.resident)))
         r = self.requests[rid]
         kept, copies = self.kv.preempt(r)
+        self.stream.planned += copies  # the save reads the blocks before anyone refills them
+        self.stream.issue()
+        self.stream.land_what(set())  # a blocking save: its step waits for it before anything else
+        self.stream.scrub(self.kv.pool._free)
         assert kept in (0, r.num_computed_tokens)
         assert all(c.kind == "save" and c.blocking for c in copies)
         r.num_computed_tokens = kept
         self.resident.discard(rid)
         if kept:
             self.swapped.add(rid)
-        self.stream.planned += copies
 
     @precondition(lambda self: self.resident or self.swapped)
     @rule(data=st.data())
     def release(self, data):
         rid = data.draw(st.sampled_from(sorted(self.resident | self.swapped)))
         self.kv.release(self.requests[rid])
+        self.stream.scrub(self.kv.pool._free)
         self.resident.discard(rid)
         self.swapped.discard(rid)
         self.requests[rid] = request(rid)  # a new request under the same name later
