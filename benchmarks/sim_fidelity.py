@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     real = run_real(engine, eval_trace)
     config = SimConfig(policy="fcfs", model_config=load_config(Path(model)), kv_blocks=engine.kv.num_blocks,
                        max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                       max_num_seqs=engine.config.max_num_seqs, fitted_policy_model=False)
+                       max_num_seqs=engine.config.max_num_seqs, fitted_policy_model=False,
+                       calibrate_cost_model=False)  # as the real run above
     sim = simulate(config, eval_trace, executor_cost=fitted)
     # Per iteration: the fitted profile's prediction for each batch the real engine ran.
     step_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds in real["steps"]]

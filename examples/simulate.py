@@ -7,12 +7,14 @@ virtual clock, a named GPU and model priced by a roofline, a synthetic workload 
     python examples/simulate.py conserve                 # ConServe vs Online-Only and vLLM++
     python examples/simulate.py all                      # every policy on one mixed workload
     python examples/simulate.py ecoserve --scale ci      # the few-hundred-request version CI runs
+    python examples/simulate.py conserve --no-calibration   # ablation: policies keep their fitted profile
 
 It prints a table per run, then our ratio next to the paper's claim, and notes on any gap.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -28,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
     parser.add_argument("--json", metavar="PATH", help="write every run, its summaries and the comparisons")
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: pip install '.[bench]')")
+    parser.add_argument("--no-calibration", action="store_true",
+                        help="do not calibrate the policies' cost model on the simulated steps (as the real engine "
+                             "does by default): an ablation")
     args = parser.parse_args(argv)
+    if args.no_calibration:
+        os.environ["NANOSERVE_SIM_CALIBRATE"] = "0"  # read by every SimConfig the experiment builds
     started = time.perf_counter()
     result = run_experiment(args.experiment, args.scale, args.seed)
     print(format_report(result))

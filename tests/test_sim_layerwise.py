@@ -29,7 +29,7 @@ ROOFLINE = Roofline(gpu("A100-80G"), model("Llama-2-7B"))
 @pytest.fixture
 def steps(monkeypatch):
     """Every executed step: (clock before, clock after, stopped?, [(id, priority, start, tokens)]),
-    for steps without KV copies (a copy's time would add to the step)."""
+    for steps without KV copies (a forward may wait for the copies it reads)."""
     monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "1")  # the engine checks the KV manager every step
     seen = []
     execute = SimExecutor.execute

@@ -24,8 +24,8 @@ def record(i: int, priority: str, ttft: float, tpot: float | None, e2e: float, o
 
 def make_result(records: list[RequestRecord], duration: float = 10.0,
                 kv_usage: list[tuple[float, float]] | None = None, config: SimConfig = CONFIG) -> SimResult:
-    return SimResult(config, records, kv_usage or [(0.0, 0.1), (1.0, 0.5)], {"preemptions": 1}, 42, 8.0, 0.5,
-                     duration)
+    return SimResult(config, records, kv_usage or [(0.0, 0.1), (1.0, 0.5)], {"preemptions": 1}, steps=42,
+                     busy_seconds=8.0, link_busy_seconds=0.5, forward_stall_seconds=0.25, duration=duration)
 
 
 RECORDS = [
@@ -182,7 +182,9 @@ def test_to_json_round_trip(tmp_path) -> None:
     assert run["config"]["online_slo"] == {"ttft": 1.0, "tpot": 0.1}
     assert run["summaries"]["online"]["count"] == 4 and run["summaries"]["all"]["slo_attainment"] == 0.5
     assert run["events"] == {"preemptions": 1} and run["steps"] == 42
-    assert run["busy_seconds"] == 8.0 and run["copy_seconds"] == 0.5 and run["duration"] == 10.0
+    assert run["busy_seconds"] == 8.0 and run["duration"] == 10.0
+    assert run["link_busy_seconds"] == 0.5 and run["forward_stall_seconds"] == 0.25
+    assert run["config"]["calibrate_cost_model"] is True
     assert len(run["kv_usage"]) <= 500 and run["kv_usage"][-1] == pytest.approx([19.99, 4 / 7])
     assert set(data["results"]["online-only"]["summaries"]) == {"all", "online"}
     assert data["results"]["online-only"]["summaries"]["all"]["tpot_p50"] == pytest.approx(0.05)

@@ -257,12 +257,17 @@ class SimCluster:
             "weight_pull_bytes": sum(m.pulled_bytes for m in members),
             # Over the arrivals' span: the drain after the last arrival is not the trace's load.
             "kv_demand_mean": time_average([(t, d) for t, d in self.demand if t <= last_arrival]),
+            # The longest K/V stall each layout change caused on each instance (§4.2's exchange).
+            "kv_exchange_stall_seconds": sum(m.exchange_seconds for m in members),
         }
         # Busy: GPU-seconds the stages computed (an executor's own count would add waits for a
-        # stage). Copy: the longest K/V stall each layout change caused on each instance.
+        # stage). The link: each instance's device-host copies (none over paged KV).
         return SimResult(self.config.instance, records, sorted(self.usage), events,
-                         sum(m.executor.stats.steps for m in members), sum(sum(p.busy) for p in self.pipelines),
-                         sum(m.exchange_seconds for m in members), end - start, extra)
+                         steps=sum(m.executor.stats.steps for m in members),
+                         busy_seconds=sum(sum(p.busy) for p in self.pipelines),
+                         link_busy_seconds=sum(m.executor.stats.link_busy_seconds for m in members),
+                         forward_stall_seconds=sum(m.executor.stats.forward_stall_seconds for m in members),
+                         duration=end - start, extra=extra)
 
 
 def _tail(records: list[RequestRecord], placement: Mapping[str, int]) -> tuple[int | None, float]:

@@ -2,8 +2,9 @@
 real engine and in the simulator"): an `Executor` that prices each batch with a cost model and
 advances a virtual clock by that much, instead of running the model.
 
-    Engine.step ─► scheduler.schedule()          the real policy and KV manager
-                ─► SimExecutor.execute(batch)    cost(batch) seconds pass on the VirtualClock;
+    Engine.step ─► scheduler.schedule()          the real policy and KV manager (it polls the
+                                                 host store's ledger: which copies have landed)
+                ─► SimExecutor.execute(batch)    copies onto the link, the forward on the clock;
                                                  each sampling request draws a token
                 ─► Engine postprocess            the real bookkeeping, timed by the VirtualClock
 
@@ -11,10 +12,32 @@ Costs, by what the batch asks for:
 - the forward pass: `Roofline.iteration_seconds` (a named GPU and model), or any `CostModel`
   (the fitted profile of sched/cost_model.py, e.g. this machine's, for sim_fidelity);
 - KV copies (swaps, checkpoints, BROS's saved slots, loads back): their tokens' K/V bytes over
-  PCIe (moves between device blocks over HBM). nanoserve's runner finishes a step's copies
-  before its forward (`ModelRunner.apply_kv_copies` fences them), so they add to the step.
-  `overlap_copies` is a what-if beyond nanoserve: copies beside the forward (ConServe §4.4's
-  asynchronous I/O), the step taking the longer of the two.
+  PCIe (moves between device blocks over HBM), on a link of their own.
+
+The link. The runner issues every copy on one copy stream, in order, beside the compute stream
+(memory/host.py), so the simulator gives copies one FIFO link with its own timeline: a copy
+starts when its step starts or when the link frees, whichever is later, and holds the link for
+its duration. Copies never share the link and never overtake each other. A forward waits only
+for the copies it needs (`KVCopy.needed_by`, over every copy still on the link, as the runner's
+`HostKVStore.wait_for` asks it of the whole ledger: blocking copies, and loads or moves whose
+reader is in its batch, even those an earlier step issued as a prefetch); the rest run under it:
+
+    link:     [save a][load b  ][save c        ]       [load d: prefetch for r9]
+    compute:  ·····waits········├─ forward n ─────────┤├─ forward n+1 ─────────┤
+              ▲ step n          ▲ b lands              ▲ step n+1
+
+Batch n reads b, so forward n starts when b lands (behind a: one link, in order), not when c
+does; c, and d (whose reader r9 is not in batch n+1), run under the forwards. Forward n+1 would
+wait for what is left of d only if r9 were in its batch.
+
+So a step takes its forward time plus the unfinished part of the copies it needs
+(`SimStats.forward_stall_seconds`); the link's own total is `link_busy_seconds`. Each copy is
+filed in the host store's ledger (`InflightCopies`) with a probe that says it landed once the
+virtual clock reaches its end, so the KV manager's poll at the next step's start learns what
+landed exactly as it does with the runner's CUDA events, and holds on to blocks until then.
+`next_landing` tells the simulation loop when the next copy lands (a manager may be waiting for a
+save before it can resume anything). A step with copies and no chunks issues them and leaves the
+clock where it is.
 
 Tokens. A simulated request carries its output length from the workload; the executor samples
 a filler token until that many are out and then the EOS token, so the engine stops it exactly as
@@ -23,20 +46,22 @@ a model's EOS would ("stop"), and no policy can read the length from `max_tokens
 Layer-wise preemption (ConServe, conserve.txt §4.3 and §5), as the real `ModelRunner` does it and
 with its very `PreemptionFlag`: a pure-offline forward passes a safe point every
 `preempt_every_layers` decoder layers (not after the last one). At each, the clock stands at that
-layer boundary (the copies, the per-iteration overhead, then that many layers), the flag's
-`on_safe_point` runs (the simulation admits the trace requests that have arrived by then, as the
-server's engine loop does), and if `request_preemption()` was called the forward stops there:
-the clock stays at the safe point and `execute` returns `ExecutorOutput(preempted=True)`, which
-the engine discards. A request the forward does not consume is dropped when it ends, as in the
+layer boundary (the forward's start, after the copies it waits for, then the per-iteration
+overhead, then that many layers), the flag's `on_safe_point` runs (the simulation admits the
+trace requests that have arrived by then, as the server's engine loop does), and if
+`request_preemption()` was called the forward stops there: the clock stays at the safe point
+(copies it did not need run on) and `execute` returns `ExecutorOutput(preempted=True)`, which the
+engine discards. A request the forward does not consume is dropped when it ends, as in the
 runner. Layers are priced one by one only when something can stop the forward (a callback is
-installed or a stop is pending): otherwise the forward is one roofline call, as before.
+installed or a stop is pending): otherwise the forward is one roofline call.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Hashable, Iterable, Mapping
 
-from nanoserve.memory.host import KVCopy
+from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.model.runner import ExecutorOutput, ForwardPreempted, PreemptionFlag
 from nanoserve.sched.base import SchedulerOutput
 from nanoserve.sched.cost_model import CostModel, batch_of
@@ -44,6 +69,11 @@ from nanoserve.sim.roofline import Roofline
 
 EOS_TOKEN = 2
 FILLER_TOKEN = 7
+# Virtual time is a float sum of many durations: a copy whose end the clock reaches by another
+# sum may fall a rounding error short of it. A nanosecond is far below any copy's duration, and
+# `next_landing` and the landing probe use the same tolerance, so they never disagree.
+LANDING_TOLERANCE = 1e-9
+KIND_ORDER = ("save", "move", "load")  # within a group, as `HostKVStore.execute` issues them
 
 
 @dataclass
@@ -66,31 +96,47 @@ class VirtualClock:
 
 @dataclass
 class SimStats:
-    steps: int = 0
+    steps: int = 0  # executed steps, copies-only ones included
+    forwards: int = 0  # steps that ran a forward (stopped ones included)
     busy_seconds: float = 0.0  # forward passes, the stopped ones' layers included
-    copy_seconds: float = 0.0  # KV copies
+    link_busy_seconds: float = 0.0  # the copies' durations on the link (never two at once)
+    forward_stall_seconds: float = 0.0  # forwards' waits for the copies they needed
     discarded_seconds: float = 0.0  # forward time of stopped (layer-wise preempted) forwards
     online_tokens: int = 0  # tokens sampled for online requests
 
 
+@dataclass(frozen=True)
+class LinkSlot:
+    """One copy's time on the link."""
+
+    copy: KVCopy
+    start: float
+    end: float
+
+
 class SimExecutor:
     def __init__(self, clock: VirtualClock, cost: Roofline | CostModel, output_lens: Mapping[str, int],
-                 copy_cost: Roofline | None = None, preempt_every_layers: int = 8, overlap_copies: bool = False,
-                 record_online_gaps: bool = False):
+                 copy_cost: Roofline | None = None, preempt_every_layers: int = 8,
+                 record_online_gaps: bool = False, host_store: HostKVStore | None = None):
         """`output_lens`: request id -> the output length its workload gave it. `copy_cost`
         prices KV copies when `cost` is a fitted CostModel (defaults to `cost` if a Roofline).
         `preempt_every_layers`: the safe-point spacing (the real engine's
-        `EngineArgs.preempt_every_layers`, 8 by default as in the paper). `overlap_copies`: a
-        what-if, not nanoserve's runner: copies run beside the forward (ConServe §4.4's
-        asynchronous I/O), so a step takes the longer of the two. `record_online_gaps`: keep
-        every online inter-token gap in `online_gaps` (ConServe's per-token TPOT, §2.2)."""
+        `EngineArgs.preempt_every_layers`, 8 by default as in the paper). `record_online_gaps`:
+        keep every online inter-token gap in `online_gaps` (ConServe's per-token TPOT, §2.2).
+        `host_store`: the KV manager's (bookkeeping only): every copy is filed in its ledger,
+        landing when the virtual clock passes its end. Without one the copies are only priced
+        (nobody polls for them)."""
         self.clock, self.cost = clock, cost
         self.output_lens = output_lens
-        self.overlap_copies = overlap_copies
+        self.host_store = host_store
         self.online_gaps: list[float] | None = [] if record_online_gaps else None
         self._last_token: dict[str, float] = {}  # online request id -> when its latest token came
         self.copy_cost = copy_cost if copy_cost is not None else (cost if isinstance(cost, Roofline) else None)
         self.stats = SimStats()
+        self.link_free = clock.now  # when the link has carried every copy issued so far
+        # Copies that may still be on the link, in issue order. One FIFO link: their ends never
+        # decrease, so those that landed are always at the front.
+        self._on_link: deque[LinkSlot] = deque()
         # The layers a forward walks through: the roofline's, or for a fitted profile (which has no
         # layer breakdown) the model's that `copy_cost` names, its time split evenly among them.
         shape = cost if isinstance(cost, Roofline) else self.copy_cost
@@ -104,13 +150,52 @@ class SimExecutor:
             return self.cost.iteration_seconds(chunks, sum(c.samples for c in batch.chunks))
         return self.cost.predict(chunks)
 
-    def copy_seconds(self, groups: list[list[KVCopy]]) -> float:
+    # -- the link ------------------------------------------------------------------------------
+    def copy_duration(self, copy: KVCopy) -> float:
+        """Seconds `copy` holds the link. A move stays on the device (HBM); saves and loads cross PCIe."""
         if self.copy_cost is None:
             return 0.0
-        # A move stays on the device; saves and loads cross PCIe.
-        return sum(self.copy_cost.kv_copy_seconds(len(copy.src), "hbm" if copy.kind == "move" else "pcie")
-                   for group in groups for copy in group)
+        return self.copy_cost.kv_copy_seconds(len(copy.src), "hbm" if copy.kind == "move" else "pcie")
 
+    def _landed(self, end: float) -> bool:
+        return self.clock.now >= end - LANDING_TOLERANCE
+
+    def issue_copies(self, groups: Iterable[Iterable[KVCopy]]) -> list[LinkSlot]:
+        """Queue a step's copy groups on the link at the clock's time, in the runner's order
+        (groups in order; within a group saves, then moves, then loads), and file each in the
+        host store's ledger."""
+        slots = []
+        for group in groups:
+            group = list(group)
+            for copy in sorted(group, key=lambda c: KIND_ORDER.index(c.kind)):  # stable: issue order within a kind
+                start = max(self.clock.now, self.link_free)
+                slot = LinkSlot(copy, start, start + self.copy_duration(copy))
+                self.link_free = slot.end
+                self.stats.link_busy_seconds += slot.end - slot.start
+                self._on_link.append(slot)
+                slots.append(slot)
+                if self.host_store is not None:
+                    self.host_store.inflight.issue(copy, lambda end=slot.end: self._landed(end))
+        return slots
+
+    def on_link(self) -> list[LinkSlot]:
+        """Copies still on the link at the clock's time, in issue order."""
+        while self._on_link and self._landed(self._on_link[0].end):
+            self._on_link.popleft()
+        return list(self._on_link)
+
+    def next_landing(self) -> float | None:
+        """When the next copy still on the link lands; None when the link is idle."""
+        slots = self.on_link()
+        return slots[0].end if slots else None
+
+    def needed_until(self, readers: Iterable[Hashable]) -> float:
+        """When the last copy a forward over `readers` needs has landed (the clock's time if none
+        is still on the link): a forward starting now starts then."""
+        readers = set(readers)
+        return max((s.end for s in self.on_link() if s.copy.needed_by(readers)), default=self.clock.now)
+
+    # -- the forward ---------------------------------------------------------------------------
     def request_preemption(self) -> None:
         """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
         PREEMPTRUNNING); the engine forwards its scheduler's request here, as to the runner."""
@@ -141,26 +226,27 @@ class SimExecutor:
         stats, flag = self.stats, self.preemption
         stats.steps += 1
         start = self.clock.now
-        copy_s = self.copy_seconds(batch.kv_copies)
-        stats.copy_seconds += copy_s
+        self.issue_copies(batch.kv_copies)
         if not batch.chunks:  # copies only: no forward, and the runner leaves the flag alone
-            self.clock.advance(copy_s)
             return ExecutorOutput()
-        forward_s = self.forward_seconds(batch)
-        forward_start = start if self.overlap_copies else start + copy_s
+        stats.forwards += 1
+        # The forward waits for the copies it needs, and only for those (the runner's wait_for).
+        forward_start = self.needed_until(c.request.request_id for c in batch.chunks)
+        stats.forward_stall_seconds += forward_start - start
+        self.clock.advance_to(forward_start)
+        forward_s = self.forward_seconds(batch)  # priced from the forward's start (a pipeline's stages)
         # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3).
         if ((flag.on_safe_point is not None or flag.requested) and self._stoppable
                 and all(c.request.priority == "offline" for c in batch.chunks)):
             ran = self._stopped_after(batch, forward_start, forward_s)
             if ran is not None:
-                flag.requested = False
-                self.clock.advance_to(start + copy_s)  # overlapped copies still finish first
+                flag.requested = False  # the clock stays at the safe point; unneeded copies run on
                 stats.busy_seconds += ran
                 stats.discarded_seconds += ran
                 return ExecutorOutput(preempted=True)
         flag.requested = False  # not consumed by this forward: the next schedule serves it
-        # The same sum as before layer-wise preemption, so unstopped runs keep their exact times.
-        self.clock.advance_to(start + (max(copy_s, forward_s) if self.overlap_copies else copy_s + forward_s))
+        # One sum from the forward's start, so unstopped runs keep their exact times.
+        self.clock.advance_to(forward_start + forward_s)
         stats.busy_seconds += forward_s
         out = ExecutorOutput()
         gaps, now = self.online_gaps, self.clock.now

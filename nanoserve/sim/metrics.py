@@ -213,7 +213,8 @@ def to_json(results: Mapping[str, SimResult], path: str | Path, *, workload: str
             "summaries": {name: dataclasses.asdict(s) for name, s in summarize(result).items()},
             "kv_usage_summary": kv_usage_summary(result),
             "events": result.events, "steps": result.steps, "busy_seconds": result.busy_seconds,
-            "copy_seconds": result.copy_seconds, "duration": result.duration,
+            "link_busy_seconds": result.link_busy_seconds, "forward_stall_seconds": result.forward_stall_seconds,
+            "duration": result.duration,
             "kv_usage": downsample(result.kv_usage), "extra": result.extra,
         }
     data = _jsonable({"workload_note": workload, "results": runs, "extra": extra or {}})

@@ -3,8 +3,19 @@ manager, the engine's bookkeeping) whose executor is a `SimExecutor` on a virtua
 
     for each step:   admit every trace request that has arrived by now (at its arrival time)
                      nothing to run?  jump the clock to the next arrival
-                     engine.step()    the policy schedules, the executor advances the clock
+                     engine.step()    the policy schedules (its KV manager first polls which
+                                      copies landed), the executor queues the step's copies on
+                                      the link and advances the clock by the forward and by
+                                      whatever it had to wait for of the copies it reads
+                     no forward?      jump the clock to the next arrival or the next copy landing,
+                                      whichever comes first (a manager may be waiting for a save
+                                      to land before it can resume a request)
                      record finished requests, KV usage and tokens generated so far
+
+Copies overlap the forwards, as on the real runner's copy stream; sim/executor.py draws the
+link's timeline beside the forward's. The link is one more resource with its own clock, so a run
+reports two numbers for it: `link_busy_seconds` (how long the link carried copies) and
+`forward_stall_seconds` (how long forwards waited for the copies they read).
 
 Mid-forward arrivals (ConServe's Alg. 2 runs "on arrival", conserve.txt §4.2-4.3): for a policy
 that can ask to stop the forward in flight (one with `preempt_running_batch`, as the server's
@@ -15,12 +26,20 @@ arrival when the step ends, as before.
 KV capacity is what the named GPU leaves after the weights (`gpu_memory_utilization` of its
 memory, minus this GPU's share of the weights and an activation reserve), or `kv_bytes` when an
 experiment fixes it (EcoServe's 12 GB). Host stores for the managers that need one keep only
-their bookkeeping (no tensors: a store built with zero layers).
+their bookkeeping (no tensors: a store built with zero layers); the manager and the executor
+share it, the executor filing copies in its ledger and the manager polling it.
+
+As the real engine does, the sim's engine calibrates the policy's cost model against measured
+step times (`calibrate_cost_model`), measured on the scheduler's clock, which here is the virtual
+clock: time-budgeting policies learn the roofline's real step cost (for Llama-2-7B on an
+A100-80G the fitted profile predicts a 2,048-token prefill at ~128 ms where the roofline charges
+~150 ms), stalls for copies included.
 """
 from __future__ import annotations
 
 import bisect
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -43,6 +62,9 @@ from nanoserve.sim.workloads import TraceRequest
 from nanoserve.slo import DEFAULT_SLOS, SLO
 
 ACTIVATION_RESERVE = 2e9  # bytes kept free for activations, as the real builder keeps 1 GiB
+# Copies-only steps in a row at one instant with nothing left on the link, before the simulation
+# gives up: a policy that keeps issuing copies without ever running a forward makes no progress.
+MAX_IDLE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -64,9 +86,9 @@ class SimConfig:
     offline_slo: SLO = DEFAULT_SLOS["offline"]
     fitted_policy_model: bool = True  # policies budget with a profile of the simulated GPU
     preempt_every_layers: int = 8  # ConServe §4.3's safe-point spacing (EngineArgs' default)
-    # A what-if beyond nanoserve's runner (which fences copies before the forward): KV copies
-    # overlap the forward, as ConServe's asynchronous swap I/O does (§4.4).
-    overlap_kv_copies: bool = False
+    # Scale the policy's cost model by the measured (virtual) step times, as the real engine does.
+    # NANOSERVE_SIM_CALIBRATE=0 turns it off for a whole experiment (an ablation switch).
+    calibrate_cost_model: bool = field(default_factory=lambda: os.environ.get("NANOSERVE_SIM_CALIBRATE") != "0")
     record_online_token_gaps: bool = False  # SimResult.online_token_gaps: per-token TPOT samples
     # A model outside sim/models.py (e.g. SmolLM2 read from its config.json, for sim_fidelity)
     # and a fixed number of KV blocks (the real engine's), both overriding the names above.
@@ -100,7 +122,10 @@ class SimResult:
     events: dict[str, int]  # the KV manager's counters (preemptions, checkpoints, ...)
     steps: int
     busy_seconds: float
-    copy_seconds: float
+    link_busy_seconds: float  # seconds the device-host link carried KV copies (never two at once)
+    # Seconds forwards waited for the copies they read (this step's blocking copies, loads of
+    # the batch's requests): the part of the link's time that lengthened steps.
+    forward_stall_seconds: float
     duration: float  # virtual seconds from the first arrival to the last finish
     extra: dict[str, Any] = field(default_factory=dict)
     # (time, output tokens generated so far: all, online), after each step that generated any:
@@ -166,10 +191,10 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
     policy_model = fitted_cost_model(roofline, max_len) if config.fitted_policy_model else None
     executor = SimExecutor(clock, executor_cost or roofline, output_lens, copy_cost=roofline,
                            preempt_every_layers=config.preempt_every_layers,
-                           overlap_copies=config.overlap_kv_copies,
-                           record_online_gaps=config.record_online_token_gaps)
+                           record_online_gaps=config.record_online_token_gaps, host_store=host)
     engine = Engine(make_scheduler(sched_config, kv, policy_model, clock=clock), executor, None,
-                    frozenset({EOS_TOKEN}), model_name=config.model, stream_outputs=False)
+                    frozenset({EOS_TOKEN}), model_name=config.model,
+                    calibrate_cost_model=config.calibrate_cost_model, stream_outputs=False)
     return engine, executor, roofline
 
 
@@ -195,20 +220,34 @@ def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofli
     if hasattr(engine.scheduler, "preempt_running_batch"):
         executor.preemption.on_safe_point = admit_arrivals
     stop_at = clock.now + config.horizon if config.horizon is not None else math.inf
+    idle_steps = 0  # steps in a row at this instant that ran no forward and had nothing to wait for
     while (pending or engine.has_unfinished_requests()) and clock.now < stop_at:
         admit_arrivals()
         if not engine.has_unfinished_requests():
             clock.advance_to(pending[0][1].arrival)
             continue
-        steps = executor.stats.steps
+        steps, forwards = executor.stats.steps, executor.stats.forwards
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-        if executor.stats.steps == steps:  # the policy could schedule nothing
-            if not pending:
+        if executor.stats.forwards == forwards:  # the policy scheduled nothing, or only copies
+            # Nothing changes until a request arrives or a copy lands (its manager learns it at
+            # the next step's poll): both lie strictly after now, so the clock always moves.
+            later = [t for t in (pending[0][1].arrival if pending else None, executor.next_landing())
+                     if t is not None]
+            if later:
+                clock.advance_to(min(later))
+                idle_steps = 0
+            elif executor.stats.steps > steps and idle_steps < MAX_IDLE_STEPS:
+                # Copies only, all landed at once (nothing on the link): the next poll sees them,
+                # which may let the policy run something at this very instant.
+                idle_steps += 1
+            else:
                 raise RuntimeError(f"{config.policy} scheduled nothing with "
-                                   f"{len(ids) - len(finished)} requests unfinished and none arriving")
-            clock.advance_to(pending[0][1].arrival)
+                                   f"{len(ids) - len(finished)} requests unfinished, none arriving "
+                                   "and no KV copy in flight")
+        else:
+            idle_steps = 0
         usage.append((clock.now, engine.kv.num_used_blocks / max(1, engine.kv.num_blocks)))
         if not generated or generated[-1][1] != engine.generation_tokens_total:
             generated.append((clock.now, engine.generation_tokens_total, executor.stats.online_tokens))
@@ -230,6 +269,7 @@ def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofli
     stats = executor.stats
     extra = {"layerwise_preemptions": executor.preemption.num_preempted,
              "discarded_forward_seconds": stats.discarded_seconds}
-    return SimResult(config, records, usage, dict(getattr(engine.kv, "events", {})), stats.steps,
-                     stats.busy_seconds, stats.copy_seconds, clock.now - start, extra, generated,
-                     executor.online_gaps or [])
+    return SimResult(config, records, usage, dict(engine.kv.events), steps=stats.steps,
+                     busy_seconds=stats.busy_seconds, link_busy_seconds=stats.link_busy_seconds,
+                     forward_stall_seconds=stats.forward_stall_seconds, duration=clock.now - start, extra=extra,
+                     generated=generated, online_token_gaps=executor.online_gaps or [])
