@@ -26,8 +26,8 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request
 from nanoserve.sched.fcfs import FCFSScheduler
 
-from conftest import build_tiny_model
 from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from mixed_greedy import MAX_TOKENS, PARAMS, PRIORITIES, PROMPTS, llama_dir, reference  # noqa: F401 (fixtures)
 from test_invariance import assert_close_greedy
 
 B = 4
@@ -160,27 +160,7 @@ def test_fcfs_resumes_from_checkpoints_under_pressure():
     assert kv.num_used_blocks == 0 and kv.checkpointer.store.num_free_blocks == 64
 
 
-# -- a tiny random Llama: greedy output survives checkpoint, preempt and resume ---------------
-MAX_TOKENS = 24
-PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-_rng = random.Random(0)
-PROMPTS = [[_rng.randrange(1, 512) for _ in range(n)] for n in (5, 17, 9, 13, 7, 19, 11, 6)]
-PRIORITIES = ["offline" if i % 2 else "online" for i in range(len(PROMPTS))]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-llama-ckpt")
-    build_tiny_model("llama", directory)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir):
-    llm = LLM(llama_dir, device="cpu", dtype="float32", kv_cache_tokens=4096, block_size=B)
-    return llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=PRIORITIES)
-
-
+# -- a tiny random Llama: greedy output survives checkpoint, preempt and resume ------------------------------
 def test_greedy_output_survives_checkpointed_preemption(llama_dir, reference):
     # 16 blocks for 8 requests of up to 43 tokens: preemption is certain; threshold 0.25
     # starts checkpointing early so preempted requests resume from their host copies.

@@ -34,6 +34,15 @@ class HostStoreMachine(RuleBasedStateMachine):
         self.actions_run: list[int] = []
         self.streamed: set[int] = set()  # tickets issued on the stand-in stream (with an action)
 
+    def draw_save(self, data) -> KVCopy:
+        """A save of up to 6 device slots into distinct host slots of owned blocks."""
+        blocks = [b for held in self.owned.values() for b in held]
+        host_slots = data.draw(st.lists(st.sampled_from([s for b in blocks for s in self.store.slots(b)]),
+                                        min_size=1, max_size=6, unique=True))
+        device_slots = data.draw(st.lists(st.integers(0, DEVICE_BLOCKS * BLOCK - 1), min_size=len(host_slots),
+                                          max_size=len(host_slots)))
+        return KVCopy("save", tuple(device_slots), tuple(host_slots))
+
     def device_slot(self, slot: int) -> list[torch.Tensor]:
         return [c.view(-1, 1, 2)[slot].clone() for pair in self.caches for c in pair]
 
@@ -63,12 +72,8 @@ class HostStoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.owned.values()))
     @rule(data=st.data())
     def save(self, data):
-        blocks = [b for held in self.owned.values() for b in held]
-        host_slots = data.draw(st.lists(st.sampled_from([s for b in blocks for s in self.store.slots(b)]),
-                                        min_size=1, max_size=6, unique=True))
-        device_slots = data.draw(st.lists(st.integers(0, DEVICE_BLOCKS * BLOCK - 1), min_size=len(host_slots),
-                                          max_size=len(host_slots)))
-        copy = KVCopy("save", tuple(device_slots), tuple(host_slots))
+        copy = self.draw_save(data)
+        device_slots, host_slots = copy.src, copy.dst
         if self.stream:  # one stream: what was issued before lands first
             self.land(len(self.stream))
         self.store.execute([copy], self.caches)  # a CPU store: landed when issued
@@ -95,12 +100,8 @@ class HostStoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def issue_save(self, data):
         """Issue a save on the stand-in stream: filed in the ledger, no data moved yet."""
-        blocks = [b for held in self.owned.values() for b in held]
-        host_slots = data.draw(st.lists(st.sampled_from([s for b in blocks for s in self.store.slots(b)]),
-                                        min_size=1, max_size=6, unique=True))
-        device_slots = data.draw(st.lists(st.integers(0, DEVICE_BLOCKS * BLOCK - 1), min_size=len(host_slots),
-                                          max_size=len(host_slots)))
-        copy = KVCopy("save", tuple(device_slots), tuple(host_slots))
+        copy = self.draw_save(data)
+        device_slots, host_slots = copy.src, copy.dst
         before = [t.clone() for t in (self.store.k, self.store.v)]
         self.store.inflight.issue(copy, lambda t=copy.ticket: t in self.landed)
         self.store.inflight.when_landed(copy, lambda t=copy.ticket: self.actions_run.append(t))

@@ -22,8 +22,8 @@ from nanoserve.memory.swap import SwapKV
 from nanoserve.request import Request
 from nanoserve.sched import make_scheduler
 
-from conftest import build_tiny_model
 from kv_harness import HEAD_DIM, HEADS, LAYERS, StandInStream, TaggingExecutor
+from mixed_greedy import MAX_TOKENS, PARAMS, PRIORITIES, PROMPTS, llama_dir, reference  # noqa: F401 (fixtures)
 from test_invariance import assert_close_greedy
 
 B = 4
@@ -287,27 +287,7 @@ def test_schedulers_over_swap_restore_every_position(policy, seed):
     assert kv.events["swap_outs"] > 0 and kv.events["swap_ins"] == kv.events["swap_outs"]
 
 
-# -- a tiny random Llama: greedy output survives swapping out and in --------------------------
-MAX_TOKENS = 24
-PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-_rng = random.Random(0)
-PROMPTS = [[_rng.randrange(1, 512) for _ in range(n)] for n in (5, 17, 9, 13, 7, 19, 11, 6)]
-PRIORITIES = ["offline" if i % 2 else "online" for i in range(len(PROMPTS))]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-llama-swap")
-    build_tiny_model("llama", directory)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir):
-    llm = LLM(llama_dir, device="cpu", dtype="float32", kv_cache_tokens=4096, block_size=B)
-    return llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=PRIORITIES)
-
-
+# -- a tiny random Llama: greedy output survives swapping out and in -----------------------------------------
 @pytest.mark.parametrize("policy", SWAP_POLICIES)
 def test_greedy_output_survives_swapping(llama_dir, reference, policy):
     # 16 blocks for 8 requests of up to 43 tokens: preemption is certain, and every one swaps.
