@@ -189,8 +189,8 @@ class HostKVStore:
         """A save or load on the CPU (or any synchronous device)."""
         src = torch.tensor(src_slots, dtype=torch.int64)
         dst = torch.tensor(dst_slots, dtype=torch.int64)
-        runs = _runs(src_slots, dst_slots)
-        if len(src_slots) > 1 and len(runs) * 64 <= len(src_slots):
+        runs = _runs(src, dst) if len(src_slots) > 1 else []
+        if runs and len(runs) * 64 <= len(src_slots):
             # Runs where both sides are consecutive (whole blocks, a checkpoint's block ranges)
             # are copied in one slice each: index_select + index_copy_ would move every byte
             # twice. Saves and loads cross tensors, so runs cannot overlap. Short runs stay on the
@@ -218,16 +218,17 @@ class HostKVStore:
         host_slots = dst_slots if kind == "save" else src_slots
         device_slots = torch.tensor(src_slots if kind == "save" else dst_slots, dtype=torch.int64).to(
             device, non_blocking=True)
-        runs = _runs(host_slots, range(len(host_slots)))  # (host start, staging start, length)
-        for host, flat in self._layers(kv_caches):
+        host = torch.tensor(host_slots, dtype=torch.int64)
+        runs = _runs(host, torch.arange(len(host_slots)))  # (host start, staging start, length)
+        for layer_host, flat in self._layers(kv_caches):
             if kind == "save":
                 staged = flat.index_select(0, device_slots)
                 for h, s, n in runs:
-                    host.narrow(0, h, n).copy_(staged.narrow(0, s, n), non_blocking=True)
+                    layer_host.narrow(0, h, n).copy_(staged.narrow(0, s, n), non_blocking=True)
             else:
                 staged = torch.empty((len(host_slots), *flat.shape[1:]), dtype=flat.dtype, device=device)
                 for h, s, n in runs:
-                    staged.narrow(0, s, n).copy_(host.narrow(0, h, n), non_blocking=True)
+                    staged.narrow(0, s, n).copy_(layer_host.narrow(0, h, n), non_blocking=True)
                 flat.index_copy_(0, device_slots, staged)
 
     # -- invariants -----------------------------------------------------------------------
@@ -243,11 +244,11 @@ class HostKVStore:
         self.inflight.check_invariants()
 
 
-def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) of the maximal runs where both sides count up by one."""
     if len(src) < 2:
-        return [(src[0], dst[0], 1)] if len(src) else []
-    s, d = torch.tensor(list(src)), torch.tensor(list(dst))
-    breaks = ((s[1:] - s[:-1]) != 1) | ((d[1:] - d[:-1]) != 1)
+        return [(int(src[0]), int(dst[0]), 1)] if len(src) else []
+    breaks = ((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)
     starts = [0, *(breaks.nonzero().flatten() + 1).tolist()]
-    return [(src[a], dst[a], b - a) for a, b in zip(starts, [*starts[1:], len(src)])]
+    firsts_src, firsts_dst = src[starts].tolist(), dst[starts].tolist()
+    return [(s, d, b - a) for s, d, a, b in zip(firsts_src, firsts_dst, starts, [*starts[1:], len(src)])]
