@@ -2,9 +2,9 @@
 virtual clock, a named GPU and model priced by a roofline, a synthetic workload fixed up front.
 
     python examples/simulate.py kunserve                 # KunServe vs vLLM and vLLM-PP (8 x A100)
-    python examples/simulate.py ecoserve --plot plots/   # EcoServe vs vLLM and ORCA, rate sweep
-    python examples/simulate.py bros                     # BROS vs vLLM (v1, v0) and round-robin
-    python examples/simulate.py conserve                 # ConServe vs Online-Only and vLLM++
+    python examples/simulate.py ecoserve --plot plots/   # EcoServe vs vLLM (2023), FastGen-like, ORCA
+    python examples/simulate.py bros                     # BROS vs vLLM (2023) and round-robin
+    python examples/simulate.py conserve                 # ConServe vs Online-Only and vLLM++ (swap)
     python examples/simulate.py all                      # every policy on one mixed workload
     python examples/simulate.py ecoserve --scale ci      # the few-hundred-request version CI runs
     python examples/simulate.py conserve --no-calibration   # ablation: policies keep their fitted profile

@@ -2,11 +2,14 @@
 
 Each experiment is one module with a `run(scale="paper", seed=0) -> ExperimentResult`:
 
-    kunserve   kunserve.txt §6: P99 TTFT under bursts, drop + lookahead vs vLLM and vLLM-PP
-    ecoserve   ecoserve.txt §4: sustainable rate at equal normalized latency vs vLLM
-    bros       bros.txt §7.2.1: RT normalized latency and BE throughput vs vLLM (v1, v0) and RR
-    conserve   conserve.txt §6: throughput and online P99 vs online-only and vLLM++
+    kunserve   kunserve.txt §5: P99 TTFT under bursts, drop + lookahead vs vLLM and vLLM-PP
+    ecoserve   ecoserve.txt §4: sustainable rate at equal normalized latency vs vLLM (2023, swap),
+               FastGen and ORCA
+    bros       bros.txt §7.2.1: RT normalized latency and BE throughput vs vLLM (2023, swap) and RR
+    conserve   conserve.txt §6: throughput and online P99 vs Online-Only and vLLM++ (swap)
     all        every policy on one mixed workload (no paper made this comparison)
+
+The baselines are the papers' own, from one table (baselines.py), next to stronger ones of ours.
 
 Rules every experiment keeps (issue 7): the workload's parameters are fixed in the module before
 any policy runs, and every policy sees the same seeded trace; the trace is synthetic and its
