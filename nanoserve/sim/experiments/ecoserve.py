@@ -138,7 +138,7 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
              "EcoServe itself (decoupled queues, reserved pool, resident preemption) is where the gap is taken up."]
     return ExperimentResult(
         name="ecoserve",
-        title=f"EcoServe vs vLLM and ORCA: OPT-13B, A100-80G, 12 GB KV, Poisson {RATES[scale][0]:g}-"
+        title=f"EcoServe vs vLLM (2023), FastGen-like and ORCA: OPT-13B, A100-80G, 12 GB KV, Poisson {RATES[scale][0]:g}-"
               f"{RATES[scale][-1]:g} req/s, {n} requests per rate",
         workload=LENGTH_DIST.label, runs=runs, comparisons=comparisons, notes=notes,
         extra={"sweep": rows, "sustained_rate": sustained, "threshold_s_per_token": threshold,
