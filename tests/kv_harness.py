@@ -57,6 +57,24 @@ class TaggingExecutor:
         return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
 
 
+def serve_random_requests(engine, rng, max_tokens: tuple[int, int], count: int = 8, max_steps: int = 3000) -> int:
+    """Add `count` requests (prompts of 1-14 tokens, outputs drawn from `max_tokens`, either class)
+    and step the engine until all finish or `max_steps` pass; returns how many finished. The
+    engine checks its KV manager's invariants every step (NANOSERVE_CHECK_INVARIANTS)."""
+    from nanoserve.sampling import SamplingParams
+
+    for i in range(count):
+        engine.add_request([1 + i] * rng.randint(1, 14), SamplingParams(max_tokens=rng.randint(*max_tokens),
+                                                                         ignore_eos=True),
+                           f"r{i}", priority=rng.choice(["online", "offline"]))
+    finished = 0
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        finished += sum(o.finished for o in engine.step())
+    return finished
+
+
 class StandInStream:
     """A copy stream a state machine drives, for testing copies in flight on a CPU: `issue` files
     the planned copies in the store's ledger without moving any data; `land(n)` moves the data of

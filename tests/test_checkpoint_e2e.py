@@ -26,7 +26,7 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request
 from nanoserve.sched.fcfs import FCFSScheduler
 
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor, serve_random_requests
 from mixed_greedy import MAX_TOKENS, PARAMS, PRIORITIES, PROMPTS, llama_dir, reference  # noqa: F401 (fixtures)
 from test_invariance import assert_close_greedy
 
@@ -127,15 +127,7 @@ def test_fcfs_over_checkpoint_kv_restores_every_position(seed):
     executor = TaggingExecutor(kv.checkpointer.store, device_blocks, B)
     config = SchedulerConfig(max_num_batched_tokens=rng.choice([6, 16]), max_num_seqs=6, max_model_len=device_blocks * B)
     engine = Engine(FCFSScheduler(config, kv), executor, tokenizer=None)
-    for i in range(8):
-        engine.add_request([1 + i] * rng.randint(1, 14), SamplingParams(max_tokens=rng.randint(4, 20), ignore_eos=True),
-                           f"r{i}", priority=rng.choice(["online", "offline"]))
-    finished = 0
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            break
-        finished += sum(o.finished for o in engine.step())  # the engine checks invariants every step
-    assert finished == 8
+    assert serve_random_requests(engine, rng, max_tokens=(4, 20), max_steps=2000) == 8
     assert executor.positions_checked > 0
     assert kv.num_used_blocks == 0 and kv.checkpointer.store.num_free_blocks == 64
     # Every seed's workload overflows the pool, and the checkpoints make preemption cheap.

@@ -22,7 +22,7 @@ from nanoserve.memory.swap import SwapKV
 from nanoserve.request import Request
 from nanoserve.sched import make_scheduler
 
-from kv_harness import HEAD_DIM, HEADS, LAYERS, StandInStream, TaggingExecutor
+from kv_harness import HEAD_DIM, HEADS, LAYERS, StandInStream, TaggingExecutor, serve_random_requests
 from mixed_greedy import MAX_TOKENS, PARAMS, PRIORITIES, PROMPTS, llama_dir, reference  # noqa: F401 (fixtures)
 from test_invariance import assert_close_greedy
 
@@ -39,6 +39,14 @@ def request(rid: str, tokens: int = 40) -> Request:
     return Request(rid, [1] * tokens, SamplingParams(max_tokens=8))
 
 
+def computed(kv: SwapKV, tokens: int, rid: str = "r") -> Request:
+    """A request whose first `tokens` tokens have K/V on the device."""
+    r = request(rid)
+    kv.reserve(r, tokens)
+    r.num_computed_tokens = tokens
+    return r
+
+
 def land(kv: SwapKV, copies: list[KVCopy]) -> None:
     for copy in copies:
         kv.host_store.inflight.issue(copy, LANDED_NOW)
@@ -48,9 +56,7 @@ def land(kv: SwapKV, copies: list[KVCopy]) -> None:
 # -- unit checks -----------------------------------------------------------------------------
 def test_swap_out_copies_every_block_and_frees_them_at_once():
     kv = make_swap(6, 8)
-    r = request("r")
-    kv.reserve(r, 10)
-    r.num_computed_tokens = 10
+    r = computed(kv, 10)
     table = list(kv.block_table(r))
     kept, copies = kv.preempt(r)
     assert kept == 10 and len(copies) == 1
@@ -65,9 +71,7 @@ def test_swap_out_copies_every_block_and_frees_them_at_once():
 
 def test_a_swapped_request_comes_back_only_after_its_save_landed_and_then_whole():
     kv = make_swap(6, 8)
-    r = request("r")
-    kv.reserve(r, 10)
-    r.num_computed_tokens = 10
+    r = computed(kv, 10)
     _, saves = kv.preempt(r)
     assert not kv.can_reserve(r, 11)  # vLLM never swaps in at the step it swapped out
     with pytest.raises(NoFreeBlocksError):
@@ -86,9 +90,7 @@ def test_a_swapped_request_comes_back_only_after_its_save_landed_and_then_whole(
 
 def test_no_host_room_falls_back_to_recompute():
     kv = make_swap(6, 2)
-    r = request("r")
-    kv.reserve(r, 10)
-    r.num_computed_tokens = 10
+    r = computed(kv, 10)
     assert kv.preempt(r) == (0, []) and kv.num_used_blocks == 0 and not kv.is_swapped(r)
     assert kv.events["swap_fallbacks"] == 1
     assert kv.reserve(r, 4) == []  # a fresh start
@@ -97,9 +99,7 @@ def test_no_host_room_falls_back_to_recompute():
 
 def test_release_before_a_swap_in_lands_holds_the_blocks_it_writes():
     kv = make_swap(6, 8)
-    r = request("r")
-    kv.reserve(r, 8)
-    r.num_computed_tokens = 8
+    r = computed(kv, 8)
     land(kv, kv.preempt(r)[1])
     load = kv.reserve(r, 9)
     kv.release(r)  # aborted before the step that swapped it in is seen to land
@@ -273,15 +273,7 @@ def test_schedulers_over_swap_restore_every_position(policy, seed):
     config = SchedulerConfig(max_num_batched_tokens=rng.choice([8, 16, 48]), max_num_seqs=6,
                              max_model_len=device_blocks * B, policy=policy)
     engine = Engine(make_scheduler(config, kv), executor, tokenizer=None)
-    for i in range(8):
-        engine.add_request([1 + i] * rng.randint(1, 14), SamplingParams(max_tokens=rng.randint(8, 24), ignore_eos=True),
-                           f"r{i}", priority=rng.choice(["online", "offline"]))
-    finished = 0
-    for _ in range(3000):
-        if not engine.has_unfinished_requests():
-            break
-        finished += sum(o.finished for o in engine.step())  # the engine checks invariants every step
-    assert finished == 8
+    assert serve_random_requests(engine, rng, max_tokens=(8, 24)) == 8
     assert executor.positions_checked > 0
     assert kv.num_used_blocks == 0 and kv.host_store.num_free_blocks == 64
     assert kv.events["swap_outs"] > 0 and kv.events["swap_ins"] == kv.events["swap_outs"]

@@ -41,10 +41,10 @@ Invariants (checked by `check_invariants`):
   3. Saved host block i holds device block i: a resident sequence has at least as many device
      blocks as saved ones; a preempted one has none in the pool.
   4. Both pools keep their own invariants (conservation, no block in two places).
+  5. With nothing tracked every host block is free; with no sequences every device block is.
   6. The pool's held blocks are exactly those held for the checkpointer's in-flight copies; a
      tracked sequence's in-flight copies are known to it; a resident sequence's in-flight copies
      touch only its own blocks.
-  5. With nothing tracked every host block is free; with no sequences every device block is.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class IncrementalCheckpointer:
         self.pool, self.store, self.config = pool, store, config
         self._tracked: dict[Hashable, _Checkpoint] = {}
         self._touching: dict[int, list[int]] = {}  # in-flight ticket -> device blocks it reads or writes
-        self._held_for: dict[int, list[int]] = {}  # in-flight ticket -> its blocks that left their table
+        self._holding: set[int] = set()  # in-flight tickets whose blocks left their table: held in the pool
         # Counters, so a caller (or test) can tell a mechanism actually ran.
         self.blocks_checkpointed = 0
         self.preemptions_with_checkpoint = 0
@@ -194,21 +194,19 @@ class IncrementalCheckpointer:
         return copy
 
     def _landed(self, seq_id: Hashable, ticket: int) -> None:
-        del self._touching[ticket]
+        blocks = self._touching.pop(ticket)
         entry = self._tracked.get(seq_id)
         if entry is not None:
             entry.in_flight.discard(ticket)
-        held = self._held_for.pop(ticket, None)
-        if held:
-            self.pool.unhold(held)
+        if ticket in self._holding:
+            self._holding.discard(ticket)
+            self.pool.unhold(blocks)
 
     def _free_device(self, seq_id: Hashable, entry: _Checkpoint | None) -> None:
         """Free the sequence's device blocks, holding those its in-flight copies still touch."""
-        hold: list[int] = []
-        for ticket in entry.in_flight if entry is not None else ():
-            self._held_for[ticket] = list(self._touching[ticket])
-            hold += self._touching[ticket]
-        self.pool.free(seq_id, hold=hold)
+        tickets = entry.in_flight if entry is not None else set()
+        self._holding |= tickets
+        self.pool.free(seq_id, hold=[b for ticket in tickets for b in self._touching[ticket]])
 
     # -- preemption and resume --------------------------------------------------------------
     def preempt(self, seq_id: Hashable) -> int:
@@ -280,13 +278,13 @@ class IncrementalCheckpointer:
                 assert entry.num_tokens == len(entry.host_blocks) * size
         if not self._tracked:
             assert self.store.num_free_blocks == self.store.num_blocks, "host blocks leaked"
-        held = [b for blocks in self._held_for.values() for b in blocks]
+        held = [b for ticket in self._holding for b in self._touching.get(ticket, ())]
         assert len(held) == len(set(held)) == self.pool.num_held_blocks, "held blocks disagree with in-flight copies"
-        assert set(self._held_for) <= set(self._touching), "a block is held for a copy that landed"
+        assert self._holding <= set(self._touching), "a block is held for a copy that landed"
         for seq_id, entry in self._tracked.items():
             assert entry.in_flight <= set(self._touching), f"{seq_id!r}: an in-flight copy is unknown"
             if entry.resident:
                 table = set(self.pool.block_table(seq_id))
                 for ticket in entry.in_flight:
-                    if ticket not in self._held_for:
+                    if ticket not in self._holding:
                         assert set(self._touching[ticket]) <= table, f"{seq_id!r}: a copy touches a block not its own"

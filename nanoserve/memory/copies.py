@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Literal
 
 _tickets = itertools.count()
+# The order a group's copies run in: saves first, so one step can checkpoint a slot, then refill it.
+ISSUE_ORDER = ("save", "move", "load")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class KVCopy:
     ticket: int = field(default_factory=lambda: next(_tickets), compare=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("save", "move", "load"):
+        if self.kind not in ISSUE_ORDER:
             raise ValueError(f"unknown copy kind {self.kind!r}")
         if len(self.src) != len(self.dst):
             raise ValueError("a KV copy pairs source and destination slots one to one")
@@ -97,15 +99,12 @@ class InflightCopies:
     def __init__(self) -> None:
         self._inflight: dict[int, _InFlight] = {}  # insertion order == issue order
         self._actions: dict[int, list[Callable[[], None]]] = {}
-        self.issued = 0
-        self.landed = 0
 
     # -- the executor's side -----------------------------------------------------------------
     def issue(self, copy: KVCopy, landed: Callable[[], bool], handle: Any = None) -> None:
         if copy.ticket in self._inflight:
             raise ValueError(f"copy {copy.ticket} was issued twice")
         self._inflight[copy.ticket] = _InFlight(copy, landed, handle)
-        self.issued += 1
 
     def pending(self) -> list[KVCopy]:
         """Copies issued and not yet reported landed, in issue order."""
@@ -143,14 +142,9 @@ class InflightCopies:
         done = [f.copy for f in self._inflight.values() if f.landed()]
         for copy in done:
             del self._inflight[copy.ticket]
-            self.landed += 1
             for action in self._actions.pop(copy.ticket, ()):
                 action()
         return done
-
-    @property
-    def num_actions(self) -> int:
-        return sum(map(len, self._actions.values()))
 
     def check_invariants(self) -> None:
         for ticket, f in self._inflight.items():

@@ -37,7 +37,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import torch
 
 from nanoserve.memory.blocks import NoFreeBlocksError
-from nanoserve.memory.copies import LANDED_NOW, InflightCopies, KVCopy
+from nanoserve.memory.copies import ISSUE_ORDER, LANDED_NOW, InflightCopies, KVCopy
 
 __all__ = ["HostKVStore", "KVCopy"]
 
@@ -157,7 +157,7 @@ class HostKVStore:
     def _copy(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
               non_blocking: bool) -> None:
         device = next(c for c in kv_caches if c is not None)[0].device
-        for kind in ("save", "move", "load"):
+        for kind in ISSUE_ORDER:
             group = [c for c in copies if c.kind == kind]
             if not group:
                 continue

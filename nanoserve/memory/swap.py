@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.host import HostKVStore, KVCopy
-from nanoserve.memory.manager import PagedKV
+from nanoserve.memory.manager import KVManager, PagedKV
 
 if TYPE_CHECKING:
     from nanoserve.request import Request
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 class _Swapped:
     tokens: int  # leading tokens whose K/V the host copy holds
     host_blocks: list[int]
-    save_ticket: int
     saved: bool = False  # the save landed: the host copy may be read
 
 
@@ -95,7 +94,7 @@ class SwapKV(PagedKV):
         save = KVCopy("save", tuple(b * size + i for b in table[:count] for i in range(size)),
                       tuple(s for b in host_blocks for s in self.host_store.slots(b)), blocking=True)
         self._give_up_device(rid)  # blocking: this step's forward and later copies come after it
-        entry = self._swapped[rid] = _Swapped(tokens, host_blocks, save.ticket)
+        entry = self._swapped[rid] = _Swapped(tokens, host_blocks)
         self.host_store.inflight.when_landed(save, lambda: setattr(entry, "saved", True))
         self.swap_outs += 1
         self.blocks_swapped_out += count
@@ -132,7 +131,7 @@ class SwapKV(PagedKV):
     def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
         if request.request_id not in self._swapped:
             return super().try_reserve(request, num_tokens)
-        return self.reserve(request, num_tokens) if self.can_reserve(request, num_tokens) else None
+        return KVManager.try_reserve(self, request, num_tokens)  # check, then swap in and grow
 
     def _load_landed(self, ticket: int) -> None:
         loading = self._loads.pop(ticket)

@@ -12,9 +12,9 @@ For a batch of chunks the runner builds flat tensors:
 Before the forward pass it issues the batch's KV copies (checkpoints, swaps, restores) on the
 host store's copy stream and makes the forward wait only for the ones it reads: this step's
 blocking copies and the loads of its own requests (memory/copies.py). Saves and prefetches for
-other requests run on beside the forward. It then runs the model, takes the hidden state of the last token of every chunk that samples,
-and samples. The simulator's executor has the same `execute` signature and returns the same
-`ExecutorOutput`, so the engine cannot tell them apart.
+other requests run on beside the forward. It then runs the model, takes the hidden state of
+the last token of every chunk that samples, and samples. The simulator's executor has the same
+`execute` signature and returns the same `ExecutorOutput`, so the engine cannot tell them apart.
 
 Layer-wise preemption (ConServe, conserve.txt §4.3 and §5) is the one extra: while the runner
 runs a pure-offline batch it arms the model's safe points (one after every layer, checked every

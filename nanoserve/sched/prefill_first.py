@@ -50,12 +50,9 @@ class PrefillFirstScheduler(Scheduler):
             self.swapped.sort(key=lambda r: r.arrival_time)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
-        if request not in self.swapped:
-            return super().finish_request(request, status)
-        assert status.finished
-        self.swapped.remove(request)
-        request.status = status
-        self.kv.release(request)
+        if request in self.swapped:
+            self.swapped.remove(request)  # then neither running nor waiting: the base only releases it
+        super().finish_request(request, status)
 
     @property
     def num_waiting(self) -> int:

@@ -61,6 +61,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
 
+from nanoserve.memory.copies import ISSUE_ORDER
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.model.runner import ExecutorOutput, ForwardPreempted, PreemptionFlag
 from nanoserve.sched.base import SchedulerOutput
@@ -73,7 +74,6 @@ FILLER_TOKEN = 7
 # sum may fall a rounding error short of it. A nanosecond is far below any copy's duration, and
 # `next_landing` and the landing probe use the same tolerance, so they never disagree.
 LANDING_TOLERANCE = 1e-9
-KIND_ORDER = ("save", "move", "load")  # within a group, as `HostKVStore.execute` issues them
 
 
 @dataclass
@@ -167,7 +167,7 @@ class SimExecutor:
         slots = []
         for group in groups:
             group = list(group)
-            for copy in sorted(group, key=lambda c: KIND_ORDER.index(c.kind)):  # stable: issue order within a kind
+            for copy in sorted(group, key=lambda c: ISSUE_ORDER.index(c.kind)):  # stable: issue order within a kind
                 start = max(self.clock.now, self.link_free)
                 slot = LinkSlot(copy, start, start + self.copy_duration(copy))
                 self.link_free = slot.end
