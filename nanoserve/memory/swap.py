@@ -14,7 +14,9 @@ request in that very step, and the load's request reads its K/V in it. So a swap
 a forward, which is the cost ConServe's checkpoints (memory/checkpoint.py) and BROS's lazy
 saves set out to avoid. A swapped-out request resumes only after its save has landed (vLLM never
 swaps a sequence in at the step it swapped it out); its host blocks are freed once its load has
-landed.
+landed. Assumption: the whole forward waits for a swap, as vLLM 0.4's worker swapped before
+running the model; vLLM 0.2 waited layer by layer (one cache event per layer), which would hide
+part of a swap under the forward's first layers. Not swept.
 
 Ours, not vLLM's: when the host has no room for a victim, vLLM aborts the request ("Aborted due
 to the lack of CPU swap space"); here it is preempted by recompute instead (`events` counts these
