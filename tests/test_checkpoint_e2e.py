@@ -179,6 +179,7 @@ def test_threshold_holds_with_a_big_pool(llama_dir, reference):
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=PRIORITIES)
     for ref, out in zip(reference, outputs):
         assert_close_greedy(ref, out, f"big pool: {out.prompt_token_ids[:4]}", max_tokens=MAX_TOKENS)
-    assert llm.engine.kv.events == {"blocks_checkpointed": 0, "preemptions_with_checkpoint": 0, "prefetches": 0,
-                                    "blocks_prefetched": 0, "tokens_saved_from_recompute": 0}
+    events = llm.engine.kv.events
+    assert events.keys() >= {"blocks_checkpointed", "preemptions_with_checkpoint", "prefetches", "pauses"}
+    assert set(events.values()) == {0}, events
     assert llm.engine.stats().num_preemptions == 0 and llm.engine.stats().kv_blocks_used == 0

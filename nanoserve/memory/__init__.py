@@ -39,6 +39,9 @@ class KVBuildContext:
     model_config: ModelConfig
     host_store: HostKVStore | None = None
     options: Mapping[str, Any] = field(default_factory=dict)  # manager-specific knobs
+    # Link time of one block's device-host copy, where it was measured (the simulator's link);
+    # None: unknown. A manager that budgets its background copies by time needs it.
+    link_block_seconds: float | None = None
 
 
 def make_kv_manager(name: str, ctx: KVBuildContext) -> KVManager:

@@ -67,7 +67,7 @@ class BidirectionalKV(KVManager):
         rt = [r for r in running if r.priority != "offline"]
         return rt if len(rt) == len(running) else rt + [r for r in running if r.priority == "offline"]
 
-    def step_copies(self, running: list[Request]) -> list[KVCopy]:
+    def step_copies(self, running: list[Request], window: float | None = None) -> list[KVCopy]:
         # A new step: last step's forward is done, so no sequence's slots are in use any more.
         self.blocks.pinned.clear()
         return []

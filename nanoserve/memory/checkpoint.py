@@ -6,18 +6,31 @@ the traffic is amortised over many steps and preempting a checkpointed sequence 
 its device blocks. A full block is never written again (decode appends), so its host copy stays
 valid until the sequence ends; the partly filled tail block is never saved and is recomputed.
 
-Per step (`plan_step`), once device KV usage reaches `threshold`, a share of the reported
-sequences that grows linearly from one sequence at the threshold to all of them at 100% usage is
-chosen, and their unsaved full blocks are saved, up to `max_blocks_per_step` blocks (so the copies
-fit under one iteration) and as long as the host has room (when it does not, less is saved; the
-planner never fails). Which sequences: the caller's `order` first (the policy knows priorities,
-e.g. offline before online), then sequences that already hold a checkpoint (keeping the chosen set
-stable so those stay cheap to preempt), then the ones with most unsaved full blocks.
+The rate (§4.4, "Adaptive Checkpointing Policy"): ConServe "starts checkpointing when available
+GPU memory is running low (by default the threshold is set to 50%)", "will only checkpoint a small
+number of offline requests first and gradually increase the number of offline requests to
+checkpoint", and "always tries to match checkpointing speed with memory consumption speed". Per
+step (`plan_step`), once device KV usage reaches `threshold`, a share of the reported sequences is
+chosen, and *all* their unsaved full blocks are saved (so a chosen sequence's checkpoint keeps up
+with what each step makes resident, however large the step's prefill), within the step's link
+budget (`max_blocks`: §4.5 "uses the SLO to decide the maximum number of KV cache blocks that can
+be swapped in the background, and defers the extra blocks to the next round") and as long as the
+host has room (when it does not, less is saved; the planner never fails).
+  assumption: "gradually increase the number of requests" is read as random early detection's
+  linear ramp (§4.4 cites RED): one sequence at the threshold, rising linearly to all of them at
+  100% usage. `max_blocks_per_step` optionally caps the budget further (None: the link decides).
+Which sequences: the caller's `order` first (the policy knows who it will preempt first), then
+sequences that already hold a checkpoint (keeping the chosen set stable so those stay cheap to
+preempt), then the ones with most unsaved full blocks.
 
-`preempt` frees the device blocks at once and keeps the host copy; `prefetch` allocates fresh
-device blocks and returns the loads (read by the sequence: the forward that runs it waits for
-them, nothing else does). A resumed sequence keeps its host copy, so a second preemption is free
-again.
+`preempt` frees the device blocks at once and keeps the host copy. Restoring it is split (§4.4,
+"Background Prefetching": "split the swap-in phase over multiple steps"): `start_prefetch`
+allocates fresh device blocks for the saved prefix, and `load` issues the loads of the next few
+blocks, step after step (`prefetch` does both at once). Each load names the sequence as its
+reader: the forward that runs it waits for whatever has not landed, nothing else does. Meanwhile
+the sequence is *restoring*: resident, with `unloaded_blocks` host blocks not yet sent; preempting
+it again just frees those blocks. A resumed sequence keeps its host copy, so a second preemption is
+free again.
 
 Saves are asynchronous ("checkpointing has no data dependency with follow-up computation, it can
 be done asynchronously in the background and overlapped with computation", §4.4): nobody waits
@@ -39,7 +52,8 @@ Invariants (checked by `check_invariants`):
      blocks recorded for it (so free + owned == total on the host too).
   2. A tracked sequence's saved blocks never exceed its full blocks (computed tokens // B).
   3. Saved host block i holds device block i: a resident sequence has at least as many device
-     blocks as saved ones; a preempted one has none in the pool.
+     blocks as saved ones; a preempted one has none in the pool. A restoring sequence (resident,
+     loads not all issued) holds exactly its saved tokens, and only a resident one is restoring.
   4. Both pools keep their own invariants (conservation, no block in two places).
   5. With nothing tracked every host block is free; with no sequences every device block is.
   6. The pool's held blocks are exactly those held for the checkpointer's in-flight copies; a
@@ -60,15 +74,15 @@ from nanoserve.memory.host import HostKVStore, KVCopy
 class CheckpointConfig:
     # Device KV usage (used / total blocks) at which checkpointing starts.
     threshold: float = 0.5
-    # Copy budget per step in blocks (each moves `bytes_per_block` bytes): size it so the saves
-    # fit under one iteration at the device-host bandwidth.
-    max_blocks_per_step: int = 16
+    # An optional hard cap on the blocks saved per step, on top of the link budget the caller
+    # passes to `plan_step` (None: no cap beyond it).
+    max_blocks_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError("threshold is a fraction of device KV blocks, in [0, 1]")
-        if self.max_blocks_per_step < 0:
-            raise ValueError("max_blocks_per_step must be >= 0")
+        if self.max_blocks_per_step is not None and self.max_blocks_per_step < 0:
+            raise ValueError("max_blocks_per_step must be >= 0 (or None)")
 
 
 @dataclass
@@ -76,6 +90,9 @@ class _Checkpoint:
     host_blocks: list[int]  # host_blocks[i] holds (once its save lands) the sequence's device block i
     num_tokens: int  # computed tokens last reported (saved tokens while preempted)
     resident: bool = True
+    # Restoring: how many leading saved blocks have their loads issued; None once all have (or
+    # for a sequence that was never preempted).
+    loads_issued: int | None = None
     in_flight: set[int] = field(default_factory=set)  # tickets of its saves and loads not yet landed
 
 
@@ -131,14 +148,27 @@ class IncrementalCheckpointer:
         entry = self._tracked.get(seq_id)
         return entry is not None and not entry.resident and not entry.in_flight
 
+    def unloaded_blocks(self, seq_id: Hashable) -> int:
+        """Saved blocks whose loads are still to be issued: all of them for a preempted sequence,
+        the rest of them for a restoring one, 0 for a resident one."""
+        entry = self._tracked.get(seq_id)
+        if entry is None or (entry.resident and entry.loads_issued is None):
+            return 0
+        return len(entry.host_blocks) - (entry.loads_issued or 0)
+
+    def is_restoring(self, seq_id: Hashable) -> bool:
+        entry = self._tracked.get(seq_id)
+        return entry is not None and entry.loads_issued is not None
+
     @property
     def num_in_flight(self) -> int:
         return len(self._touching)
 
     # -- per-step planning ------------------------------------------------------------------
-    def plan_step(self, num_tokens_by_seq: Mapping[Hashable, int],
-                  order: Sequence[Hashable] | None = None) -> list[KVCopy]:
-        """Save ops for this step's newly completed blocks of the chosen sequences.
+    def plan_step(self, num_tokens_by_seq: Mapping[Hashable, int], order: Sequence[Hashable] | None = None,
+                  max_blocks: int | None = None) -> list[KVCopy]:
+        """Save ops for the chosen sequences' full blocks not yet saved, at most `max_blocks` of
+        them (the step's link budget; None: no budget).
 
         `num_tokens_by_seq` maps each sequence that ran to its tokens whose KV is computed on the
         device (not merely reserved); `order` optionally ranks sequences, first = checkpoint first.
@@ -146,7 +176,7 @@ class IncrementalCheckpointer:
         size = self.pool.block_size
         resident: dict[Hashable, int] = {}
         for seq_id, num_tokens in num_tokens_by_seq.items():
-            if not self.pool.has(seq_id) or self.is_preempted(seq_id):
+            if not self.pool.has(seq_id) or self.is_preempted(seq_id) or self.is_restoring(seq_id):
                 continue
             table = self.pool.block_table(seq_id)
             if num_tokens > len(table) * size:
@@ -166,7 +196,8 @@ class IncrementalCheckpointer:
         chosen = chosen[:num_chosen]
 
         copies: list[KVCopy] = []
-        budget = self.config.max_blocks_per_step
+        caps = [c for c in (self.config.max_blocks_per_step, max_blocks) if c is not None]
+        budget = min(caps) if caps else self.pool.num_blocks
         for seq_id in chosen:
             count = min(unsaved[seq_id], budget, self.store.num_free_blocks)
             if count <= 0:
@@ -221,33 +252,54 @@ class IncrementalCheckpointer:
         self._free_device(seq_id, entry)
         if entry is None:
             return 0
-        entry.resident = False
+        if entry.loads_issued is None:  # not a restoring one given up again
+            self.preemptions_with_checkpoint += 1
+        entry.resident, entry.loads_issued = False, None
         entry.num_tokens = len(entry.host_blocks) * self.pool.block_size
-        self.preemptions_with_checkpoint += 1
         return entry.num_tokens
 
-    def prefetch(self, seq_id: Hashable) -> list[KVCopy]:
-        """Give a preempted `seq_id` fresh device blocks and return the loads that refill them.
-
-        Afterwards the sequence is resident with `saved_tokens(seq_id)` computed tokens; the
-        loads name it as their reader, so the forward that runs it waits for them. All or nothing:
-        raises NoFreeBlocksError (changing nothing) if the pool cannot hold the saved tokens (check
-        with `pool.can_allocate(seq_id, saved_tokens(seq_id))`), ValueError if a save of its
-        checkpoint is still in flight (`can_resume`).
-        """
+    def start_prefetch(self, seq_id: Hashable) -> None:
+        """Give a preempted `seq_id` fresh device blocks for its saved tokens; it is restoring
+        until `load` has issued every block's load. All or nothing: raises NoFreeBlocksError
+        (changing nothing) if the pool cannot hold the saved tokens (check with
+        `pool.can_allocate(seq_id, saved_tokens(seq_id))`), ValueError if a save of its
+        checkpoint is still in flight (`can_resume`)."""
         entry = self._tracked.get(seq_id)
         if entry is None or entry.resident:
             raise ValueError(f"{seq_id!r} is not a preempted sequence with a checkpoint")
         if entry.in_flight:
             raise ValueError(f"{seq_id!r}: its checkpoint has saves in flight; it resumes once they land")
-        device_blocks = self.pool.allocate(seq_id, entry.num_tokens)
-        entry.resident = True
+        self.pool.allocate(seq_id, entry.num_tokens)
+        entry.resident, entry.loads_issued = True, 0
         self.prefetches += 1
-        self.blocks_prefetched += len(device_blocks)
+
+    def load(self, seq_id: Hashable, max_blocks: int | None = None) -> list[KVCopy]:
+        """Issue the loads of a restoring `seq_id`'s next `max_blocks` saved blocks (None: all
+        that are left); they name it as their reader. [] if none are left."""
+        entry = self._tracked.get(seq_id)
+        if entry is None or not entry.resident:
+            raise ValueError(f"{seq_id!r} is not restoring: start_prefetch first")
+        if entry.loads_issued is None:
+            return []
+        first = entry.loads_issued
+        count = len(entry.host_blocks) - first
+        if max_blocks is not None:
+            count = min(count, max_blocks)
+        entry.loads_issued = None if first + count == len(entry.host_blocks) else first + count
+        if count <= 0:
+            return []
+        self.blocks_prefetched += count
         size = self.pool.block_size
-        src = tuple(s for b in entry.host_blocks for s in self.store.slots(b))
+        device_blocks = self.pool.block_table(seq_id)[first:first + count]
+        src = tuple(s for b in entry.host_blocks[first:first + count] for s in self.store.slots(b))
         dst = tuple(b * size + i for b in device_blocks for i in range(size))
         return [self._track(seq_id, KVCopy("load", src, dst, reader=seq_id), device_blocks)]
+
+    def prefetch(self, seq_id: Hashable) -> list[KVCopy]:
+        """`start_prefetch` and every load at once: afterwards the sequence is resident with
+        `saved_tokens(seq_id)` computed tokens, and the forward that runs it waits for the loads."""
+        self.start_prefetch(seq_id)
+        return self.load(seq_id)
 
     def release(self, seq_id: Hashable) -> None:
         """`seq_id` finished or was dropped: free its device blocks (holding those an in-flight
@@ -269,13 +321,19 @@ class IncrementalCheckpointer:
             assert entry.host_blocks, f"{seq_id!r} tracked with nothing saved"
             assert self.store.blocks_of(seq_id) == entry.host_blocks, f"{seq_id!r}: host blocks disagree with the store"
             assert len(entry.host_blocks) <= entry.num_tokens // size, f"{seq_id!r}: saved more than its full blocks"
+            assert entry.loads_issued is None or 0 <= entry.loads_issued < len(entry.host_blocks), \
+                f"{seq_id!r}: loads issued past its checkpoint"
             if entry.resident:
                 table = self.pool.block_table(seq_id)
                 assert self.pool.has(seq_id), f"{seq_id!r} resident but has no device blocks"
                 assert entry.num_tokens <= len(table) * size, f"{seq_id!r}: more computed tokens than slots"
+                if self.is_restoring(seq_id):
+                    assert entry.num_tokens == len(entry.host_blocks) * size, f"{seq_id!r} restoring past its checkpoint"
+                    assert len(table) == self.pool.blocks_for(entry.num_tokens), f"{seq_id!r} grew while restoring"
             else:
                 assert not self.pool.has(seq_id), f"{seq_id!r} preempted but still holds device blocks"
                 assert entry.num_tokens == len(entry.host_blocks) * size
+                assert entry.loads_issued is None, f"{seq_id!r} preempted yet restoring"
         if not self._tracked:
             assert self.store.num_free_blocks == self.store.num_blocks, "host blocks leaked"
         held = [b for ticket in self._holding for b in self._touching.get(ticket, ())]

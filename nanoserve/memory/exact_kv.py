@@ -120,7 +120,7 @@ class ExactKV(KVManager):
             place(request)
         return ordered
 
-    def step_copies(self, running: list[Request]) -> list[KVCopy]:
+    def step_copies(self, running: list[Request], window: float | None = None) -> list[KVCopy]:
         self._served.clear()  # a new step: last step's forward is done with every slot
         return []
 

@@ -102,9 +102,37 @@ class KVManager(ABC):
             self.host_store.synchronize()
         return tuple(copy.ticket for copy in self.host_store.inflight.poll())
 
-    def step_copies(self, running: list[Request]) -> list[KVCopy]:
-        """Copies to run at the start of a step, whatever is scheduled (ConServe's checkpoints)."""
+    def step_copies(self, running: list[Request], window: float | None = None) -> list[KVCopy]:
+        """Copies to run at the start of a step, whatever is scheduled (ConServe's checkpoints).
+        `window`: the seconds of link time the policy lets this step's background copies take
+        (its SLO budget); None: no limit from the policy."""
         return []
+
+    # -- what a manager may offer beyond preempt-and-recompute (the defaults offer nothing) --
+    def pause(self, request: Request) -> tuple[int, list[KVCopy]] | None:
+        """Stop running `request` for now but keep its K/V on the device, where the manager can,
+        until the policy needs the memory and calls `preempt` on it (which then drops it); a
+        later `reserve` resumes it with no copy. None: kept (nothing moved, nothing freed);
+        else it preempted instead and returns what `preempt` does (the default)."""
+        return self.preempt(request)
+
+    def prefetch(self, request: Request) -> list[KVCopy] | None:
+        """Start or go on bringing a preempted request's saved K/V back to the device ahead of
+        the step that resumes it, within this step's link budget (`step_copies`' window); the
+        loads name it as their reader. None: nothing to bring back, or no room or budget now."""
+        return None
+
+    def blocks_to_restore(self, request: Request) -> int:
+        """Blocks of saved K/V that `reserve` would still have to load for `request` now."""
+        return 0
+
+    def restore_seconds(self, request: Request) -> float:
+        """The link time of those loads, where the manager knows it (0: unknown or none)."""
+        return 0.0
+
+    def preemption_loss(self, request: Request) -> int:
+        """Computed tokens of `request` that `preempt` would make it recompute."""
+        return request.num_computed_tokens
 
     @property
     def events(self) -> dict[str, int]:

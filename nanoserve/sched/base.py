@@ -91,12 +91,17 @@ class Scheduler(ABC):
     def schedule(self) -> SchedulerOutput:
         self._landed += self.kv.poll_copies()  # first: what landed may be reused by this step
         self._copies = []
-        self._add_copies(self.kv.step_copies(self.running))
+        self._add_copies(self.kv.step_copies(self.running, self.copy_window()))
         out = self.plan()
         out.kv_copies = self._copies
         if not out.is_empty:  # an empty step reaches no executor: its tickets wait for the next
             out.landed_copies, self._landed = self._landed, ()
         return out
+
+    def copy_window(self) -> float | None:
+        """Seconds of link time this step's background KV copies may take (None: no limit).
+        A policy with an SLO (ConServe) derives it from the SLO."""
+        return None
 
     def settle(self) -> None:
         """Nothing is left to run: let the KV manager see its last copies land (waiting for the
@@ -134,17 +139,20 @@ class Scheduler(ABC):
         request.status = status
         self.kv.release(request)
 
-    def preempt(self, request: Request) -> None:
+    def preempt(self, request: Request, keep_resident: bool = False) -> bool:
         """Take the request's KV off the device and put it at the head of the queue. It keeps
         its tokens; it resumes from whatever K/V the memory manager saved (often none:
-        recompute)."""
-        kept, copies = self.kv.preempt(request)
+        recompute). With `keep_resident` the manager only pauses it (`KVManager.pause`): where it
+        can, the K/V stays on the device until the policy needs the memory. True if it did."""
+        preempted = self.kv.pause(request) if keep_resident else self.kv.preempt(request)
+        kept, copies = (request.num_computed_tokens, []) if preempted is None else preempted
         self._add_copies(copies)
         request.num_computed_tokens = kept
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        return preempted is None
 
     def admit(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

@@ -9,10 +9,15 @@ UNIFIEDSCHEDULE) serves, in this order:
    allows: the budget is the largest batch whose iteration time, as the cost model predicts it,
    meets the online target (`iteration_target`, §4.5's SLO-aware policy: the online TPOT when an
    online request is decoding, else its TTFT). Offline chunks shrink to fit (chunked prefill);
-3. running offline requests left over the budget are preempted, newest first
-   (PREEMPTOVERBUDGETOFFLINE, Alg. 1 lines 16 and 26-34). Over the checkpointing KV manager
-   (`nanoserve/memory/checkpoint_kv.py`, §4.4) a preemption only frees device blocks: the request
-   keeps its checkpointed prefix and recomputes only the unsaved tail;
+3. running offline requests left over the budget are paused, newest first
+   (PREEMPTOVERBUDGETOFFLINE, Alg. 1 lines 16 and 26-34): over the checkpointing KV manager
+   (`nanoserve/memory/checkpoint_kv.py`, §4.4) "checkpointing keeps KV caches in GPU memory until
+   incoming online requests are scheduled", so a paused request keeps its blocks and resumes with
+   no copy. Its blocks are dropped only when an online request needs the memory (`_make_room`),
+   before any running request is preempted: the paused request with the least to recompute (its
+   checkpoint current: nothing) first, then the newest. When running requests must go after all,
+   ConServe "can selectively preempt offline requests that have been checkpointed" (§4.4):
+   offline victims are again chosen by least to recompute, then newest;
 4. with no online request anywhere, the offline batching mode (Alg. 1 lines 20-22): no time
    budget, only `max_num_batched_tokens`, and nothing is preempted for being over it.
 
@@ -26,18 +31,30 @@ batch's predicted time plus the predicted time of the online queue with the batc
 policy sets `preempt_running_batch`; the engine hands that to the executor, whose forward stops
 at its next safe point, every k layers (`ModelRunner.request_preemption`, `PreemptionFlag`:
 §4.3's layer-wise preemption, only in pure-offline batches). The engine discards the stopped
-step (no request advances) and the next `plan` serves the online request first. The runner can
-only stop the whole forward, so Alg. 2's victim loop reduces to "all of the batch"; nothing is
-lost, since the stopped requests keep their KV and run again. The scheduler never touches the
+step (no request advances) and the next `plan` serves the online request first. §4.3: workers
+"immediately abort the remaining execution and return an empty result", and the scheduler
+"cleans up the partial computation states, restores its own state, and quickly schedules any
+incoming online requests": the whole forward stops, whatever Alg. 2's victim set. Its victims
+are then the offline requests the next `plan` leaves over that step's budget (paused, as above);
+the rest run beside the online request. Nothing is lost: stopped requests keep their KV. The scheduler never touches the
 model: it only raises the flag. Arrivals reach `add_request` mid-forward in the server: its
 engine loop (`nanoserve/async_engine.py`) takes them in at the runner's safe points
 (`PreemptionFlag.on_safe_point`); `LLM.generate` adds all requests up front, so offline
 `generate` calls never need it.
 
-Prefetch (§4.4, "background prefetching"): the checkpointing manager has no prefetch-ahead call,
-so a resumed request's checkpoint is loaded by `reserve` in the step that resumes it (its loads
-are the step's copy groups, run before the forward). Checkpointing itself (which blocks, offline
-first, at what rate) is the manager's `step_copies`, called by the base scheduler every step.
+Prefetch (§4.4, "background prefetching"): a preempted offline request whose checkpoint is on
+the host is not resumed by loading it in the step that runs it. At the head of the queue it is
+set aside (`_defer`): the manager allocates its blocks and loads them over the following steps
+as the link budget allows, while the requests behind it are admitted ("launches a new offline
+batch and runs for its prefill phase, and meanwhile prefetches"); it is admitted once every
+load is issued. The link budget is §4.5's "uses the SLO to decide the maximum number of KV cache
+blocks that can be swapped in the background" (`copy_window`); the checkpoint saves are the
+manager's `step_copies` (called by the base scheduler every step) and spend it first. A load
+that must still block a step (a resumed online request's) is priced in that step's budget.
+
+The budget "limits both the number of tokens and the number of requests in a batch" (§4.2): the
+cost model prices every request (a decode's ε, a prefill chunk's γ) beside every token, so the
+time budget caps both, under `max_num_batched_tokens` and `max_num_seqs`.
 """
 from __future__ import annotations
 
@@ -64,12 +81,34 @@ class ConServeScheduler(PriorityScheduler):
         # token, its TPOT after), so the tightest is read without scanning 10,000 requests.
         self._phase: dict[str, tuple[str, float]] = {}
         self._targets: dict[str, Counter[float]] = {"ttft": Counter(), "tpot": Counter()}
+        # Waiting requests that hold device KV (paused, or prefetched ahead): an online request
+        # takes their memory before anyone else's.
+        self._parked: dict[str, Request] = {}
+        self._last_forward = 0.0  # the previous step's predicted seconds
+        self.num_parked_dropped = 0
 
     # -- Algorithm 1: UNIFIEDSCHEDULE -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = super().schedule()
         self._in_flight = (out, self.clock()) if out.chunks else None  # t_sched
+        self._last_forward = self.cost_model.predict_output(out)
         return out
+
+    def copy_window(self) -> float | None:
+        """Seconds of link time the step's background copies (checkpoint saves, then prefetch
+        loads) may take: §4.5 "uses the SLO to decide the maximum number of KV cache blocks that
+        can be swapped in the background, and defers the extra blocks to the next round".
+
+        assumption: copies stay in the background while they fit under the forward they overlap,
+        so the window is the step's SLO target, or the previous step's predicted time when that
+        is shorter (the paper names no formula); in the offline batching mode, the previous
+        step's predicted time, and no limit after an idle step (nothing to overlap, nothing
+        waits)."""
+        _, target = self.iteration_target()
+        last = self._last_forward
+        if target is None:
+            return last or None
+        return min(target, last) if last > 0 else target
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         super().update_after_step(output)
@@ -103,12 +142,14 @@ class ConServeScheduler(PriorityScheduler):
                 return want
             return max(self._fit(request.num_computed_tokens, want, self._tpot_target),
                        min(want, self.MIN_ONLINE_CHUNK))
-        return want if self._target is None else self._fit(request.num_computed_tokens, want, self._target)
+        return want if self._target is None else self._fit(request.num_computed_tokens, want, self._target,
+                                                           self.kv.restore_seconds(request))
 
-    def _fit(self, prefix: int, want: int, target: float) -> int:
+    def _fit(self, prefix: int, want: int, target: float, extra: float = 0.0) -> int:
         """The largest chunk (at most `want` tokens over `prefix`) that keeps the step's predicted
-        time within `target`; 0 if none does. The cost model's chunk cost grows with its size."""
-        base = self.cost_model.iteration + self._seconds
+        time, plus `extra` seconds (loads the step must wait for), within `target`; 0 if none
+        does. The cost model's chunk cost grows with its size."""
+        base = self.cost_model.iteration + self._seconds + extra
 
         def fits(n: int) -> bool:
             return base + self.cost_model.chunk_cost(prefix, n) <= target
@@ -123,13 +164,97 @@ class ConServeScheduler(PriorityScheduler):
 
     def _after_running(self, cls: str, out: SchedulerOutput) -> None:
         """PREEMPTOVERBUDGETOFFLINE (Alg. 1 lines 16, 26-34): running offline requests the
-        budget left out, newest first, give their device memory to online work (cheaply, over
-        checkpoints: the KV manager keeps their checkpointed prefix)."""
+        budget left out, newest first, are preempted; "checkpointing keeps KV caches in GPU
+        memory until incoming online requests are scheduled" (§4.4), so each is paused with its
+        blocks (`KVManager.pause`) and `_make_room` drops them only for an online request."""
         if cls != "offline" or self._target is None:
             return
         for request in reversed([r for r in self.running if r.priority == "offline"]):
             if request.request_id not in self._served:
-                self._evict(request, out)
+                if self._evict(request, out, keep_resident=True):
+                    self._parked[request.request_id] = request
+
+    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput, online_victims: bool) -> bool:
+        """Before preempting anyone running, an online request takes the device memory of
+        parked requests (paused, or prefetched ahead): least to recompute first, then newest.
+
+        assumption (ours): so do a running offline request that cannot grow (its alternative is
+        preempting a running request, never cheaper than dropping a parked one) and a parked
+        request resuming at the head of the queue (it is older than those behind it; without
+        this, parked requests holding all the memory would wait for each other). The issue's
+        stricter reading, online requests only, made running offline requests preempt
+        themselves while paused ones held the memory (8% of preempted tokens kept, ci scale).
+        Admitting new offline work never drops a parked request."""
+        parked = request.request_id in self._parked
+        if request.priority == "online" or request.status == RequestStatus.RUNNING or parked:
+            while not self.can_chunk(request, num_new):
+                others = [r for r in reversed(self._parked.values()) if r is not request]
+                if not others:
+                    break
+                self._drop_parked(min(others, key=self.kv.preemption_loss), out)
+        if parked:  # a parked request never preempts running work
+            return self.can_chunk(request, num_new)
+        return super()._make_room(request, num_new, out, online_victims)
+
+    def _may_make_room(self, request: Request) -> bool:
+        return super()._may_make_room(request) or request.request_id in self._parked
+
+    def _drop_parked(self, request: Request, out: SchedulerOutput) -> None:
+        """Drop a parked request's device KV. It stays where it is in the queue, keeping what its
+        checkpoint holds, and is not taken back in this step."""
+        del self._parked[request.request_id]
+        kept, copies = self.kv.preempt(request)
+        self._add_copies(copies)
+        request.num_computed_tokens = kept
+        out.preempted.append(request)
+        self._preempted.add(request.request_id)
+        self.num_parked_dropped += 1
+
+    def _give_up(self, request: Request, out: SchedulerOutput) -> None:
+        """An offline request that cannot grow is paused, not dropped: its K/V stays until
+        someone needs the memory (§4.4)."""
+        if request.priority != "offline":
+            return super()._give_up(request, out)
+        if self._evict(request, out, keep_resident=True):
+            self._parked[request.request_id] = request
+
+    def _newest_unserved(self, request: Request, cls: str) -> Request | None:
+        """§4.4: ConServe "can selectively preempt offline requests that have been
+        checkpointed": an offline victim is the one with least to recompute, then the newest."""
+        if cls != "offline":
+            return super()._newest_unserved(request, cls)
+        candidates = [r for r in reversed(self.running) if r.priority == cls and r is not request
+                      and r.request_id not in self._served]
+        return min(candidates, key=self.kv.preemption_loss, default=None)
+
+    def _defer(self, request: Request, out: SchedulerOutput) -> bool:
+        """§4.4 background prefetching: a preempted offline request whose checkpoint is still
+        to be loaded is set aside while its loads go out (split over steps, within the link
+        budget), and the requests behind it are admitted meanwhile."""
+        if request.priority != "offline" or self.kv.blocks_to_restore(request) == 0:
+            return False
+        copies = self.kv.prefetch(request)
+        if copies is not None:
+            self._add_copies(copies)
+            self._parked[request.request_id] = request
+        return True
+
+    def admit(self, request: Request) -> None:
+        self._parked.pop(request.request_id, None)
+        super().admit(request)
+
+    def try_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk | None:
+        restore = self.kv.restore_seconds(request)  # loads the step would wait for
+        chunk = super().try_chunk(request, num_tokens)
+        if chunk is not None:
+            self._seconds += restore
+        return chunk
+
+    def chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+        restore = self.kv.restore_seconds(request)
+        chunk = super().chunk(request, num_tokens)
+        self._seconds += restore
+        return chunk
 
     def _schedule(self, request: Request, chunk: ScheduledChunk, out: SchedulerOutput) -> None:
         self._seconds += self.cost_model.chunk_cost(chunk.start, chunk.num_tokens)
@@ -150,6 +275,7 @@ class ConServeScheduler(PriorityScheduler):
             self._targets[phase][target] += 1
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
+        self._parked.pop(request.request_id, None)
         super().finish_request(request, status)
         self._track(request, None)
 

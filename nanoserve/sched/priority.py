@@ -73,6 +73,20 @@ class PriorityScheduler(Scheduler):
     def _after_running(self, cls: str, out: SchedulerOutput) -> None:
         """Called once a class's running requests are served, before its waiting ones are."""
 
+    def _may_make_room(self, request: Request) -> bool:
+        """May the waiting `request` preempt others to be admitted? Only an online arrival, and
+        only where preemption is selective."""
+        return request.priority == "online" and self.selective_preemption
+
+    def _give_up(self, request: Request, out: SchedulerOutput) -> None:
+        """A running request cannot grow and nobody is left to preempt: it preempts itself."""
+        self._evict(request, out)
+
+    def _defer(self, request: Request, out: SchedulerOutput) -> bool:
+        """Set the waiting `request` aside for this step, letting the ones behind it be admitted
+        (ConServe: while its K/V is prefetched). Nothing is deferred here."""
+        return False
+
     # -- the passes ----------------------------------------------------------------------------
     def _serve_running(self, request: Request, out: SchedulerOutput) -> None:
         num_new = self._allowance(request)
@@ -82,28 +96,35 @@ class PriorityScheduler(Scheduler):
         if chunk is None and self._make_room(request, num_new, out, online_victims=True):
             chunk = self.chunk(request, num_new)
         if chunk is None:  # nobody left to preempt but the request itself
-            self._evict(request, out)
+            self._give_up(request, out)
         else:
             self._schedule(request, chunk, out)
 
     def _admit_waiting(self, cls: str, out: SchedulerOutput) -> None:
+        deferred: list[Request] = []
         while (self.waiting and self.waiting[0].priority == cls and self._budget > 0
                and len(self.running) < self.config.max_num_seqs and not (cls == "offline" and out.preempted)):
             request = self.waiting[0]
-            num_new = self._allowance(request)
             # A victim of this step sits at the head of the queue: taking it back would thrash.
-            if num_new <= 0 or request.request_id in self._preempted:
-                return
+            if request.request_id in self._preempted:
+                break
+            if self._defer(request, out):
+                deferred.append(self.waiting.popleft())
+                continue
+            num_new = self._allowance(request)
+            if num_new <= 0:
+                break
             # Only an online arrival may preempt, and only offline work.
             chunk = self.try_chunk(request, num_new)
-            if (chunk is None and cls == "online" and self.selective_preemption
+            if (chunk is None and self._may_make_room(request)
                     and self._make_room(request, num_new, out, online_victims=False)):
                 chunk = self.chunk(request, num_new)
             if chunk is None:
-                return
+                break
             self.waiting.remove(request)  # not popleft: preempted victims went to the head
             self.admit(request)
             self._schedule(request, chunk, out)
+        self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
 
     def _make_room(self, request: Request, num_new: int, out: SchedulerOutput, online_victims: bool) -> bool:
         """Preempt until `request` can take `num_new` more tokens: the newest running offline
@@ -122,12 +143,14 @@ class PriorityScheduler(Scheduler):
         return next((r for r in reversed(self.running) if r.priority == cls and r is not request
                      and r.request_id not in self._served), None)
 
-    def _evict(self, request: Request, out: SchedulerOutput) -> None:
+    def _evict(self, request: Request, out: SchedulerOutput, keep_resident: bool = False) -> bool:
+        """Preempt a running request (`Scheduler.preempt`); True if its K/V stayed resident."""
         self.running.remove(request)
-        self.preempt(request)
+        resident = self.preempt(request, keep_resident)
         out.preempted.append(request)
         self._preempted.add(request.request_id)
         self._waiting_sorted = False  # it went to the head of the queue
+        return resident
 
     def _schedule(self, request: Request, chunk: ScheduledChunk, out: SchedulerOutput) -> None:
         out.chunks.append(chunk)

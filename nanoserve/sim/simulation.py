@@ -183,7 +183,8 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
         host_tokens = config.host_kv_tokens if config.host_kv_tokens is not None else num_blocks * config.block_size
         host = HostKVStore(host_tokens // config.block_size, config.block_size, 0, 1, 1, torch.float16)
     kv = make_kv_manager(name, KVBuildContext(num_blocks, config.block_size, roofline.model, host,
-                                              config.kv_manager_options or {}))
+                                              config.kv_manager_options or {},
+                                              link_block_seconds=roofline.kv_copy_seconds(config.block_size, "pcie")))
     max_len = min(config.max_model_len or roofline.model.max_position_embeddings, kv.max_request_tokens)
     sched_config = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=max_len, policy=config.policy,

@@ -137,7 +137,7 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
     check_scale(scale)
     setup = SETUPS[scale]
     pool = offline_pool(setup, seed + 2)
-    base = SimConfig(gpu=setup.gpu, model=setup.model, online_slo=setup.slo, record_online_token_gaps=True)
+    base = SimConfig(gpu=setup.gpu, model=setup.model, online_slo=setup.slo, record_online_token_gaps=True, host_kv_tokens=500_000)
     configs = {**{b.label: b.sim_config(base) for b in BASELINES}, CONSERVE: replace(base, policy="conserve")}
     runs: dict[str, SimResult] = {}
     table: dict[str, dict[str, float]] = {}
