@@ -187,6 +187,9 @@ class Engine:
         started = self.clock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            # Nothing could be scheduled: what is missing is held by copies still in flight (a
+            # save's blocks), so wait for the copy stream rather than spin; nothing to overlap.
+            self.scheduler.settle()
             return []
         result = self.executor.execute(batch)
         outputs: list[RequestOutput] = []

@@ -274,14 +274,18 @@ class CheckpointMachine(RuleBasedStateMachine):
     the host check below would fail.
     """
 
+    THRESHOLD = 0.3
+
     def __init__(self):
         super().__init__()
         self.pool, self.store = BlockPool(DEVICE_BLOCKS, B), make_store(HOST_BLOCKS)
         self.caches = make_caches(DEVICE_BLOCKS)
-        config = CheckpointConfig(threshold=0.3, max_blocks_per_step=3)
+        config = CheckpointConfig(threshold=self.THRESHOLD, max_blocks_per_step=3)
         self.ckpt = IncrementalCheckpointer(self.pool, self.store, config)
         self.computed: dict[str, int] = {}  # resident sequences: tokens whose K/V is (or will be) on device
         self.preempted: dict[str, int] = {}  # tokens kept on host
+        # Prefetching ahead (§4.4): device blocks back, loads issued a few blocks per step.
+        self.restoring: dict[str, int] = {}  # tokens kept on host
         self.stream = StandInStream(self.store, self.caches)
         self.owner: dict[int, str] = {}  # ticket -> the sequence whose K/V the copy carries
 
@@ -301,8 +305,13 @@ class CheckpointMachine(RuleBasedStateMachine):
 
     @rule(seq=SEQS, extra=st.integers(1, 9))
     def grow(self, seq, extra):
-        if seq in self.preempted:
+        if seq in self.preempted or seq in self.restoring:
             return
+        # A prefetched block is never read before its load lands: every load still in flight
+        # into this sequence's blocks, whichever step issued it, is one its forward waits for.
+        mine = set(self.pool.block_table(seq)) if seq in self.computed else set()
+        assert all(c.needed_by({seq}) for c in self.stream.unlanded()
+                   if c.kind == "load" and {s // B for s in c.dst} & mine)
         self.stream.issue()  # the executor issues the step's copies, then runs the forward,
         self.stream.land_what({seq})  # which waits for the loads it reads:
         if seq in self.computed:  # what it reads is there now, with other copies still in flight
@@ -323,7 +332,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         usage = self.pool.num_used_blocks / self.pool.num_blocks
         before = self.ckpt.blocks_checkpointed
         copies = self.ckpt.plan_step({s: self.computed[s] for s in reported}, order)
-        if usage < 0.3:
+        if usage < self.THRESHOLD:
             assert copies == []
         saved = sum(len(c.src) for c in copies) // B
         assert saved == self.ckpt.blocks_checkpointed - before <= 3
@@ -332,16 +341,17 @@ class CheckpointMachine(RuleBasedStateMachine):
             self.owner[c.ticket] = next(s for s in reported if c.src[0] // B in self.pool.block_table(s))
         self.stream.planned += copies
 
-    @precondition(lambda self: self.computed)
+    @precondition(lambda self: self.computed or self.restoring)
     @rule(data=st.data())
     def preempt(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.computed)))
+        seq = data.draw(st.sampled_from(sorted({*self.computed, *self.restoring})))
         table = len(self.pool.block_table(seq))
         free_before, held_before = self.pool.num_free_blocks, self.pool.num_held_blocks
         saved = self.ckpt.saved_tokens(seq)
         kept = self.ckpt.preempt(seq)
         self.stream.scrub(self.pool._free)
-        assert kept == saved <= self.computed.pop(seq)
+        had = self.computed.pop(seq, None)
+        assert kept == saved <= (had if had is not None else self.restoring.pop(seq))
         assert self.pool.num_free_blocks + self.pool.num_held_blocks == free_before + held_before + table
         if kept:
             self.preempted[seq] = kept
@@ -368,20 +378,56 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.stream.planned += loads
         self.computed[seq] = self.preempted.pop(seq)
 
-    @precondition(lambda self: self.computed or self.preempted)
+    @precondition(lambda self: self.preempted)
+    @rule(data=st.data())
+    def start_prefetch(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.preempted)))
+        if not self.ckpt.can_resume(seq) and data.draw(st.booleans()):  # let its saves land first
+            self.stream.drain()
+            self.poll()
+        if not self.ckpt.can_resume(seq) or not self.pool.can_allocate(seq, self.preempted[seq]):
+            return
+        self.ckpt.start_prefetch(seq)
+        assert self.ckpt.unloaded_blocks(seq) == self.preempted[seq] // B
+        self.restoring[seq] = self.preempted.pop(seq)
+        self.load_ahead(seq, data.draw(st.integers(0, 2)))  # the first slice, in the same step
+
+    @precondition(lambda self: self.restoring)
+    @rule(data=st.data(), count=st.integers(0, 3))
+    def load_more(self, data, count):
+        self.load_ahead(data.draw(st.sampled_from(sorted(self.restoring))), count)
+
+    def load_ahead(self, seq, count):
+        before = self.ckpt.unloaded_blocks(seq)
+        loads = self.ckpt.load(seq, count)
+        assert sum(len(c.src) for c in loads) // B == min(count, before) == before - self.ckpt.unloaded_blocks(seq)
+        unlanded = {s for c in self.stream.unlanded() if c.kind == "save" for s in c.dst}
+        assert not unlanded & {s for c in loads for s in c.src}
+        assert all(c.reader == seq and c.kind == "load" for c in loads)
+        self.owner.update((c.ticket, seq) for c in loads)
+        self.stream.planned += loads
+        if self.ckpt.unloaded_blocks(seq) == 0:  # every load issued: it may run (and wait for them)
+            assert not self.ckpt.is_restoring(seq)
+            self.computed[seq] = self.restoring.pop(seq)
+
+    @precondition(lambda self: self.computed or self.preempted or self.restoring)
     @rule(data=st.data())
     def release(self, data):
-        seq = data.draw(st.sampled_from(sorted({*self.computed, *self.preempted})))
+        seq = data.draw(st.sampled_from(sorted({*self.computed, *self.preempted, *self.restoring})))
         self.ckpt.release(seq)
         self.stream.scrub(self.pool._free)
         self.computed.pop(seq, None)
         self.preempted.pop(seq, None)
+        self.restoring.pop(seq, None)
 
     @invariant()
     def checkpointer_invariants(self):
         self.ckpt.check_invariants()
         for seq, kept in self.preempted.items():
             assert self.ckpt.is_preempted(seq) and self.ckpt.saved_tokens(seq) == kept
+        for seq, kept in self.restoring.items():
+            assert self.ckpt.is_restoring(seq) and self.ckpt.saved_tokens(seq) == kept
+            assert 0 < self.ckpt.unloaded_blocks(seq) <= kept // B
 
     @invariant()
     def no_block_an_unlanded_copy_touches_is_anyone_elses(self):
@@ -390,7 +436,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         held = set(self.pool._held)
         for c in self.stream.unlanded():
             seq = self.owner[c.ticket]
-            mine = set(self.pool.block_table(seq)) if seq in self.computed else set()
+            mine = set(self.pool.block_table(seq)) if seq in self.computed or seq in self.restoring else set()
             for block in {s // B for s in (c.src if c.kind == "save" else c.dst)}:
                 assert block in mine or block in held, f"block {block} of an unlanded copy of {seq} was handed on"
 
@@ -403,17 +449,30 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.stream.replay(caches, store)
         for seq, n in self.computed.items():
             assert_device_holds(self.pool, caches, seq, n)
-        for seq in [*self.computed, *self.preempted]:
+        for seq, n in self.restoring.items():  # the blocks whose loads were issued
+            assert_device_holds(self.pool, caches, seq, n - self.ckpt.unloaded_blocks(seq) * B)
+        for seq in [*self.computed, *self.preempted, *self.restoring]:
             assert_host_holds(store, seq, self.ckpt.saved_tokens(seq), self.store.blocks_of(seq))
 
     def teardown(self):
         self.stream.drain()
         self.store.inflight.poll()
-        for seq in [*self.computed, *self.preempted]:
+        for seq in [*self.computed, *self.preempted, *self.restoring]:
             self.ckpt.release(seq)
         assert self.pool.num_free_blocks == DEVICE_BLOCKS and self.store.num_free_blocks == HOST_BLOCKS
         self.ckpt.check_invariants()
 
 
 TestCheckpointMachine = CheckpointMachine.TestCase
-TestCheckpointMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestCheckpointMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+
+
+class EagerCheckpointMachine(CheckpointMachine):
+    """The same, checkpointing from the first block on, so that most preemptions keep a
+    checkpoint and the prefetch-ahead states (start_prefetch, then loads split over steps) are
+    reached often."""
+    THRESHOLD = 0.0
+
+
+TestEagerCheckpointMachine = EagerCheckpointMachine.TestCase
+TestEagerCheckpointMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)

@@ -300,9 +300,12 @@ MIXED_ONLINE = [[2 + (i * 11 + j) % 500 for j in range(6 + 5 * i)] for i in rang
 MIXED_PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 
 
-def test_greedy_outputs_match_fcfs_with_checkpointed_preemptions(llama_dir):
+@pytest.mark.parametrize("online_slo", [None, SLO(ttft=10.0, tpot=1e-4)], ids=["default-slo", "tight-tpot"])
+def test_greedy_outputs_match_fcfs_with_checkpointed_preemptions(llama_dir, online_slo):
     # 24 blocks of 4 for 8 requests of 18 to 37 tokens: offline work fills the pool, then online
-    # requests arrive and take room; threshold 0 checkpoints every full block.
+    # requests arrive and take room; threshold 0 checkpoints every full block. With a TPOT target
+    # no step can meet, every offline request is over budget while an online one decodes: it is
+    # paused with its K/V, and an online request that needs the memory drops it (§4.4).
     llm = LLM(llama_dir, device="cpu", dtype="float32", policy="conserve", kv_cache_tokens=96, block_size=B,
               kv_manager_options={"threshold": 0.0, "max_blocks_per_step": 16}, host_kv_tokens=1024)
     engine = llm.engine
@@ -316,7 +319,8 @@ def test_greedy_outputs_match_fcfs_with_checkpointed_preemptions(llama_dir):
     for step in range(1000):
         if step in (4, 6, 8):  # online arrivals while the offline work decodes
             i = (step - 4) // 2
-            ids.append(engine.add_request(MIXED_ONLINE[i], MIXED_PARAMS, f"on{i}", priority="online").request_id)
+            ids.append(engine.add_request(MIXED_ONLINE[i], MIXED_PARAMS, f"on{i}", priority="online",
+                                          slo=online_slo).request_id)
         elif not engine.has_unfinished_requests():
             break
         for out in engine.step():
@@ -337,4 +341,7 @@ def test_greedy_outputs_match_fcfs_with_checkpointed_preemptions(llama_dir):
                if any(r == rid and end > start for r, _, end in chunks[:k]) and start < max(
                    end for r, _, end in chunks[:k] if r == rid)]
     assert resumed and all(start > 0 and start % B == 0 for _, start in resumed)
+    assert events["blocks_loaded_ahead"] > 0 and events["blocks_loaded_on_resume"] == 0  # prefetched ahead
+    if online_slo is not None:
+        assert events["pauses"] > 0 and events["pauses_resumed"] > 0 and events["paused_dropped"] > 0, events
     assert engine.kv.num_used_blocks == 0

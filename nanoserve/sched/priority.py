@@ -18,6 +18,7 @@ Offline work gets what online work leaves: there is no SLO model here (that is C
 from __future__ import annotations
 
 from collections import deque
+from typing import Literal
 
 from nanoserve.request import Request
 from nanoserve.sched.base import ScheduledChunk, Scheduler, SchedulerOutput
@@ -82,10 +83,11 @@ class PriorityScheduler(Scheduler):
         """A running request cannot grow and nobody is left to preempt: it preempts itself."""
         self._evict(request, out)
 
-    def _defer(self, request: Request, out: SchedulerOutput) -> bool:
-        """Set the waiting `request` aside for this step, letting the ones behind it be admitted
-        (ConServe: while its K/V is prefetched). Nothing is deferred here."""
-        return False
+    def _defer(self, request: Request, out: SchedulerOutput) -> Literal["admit", "defer", "stop"]:
+        """Whether to try to admit the waiting `request` now ("admit"), set it aside for this
+        step and admit the ones behind it ("defer": ConServe, while its K/V is prefetched), or
+        admit nothing more of its class this step ("stop"). Here: always "admit"."""
+        return "admit"
 
     # -- the passes ----------------------------------------------------------------------------
     def _serve_running(self, request: Request, out: SchedulerOutput) -> None:
@@ -108,7 +110,10 @@ class PriorityScheduler(Scheduler):
             # A victim of this step sits at the head of the queue: taking it back would thrash.
             if request.request_id in self._preempted:
                 break
-            if self._defer(request, out):
+            decision = self._defer(request, out)
+            if decision == "stop":
+                break
+            if decision == "defer":
                 deferred.append(self.waiting.popleft())
                 continue
             num_new = self._allowance(request)
