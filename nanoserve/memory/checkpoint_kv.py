@@ -10,7 +10,7 @@ is in one of these states (the scheduler's queue in brackets):
     prefetching  [waiting]  device blocks back, loads issued step by step ahead (prefetch)
 
     running ──pause──► paused ──reserve──► running        (no copy at all)
-       │                  │ preempt: an online request needs the memory
+       │                  │ preempt: a request needs the memory
        └─────preempt──────┴──► preempted ──prefetch──► prefetching ──reserve──► running
                                    ▲  reserve (loads it all, that step waits) │
                                    └──────────────────preempt─────────────────┘

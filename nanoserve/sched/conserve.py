@@ -13,11 +13,13 @@ UNIFIEDSCHEDULE) serves, in this order:
    (PREEMPTOVERBUDGETOFFLINE, Alg. 1 lines 16 and 26-34): over the checkpointing KV manager
    (`nanoserve/memory/checkpoint_kv.py`, §4.4) "checkpointing keeps KV caches in GPU memory until
    incoming online requests are scheduled", so a paused request keeps its blocks and resumes with
-   no copy. Its blocks are dropped only when an online request needs the memory (`_make_room`),
-   before any running request is preempted: the paused request with the least to recompute (its
-   checkpoint current: nothing) first, then the newest. When running requests must go after all,
-   ConServe "can selectively preempt offline requests that have been checkpointed" (§4.4):
-   offline victims are again chosen by least to recompute, then newest;
+   no copy. Its blocks are dropped only when a request needs the memory (`_make_room`: an online
+   request; ours, also a running one that cannot grow or an older parked one resuming), before
+   any running request is preempted: the paused request with the least to recompute (its
+   checkpoint current: nothing) first, then the newest; never to admit new offline work. When
+   running requests must go after all, ConServe "can selectively preempt offline requests that
+   have been checkpointed" (§4.4): offline victims are again chosen by least to recompute, then
+   newest;
 4. with no online request anywhere, the offline batching mode (Alg. 1 lines 20-22): no time
    budget, only `max_num_batched_tokens`, and nothing is preempted for being over it.
 
@@ -36,8 +38,8 @@ step (no request advances) and the next `plan` serves the online request first. 
 "cleans up the partial computation states, restores its own state, and quickly schedules any
 incoming online requests": the whole forward stops, whatever Alg. 2's victim set. Its victims
 are then the offline requests the next `plan` leaves over that step's budget (paused, as above);
-the rest run beside the online request. Nothing is lost: stopped requests keep their KV. The scheduler never touches the
-model: it only raises the flag. Arrivals reach `add_request` mid-forward in the server: its
+the rest run beside the online request. Nothing is lost: stopped requests keep their KV. The
+scheduler never touches the model: it only raises the flag. Arrivals reach `add_request` mid-forward in the server: its
 engine loop (`nanoserve/async_engine.py`) takes them in at the runner's safe points
 (`PreemptionFlag.on_safe_point`); `LLM.generate` adds all requests up front, so offline
 `generate` calls never need it.
@@ -167,7 +169,8 @@ class ConServeScheduler(PriorityScheduler):
         """PREEMPTOVERBUDGETOFFLINE (Alg. 1 lines 16, 26-34): running offline requests the
         budget left out, newest first, are preempted; "checkpointing keeps KV caches in GPU
         memory until incoming online requests are scheduled" (§4.4), so each is paused with its
-        blocks (`KVManager.pause`) and `_make_room` drops them only for an online request."""
+        blocks (`KVManager.pause`) and `_make_room` drops them only for a request that needs the
+        memory."""
         if cls != "offline" or self._target is None:
             return
         for request in reversed([r for r in self.running if r.priority == "offline"]):
