@@ -68,6 +68,7 @@ class StepMessage:
         """The micro-batches as batches a runner executes (the first carries the KV copies)."""
         out = [SchedulerOutput([ScheduledChunk(StepRequest(m), m.start, len(m.token_ids), list(m.block_table),
                                                m.right_to_left) for m in mb]) for mb in self.microbatches]
+        out = out or [SchedulerOutput()]  # a copies-only step
         out[0].kv_copies = [list(group) for group in self.kv_copies]
         out[0].landed_copies = self.landed_copies
         return out
@@ -147,7 +148,9 @@ class DriverExecutor:
             message = StepMessage.of(batch, microbatches)
             broadcast_message(message, self.control_group)
             # Rank 0 runs stage 0 on the real requests (their params and generators sample).
-            outputs = [SchedulerOutput(mb) for mb in microbatches]
+            # A copies-only step (ConServe's prefetch ahead) has no micro-batch: an empty one
+            # carries its copies.
+            outputs = [SchedulerOutput(mb) for mb in microbatches] or [SchedulerOutput()]
             outputs[0].kv_copies, outputs[0].landed_copies = batch.kv_copies, batch.landed_copies
             return self.stage.run(outputs)
         except RuntimeError as exc:  # gloo reports a lost peer as a RuntimeError

@@ -176,6 +176,8 @@ class PipelineStage:
         runner.apply_kv_copies(microbatches[0].kv_copies, microbatches[0].landed_copies,
                                (c.request.request_id for mb in microbatches for c in mb.chunks))
         for mb in microbatches:
+            if not mb.chunks:  # a copies-only step: nothing to forward
+                continue
             prepared = runner.prepare(mb)
             sampling.append([c.request for c in mb.chunks if c.samples])
             hidden, begin = run_stage(runner, prepared, None if self.is_first else self.prev, self.dtype)
