@@ -19,14 +19,59 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.fcfs import FCFSScheduler
-from nanoserve.sched.predictor import (BucketQuantileConfig, BucketQuantilePredictor, LengthPredictor,
-                                       OraclePredictor, PredictorAccuracy, prompt_bucket, quantile)
+from nanoserve.sched.predictor import (PAPER_PREDICTION_ERROR, BucketQuantileConfig, BucketQuantilePredictor,
+                                       LengthPredictor, NoisyOraclePredictor, OraclePredictor, PredictionError,
+                                       PredictorAccuracy, prompt_bucket, quantile)
+from nanoserve.sim.workloads import LENGTHS
 
 _ids = iter(range(10**9))
 
 
 def _request(prompt_len: int = 4, max_tokens: int = 4096, rid: str | None = None) -> Request:
     return Request(rid or f"r{next(_ids)}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
+
+
+# -- noisy oracle: the paper's predictor's accuracy (§2.3) --------------------------------------
+@pytest.mark.parametrize("dataset", sorted(PAPER_PREDICTION_ERROR))
+def test_noisy_oracle_has_the_papers_accuracy_and_splits_its_misses(dataset):
+    error = PAPER_PREDICTION_ERROR[dataset]
+    pairs = LENGTHS["sharegpt-ecoserve"].sample(8000, seed=5)
+    lengths = {f"n{i}": out for i, (_, out) in enumerate(pairs)}
+    predictor = NoisyOraclePredictor(lengths, error, seed=1)
+    accuracy = PredictorAccuracy(error.padding)
+    for i, (prompt, out) in enumerate(pairs):
+        accuracy.record(predictor(_request(prompt, rid=f"n{i}")), out)
+    assert accuracy.accuracy == pytest.approx(error.accuracy, abs=0.015)
+    misses = 1 - accuracy.accuracy
+    assert accuracy.under_predicted == pytest.approx(misses * error.under_share, abs=0.015)
+
+
+def test_noisy_oracle_is_deterministic_per_seed_and_request_and_honours_its_extremes():
+    lengths = {f"d{i}": 10 + 7 * i for i in range(300)}
+    a, b = NoisyOraclePredictor(lengths, seed=4), NoisyOraclePredictor(lengths, seed=4)
+    requests = [_request(rid=f"d{i}") for i in range(300)]
+    assert [a(r) for r in requests] == [b(r) for r in requests] == [a(r) for r in requests]
+    assert [a(r) for r in requests] != [NoisyOraclePredictor(lengths, seed=5)(r) for r in requests]
+    exact = NoisyOraclePredictor(lengths, PredictionError(accuracy=1.0, padding=0.0))
+    assert [exact(r) for r in requests] == [lengths[r.request_id] for r in requests]
+    for under_share, expected in ((1.0, 1.0), (0.0, 0.0)):  # always under, always over
+        predictor = NoisyOraclePredictor(lengths, PredictionError(accuracy=0.0, under_share=under_share))
+        accuracy = PredictorAccuracy(0.15)
+        for r in requests:
+            accuracy.record(predictor(r), lengths[r.request_id])
+        assert accuracy.accuracy == 0 and accuracy.under_predicted == expected
+    assert a(_request(rid="unknown", max_tokens=77)) == 77
+    with pytest.raises(ValueError):
+        PredictionError(accuracy=1.5)
+
+
+def test_warm_start_learns_held_out_pairs_before_any_request_finishes():
+    cold = BucketQuantilePredictor()
+    assert cold.predict(_request(8, max_tokens=900)) == 900  # no history: max_tokens
+    warm = BucketQuantilePredictor().warm([(8, 40)] * 5 + [(8, 60)] * 5 + [(1000, 500)] * 10)
+    assert warm.predict(_request(8, max_tokens=900)) == 40  # its bucket's median
+    assert warm.predict(_request(1000, max_tokens=900)) == 500
+    assert warm.num_stored == 40
 
 
 # -- oracle -------------------------------------------------------------------------------------

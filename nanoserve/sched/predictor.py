@@ -7,8 +7,13 @@ server, retrained continually as requests finish (§3.2.1, [23]). This module gi
 interface and two predictors that need no model:
 
     OraclePredictor          the true lengths, from a trace: an upper bound for simulations
+    NoisyOraclePredictor     the true lengths with the paper's predictor's error: within ±padding
+                             for a set share of requests (§2.3: 73.2% on ShareGPT), under or over
+                             it for the rest; the stand-in for the fine-tuned OPT-13B in simulations
     BucketQuantilePredictor  online: a quantile of recent output lengths of requests with a
-                             similar prompt length (log2 buckets), learned from finished ones
+                             similar prompt length (log2 buckets), learned from finished ones and,
+                             optionally, warm-started from a held-out slice (`warm`), as the paper
+                             fine-tunes on 10k held-out requests before serving
 
 Plugging in: a predictor is a function of the request, which is what `exact_kv`'s
 `predicted_len` option takes:
@@ -45,10 +50,12 @@ padding rounded up to whole tokens as `ExactAllocator.reservation_tokens` reserv
 from __future__ import annotations
 
 import math
+import random
+import zlib
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Mapping
+from typing import TYPE_CHECKING, Hashable, Iterable, Mapping
 
 if TYPE_CHECKING:
     from nanoserve.request import Request
@@ -91,6 +98,76 @@ class OraclePredictor(LengthPredictor):
 
     def predict(self, request: Request) -> int:
         return clamp(self.lengths.get(request.request_id, request.params.max_tokens), request)
+
+
+@dataclass(frozen=True)
+class PredictionError:
+    """How wrong a `NoisyOraclePredictor` is, against the band ±`padding` around its prediction
+    that `PredictorAccuracy` counts as accurate.
+
+    The paper (§2.3): "sweetspot padding ratios for Alpaca, ShareGPT and BookCorpus are 10%, 15%
+    and 20%, which lead to 77.5%, 73.2%, and 69.8% prediction accuracy". It does not give how the
+    misses split between under- and over-prediction, nor how far they miss.
+    assumption: `under_share` of the misses are under-predictions (default half), and a miss
+    lands uniformly up to `reach` (default 50%) of the true length beyond the band's edge."""
+
+    accuracy: float = 0.732  # ShareGPT at 15% padding (§2.3)
+    padding: float = 0.15
+    under_share: float = 0.5
+    reach: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("accuracy", "under_share"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0 <= self.padding < 1 or self.reach <= 0:
+            raise ValueError("padding must be in [0, 1) and reach > 0")
+
+
+# The paper's accuracy at its sweet-spot padding per dataset (§2.3).
+PAPER_PREDICTION_ERROR = {"alpaca": PredictionError(0.775, 0.10), "sharegpt": PredictionError(0.732, 0.15),
+                          "bookcorpus": PredictionError(0.698, 0.20)}
+
+
+class NoisyOraclePredictor(LengthPredictor):
+    """The true lengths, wrong the way a real predictor is: for a share `error.accuracy` of
+    requests the true length t lies within ±padding of the prediction p (|t - p| <=
+    ceil(p * padding), `PredictorAccuracy`'s rule); of the rest, `under_share` are
+    under-predicted (t beyond p's padded band: they outgrow their reservation) and the others
+    over-predicted. Each request's draw depends only on (seed, request id), so a run replays
+    exactly and every policy sees the same predictions."""
+
+    def __init__(self, lengths: Mapping[Hashable, int], error: PredictionError = PredictionError(), seed: int = 0):
+        self.lengths, self.error, self.seed = lengths, error, seed
+
+    def predict(self, request: Request) -> int:
+        true = self.lengths.get(request.request_id)
+        if true is None:
+            return clamp(request.params.max_tokens, request)
+        rng = random.Random(zlib.crc32(f"{self.seed}:{request.request_id}".encode()))
+        return clamp(self.noisy(max(1, true), rng), request)
+
+    def noisy(self, true: int, rng: random.Random) -> int:
+        """A prediction for true length `true`, in the class (accurate, under, over) drawn.
+        The band is `PredictorAccuracy`'s, padding rounded up to whole tokens; a length too
+        short to be missed below (1 or 2 tokens) is predicted accurately instead."""
+        err = self.error
+
+        def pad(p: int) -> int:
+            return math.ceil(p * err.padding - 1e-9)
+
+        lo = hi = true  # the accurate predictions: [lo, hi]
+        while lo > 1 and true - (lo - 1) <= pad(lo - 1):
+            lo -= 1
+        while (hi + 1) - true <= pad(hi + 1):
+            hi += 1
+        draw = rng.random()
+        beyond = 1 + rng.uniform(0, err.reach)
+        if draw >= err.accuracy and lo > 1:
+            if (draw - err.accuracy) / (1 - err.accuracy) < err.under_share:
+                return max(1, min(lo - 1, math.floor(true / ((1 + err.padding) * beyond))))
+            return max(hi + 1, math.ceil(true * beyond / (1 - err.padding)))
+        return rng.randint(lo, hi)
 
 
 @dataclass(frozen=True)
@@ -154,13 +231,25 @@ class BucketQuantilePredictor(LengthPredictor):
             if request.finish_reason == "abort":
                 return
             true_output_len = request.num_output_tokens
-        if true_output_len < 0:
-            raise ValueError(f"output length must be >= 0, got {true_output_len}")
         # A request stopped by max_tokens only gives a lower bound on its length; it is kept,
         # since it is still the KV that request used.
-        bucket = prompt_bucket(request.num_prompt_tokens)
-        self.buckets.setdefault(bucket, deque(maxlen=self.config.window)).append(true_output_len)
-        self.recent.append(true_output_len)
+        self.observe_lengths(request.num_prompt_tokens, true_output_len)
+
+    def observe_lengths(self, num_prompt_tokens: int, output_len: int) -> None:
+        """Learn one (prompt length, output length) pair."""
+        if output_len < 0:
+            raise ValueError(f"output length must be >= 0, got {output_len}")
+        bucket = prompt_bucket(num_prompt_tokens)
+        self.buckets.setdefault(bucket, deque(maxlen=self.config.window)).append(output_len)
+        self.recent.append(output_len)
+
+    def warm(self, pairs: Iterable[tuple[int, int]]) -> BucketQuantilePredictor:
+        """Learn (prompt length, output length) pairs from a held-out slice before serving, as
+        EcoServe's predictor is fine-tuned on 10k requests of the trace it then serves (§2.3);
+        returns self. Only the windows' most recent pairs are kept."""
+        for prompt_len, output_len in pairs:
+            self.observe_lengths(prompt_len, output_len)
+        return self
 
     @property
     def num_stored(self) -> int:

@@ -7,9 +7,13 @@ Setup, from §2 "Machine settings" and §4 "Experiment Settings", fixed here bef
 - A rising rate: the same seeded trace shape at each rate of `RATES` (Fig. 10's x axis).
 - EcoServe: the ecoserve policy over exact allocation with the paper's KV pipelining buffer b
   = 15% of the predicted RL on ShareGPT (§4), as tokens: 15% of the dataset's mean output.
-  Its RL predictor is `BucketQuantilePredictor` (online, learned from finished requests; the
-  paper fine-tunes OPT-13B as its predictor, which we do not have). "Oracle" is the paper's
-  own variant with the true lengths.
+  The paper predicts RLs with a fine-tuned OPT-13B, which we do not have, so the predictor's
+  error is a parameter (`sched/predictor.py`): "EcoServe" gets the true lengths with the
+  paper's reported error on ShareGPT (73.2% within ±15%, §2.3: `NoisyOraclePredictor`);
+  "EcoServe (learned RL)" gets `BucketQuantilePredictor` warm-started on 7,000 held-out
+  requests (the paper fine-tunes on 70% of 10k held-out ones) and learning online; "EcoServe
+  (oracle RL)" gets the true lengths, the paper's own variant. Sanity order, if allocation is
+  right: oracle >= noisy >= learned.
 - The baselines, from sim/experiments/baselines.py, as §2.1 names them: "vLLM [13] with the
   KVC swapping strategy" is vLLM (2023), prefill-first over the swap manager; "FastGen [14]
   with the recomputation strategy" is fcfs (chunked prefill, recompute: vLLM v1's scheduler,
@@ -29,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from nanoserve.sched.predictor import BucketQuantilePredictor, OraclePredictor
+from nanoserve.sched.predictor import (PAPER_PREDICTION_ERROR, BucketQuantilePredictor, NoisyOraclePredictor,
+                                       OraclePredictor)
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
 from nanoserve.sim.experiments.baselines import FASTGEN, ORCA, VLLM_2023, VLLM_2023_RECOMPUTE, Baseline
 from nanoserve.sim.metrics import summarize
@@ -61,9 +66,24 @@ def _ecoserve(predictor: Callable[[list[TraceRequest]], object]) -> Callable[[li
     return config
 
 
+def _true_lengths(trace: list[TraceRequest]) -> dict[str, int]:
+    return {f"sim-{i}": r.output_len for i, r in enumerate(trace)}  # simulate() names the i-th "sim-i"
+
+
 def _oracle(trace: list[TraceRequest]) -> OraclePredictor:
-    # simulate() names the i-th trace request "sim-i".
-    return OraclePredictor({f"sim-{i}": r.output_len for i, r in enumerate(trace)})
+    return OraclePredictor(_true_lengths(trace))
+
+
+def _noisy(trace: list[TraceRequest]) -> NoisyOraclePredictor:
+    return NoisyOraclePredictor(_true_lengths(trace), PAPER_PREDICTION_ERROR["sharegpt"])
+
+
+HELD_OUT = 7000  # §2.3: 10k requests per trace for fine-tuning, 70% of them for training
+HELD_OUT_SEED = 10_000  # a slice no trace of the sweep draws
+
+
+def _learned(trace: list[TraceRequest]) -> BucketQuantilePredictor:
+    return BucketQuantilePredictor().warm(LENGTH_DIST.sample(HELD_OUT, HELD_OUT_SEED))
 
 
 def _baseline(baseline: Baseline) -> System:
@@ -71,7 +91,8 @@ def _baseline(baseline: Baseline) -> System:
 
 
 SYSTEMS = (
-    System("EcoServe", _ecoserve(lambda trace: BucketQuantilePredictor())),
+    System("EcoServe", _ecoserve(_noisy)),
+    System("EcoServe (learned RL)", _ecoserve(_learned)),
     System("EcoServe (oracle RL)", _ecoserve(_oracle)),
     _baseline(VLLM_2023),
     _baseline(FASTGEN),
@@ -122,8 +143,11 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
                    f"ORCA, batch 8 ({FIGURE})"),
         Comparison(f"sustained rate: EcoServe / {VLLM_2023_RECOMPUTE.label}", eco / sustained[VLLM_2023_RECOMPUTE.label],
                    "(not run by the paper)", None, "none"),
-        Comparison("sustained rate: EcoServe / EcoServe (oracle RL)", eco / sustained["EcoServe (oracle RL)"],
-                   "oracle reaches 8% higher on OPT-13B (0.93x)", None, "EcoServe with the true RLs (§4, OPT-13B)"),
+        Comparison("sustained rate: EcoServe (paper's RL error) / EcoServe (oracle RL)",
+                   eco / sustained["EcoServe (oracle RL)"], "oracle reaches 8% higher on OPT-13B (0.93x)", None,
+                   "none"),
+        Comparison("sustained rate: EcoServe (paper's RL error) / EcoServe (learned RL)",
+                   eco / sustained["EcoServe (learned RL)"], "(sanity: >= 1 if allocation is right)", None, "none"),
     ]
     notes = [f"normalized-latency threshold {threshold * 1e3:.1f} ms/token ({LATENCY_FACTOR:g}x the lightest "
              f"load's best); sustained req/s: " + ", ".join(f"{k} {v:.2f}" for k, v in sustained.items()),
@@ -135,7 +159,13 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
              "full reservation makes EcoServe worse, not better. vLLM (2023) swaps instead: its swap-out and swap-in "
              "block their steps, and no new prompt is admitted while a request is swapped out.",
              "Preemptions (swap-outs for vLLM (2023)) per rate are in the sweep table; the issue that reworks "
-             "EcoServe itself (decoupled queues, reserved pool, resident preemption) is where the gap is taken up."]
+             "EcoServe itself (decoupled queues, reserved pool, resident preemption) is where the gap is taken up.",
+             "Predictors: \"EcoServe\" has the paper's ShareGPT error (73.2% within ±15%; misses half under, half "
+             "over, up to 50% beyond the band: an assumption), \"learned\" a bucket-quantile predictor warm-started "
+             f"on {HELD_OUT} held-out requests (the synthetic trace draws prompt and output lengths independently, so "
+             "it can only learn the global distribution), \"oracle\" the true lengths. Sustained req/s in that "
+             "order: " + ", ".join(f"{sustained[k]:.2f}" for k in ("EcoServe (oracle RL)", "EcoServe",
+                                                                      "EcoServe (learned RL)")) + "."]
     return ExperimentResult(
         name="ecoserve",
         title=f"EcoServe vs vLLM (2023), FastGen-like and ORCA: OPT-13B, A100-80G, 12 GB KV, Poisson {RATES[scale][0]:g}-"
