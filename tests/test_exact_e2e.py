@@ -119,6 +119,37 @@ def test_predictions_come_from_options_max_tokens_or_l_new_and_fit_the_admission
     kv.check_invariants()
 
 
+def test_a_request_that_outran_its_prediction_is_re_predicted_not_given_l_new():
+    # §3.2.2's L_new = predicted - generated is <= 0 for a request that outgrew its reservation;
+    # the predictor re-predicts what remains instead (the oracle: exactly the rest).
+    from nanoserve.sched.predictor import OraclePredictor
+
+    oracle = OraclePredictor({"a": 9})
+    kv = _manager(padding_ratio=0.0, reserved_fraction=0.25, predicted_len=lambda r: 3)
+    request = Request("a", [1] * 4, _params(20))
+    kv.reserve(request, 4)
+    for token in range(5):  # 5 generated against a prediction of 3
+        request.append_token(token, 0.0)
+    kv.preempt(request)
+    assert kv.prediction(request) == 20 - 5 and kv.events["repredictions"] == 1  # plain callable: max_tokens
+    kv.release(request)
+
+    kv = _manager(padding_ratio=0.0, reserved_fraction=0.25, predicted_len=oracle)
+    request = Request("a", [1] * 4, _params(20))
+    kv.reserve(request, 4)
+    for token in range(5):
+        request.append_token(token, 0.0)
+    kv.preempt(request)
+    assert kv.prediction(request) == 9 - 5 and kv.events["repredictions"] == 0  # 9 - 5 > 0: the paper's L_new
+    kv.reserve(request, request.num_tokens)
+    for token in range(6):  # now 11 generated: past the oracle's 9 (a max_tokens-capped trace, say)
+        request.append_token(token, 0.0)
+    kv.preempt(request)
+    assert kv.prediction(request) == 1 and kv.events["repredictions"] == 1  # the oracle knows: at least 1
+    kv.release(request)
+    kv.check_invariants()
+
+
 def test_build_rejects_unknown_options_and_bad_predictions():
     with pytest.raises(ValueError, match="unknown"):
         _manager(padding=0.1)

@@ -65,6 +65,21 @@ def test_noisy_oracle_is_deterministic_per_seed_and_request_and_honours_its_extr
         PredictionError(accuracy=1.5)
 
 
+def test_remaining_length_is_re_predicted_conditional_on_what_was_generated():
+    request = _request(8, max_tokens=1000, rid="rem")
+    for token in range(300):
+        request.append_token(token, 0.0)
+    assert OraclePredictor({"rem": 420}).predict_remaining(request) == 120
+    assert OraclePredictor({"rem": 250}).predict_remaining(request) == 1  # overran the truth: at least one
+    # Bucket quantile: the median of the lengths beyond 300 (400, 500, 600, ...), minus 300.
+    learned = BucketQuantilePredictor().warm([(8, 100)] * 20 + [(8, n) for n in range(400, 1300, 100)])
+    assert learned.predict(request) == 100  # the plain median: already outrun
+    assert learned.predict_remaining(request) == 800 - 300
+    assert BucketQuantilePredictor().predict_remaining(request) == 1000 - 300  # no history: max_tokens
+    noisy = NoisyOraclePredictor({"rem": 420}, PredictionError(accuracy=1.0, padding=0.0))
+    assert noisy.predict_remaining(request) == 120
+
+
 def test_warm_start_learns_held_out_pairs_before_any_request_finishes():
     cold = BucketQuantilePredictor()
     assert cold.predict(_request(8, max_tokens=900)) == 900  # no history: max_tokens

@@ -12,7 +12,8 @@ all of them or a function of the request (a trace's lookup, a predictor model), 
                         an evicted guest is restored (`ensure_resident`: loads); then `grow`,
                         whose copies save the guests r's writes reach (§3.4)
     preempt(r)          offload-free (§3.2.2): free r's KV, keep L_new = predicted - generated as
-                        its prediction for re-admission, and recompute: (0, [])
+                        its prediction for re-admission (re-predicted when that is <= 0), and
+                        recompute: (0, [])
     release(r)          free r's blocks (its guests keep theirs) and its host copies
 
 Why each call's copies are one safe group: a call returns loads (a restore) or saves (evictions),
@@ -31,7 +32,7 @@ so the scheduler reads the new value when it gets to it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Union
+from typing import TYPE_CHECKING, Callable, Protocol, Union, runtime_checkable
 
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator
@@ -45,6 +46,16 @@ ALLOC_OPTIONS = ("padding_ratio", "reserved_fraction", "pipeline_buffer", "min_n
 Predictor = Union[int, Callable[["Request"], int], None]  # None: predict max_tokens
 
 
+@runtime_checkable
+class RemainingPredictor(Protocol):
+    """A predictor that can also re-predict a running request's remaining length (the
+    predictors of sched/predictor.py): what `ExactKV.preempt` asks when L_new fails."""
+
+    def __call__(self, request: Request) -> int: ...
+
+    def predict_remaining(self, request: Request) -> int: ...
+
+
 class ExactKV(KVManager):
     """Exact allocation from predicted lengths, a reserved pool, offload-free preemption and KV
     pipelining (EcoServe §3.2, §3.4)."""
@@ -55,10 +66,12 @@ class ExactKV(KVManager):
         self.host_store = alloc.host_store
         self.predicted_len = predicted_len
         self._predicted: dict[str, int] = {}  # asked once per request; L_new after a preemption
+        self.repredictions = 0  # preemptions whose L_new was <= 0: re-predicted (see `preempt`)
         # `prediction`'s answer and the request's tokens it was for: the admission pass asks again
         # each step for the requests it tries, and the answer only changes with those two.
         self._clamped: dict[str, tuple[int, int]] = {}
-        self._admitted_at: dict[str, int] = {}  # tokens at admission: what came after was generated
+        # Tokens at admission (what came after was generated) and the RL the admission reserved.
+        self._admitted_at: dict[str, tuple[int, int]] = {}
         self._requests: dict[str, Request] = {}  # admitted ones, to send a dropped guest back to 0
         self._served: set[str] = set()  # given slots this step: their slots must not be taken
 
@@ -140,8 +153,9 @@ class ExactKV(KVManager):
         copies: list[KVCopy] = []
         if not self.alloc.has(rid):
             # The whole prompt (or, after a preemption, prompt and generated tokens) plus the RL.
-            self.alloc.admit(rid, request.num_tokens, self.prediction(request))
-            self._admitted_at[rid], self._requests[rid] = request.num_tokens, request
+            predicted = self.prediction(request)
+            self.alloc.admit(rid, request.num_tokens, predicted)
+            self._admitted_at[rid], self._requests[rid] = (request.num_tokens, predicted), request
         else:
             copies += self.alloc.ensure_resident(rid)
         guests = self._nested_guests(rid)
@@ -162,14 +176,33 @@ class ExactKV(KVManager):
         return self.alloc.block_table(request.request_id)
 
     def preempt(self, request: Request) -> tuple[int, list[KVCopy]]:
+        """Offload-free (§3.2.2): free the request's KV and re-admit it later with L_new.
+
+        The paper: "By subtracting its currently generated response length from its predicted
+        RL, we obtain its new predicted RL L_new". That formula has a flaw: a request preempted
+        because it outgrew its padded reservation has generated more than its prediction, so
+        L_new <= 0 and it would come back with a token or two reserved, to be preempted again.
+        Then (ours) the predictor re-predicts the remaining length (`predict_remaining`:
+        conditional on what was generated), or, with no predictor, all max_tokens allows."""
         rid = request.request_id
         if not self.alloc.has(rid):
             return 0, []
-        generated = request.num_tokens - self._admitted_at.pop(rid)
-        self._predicted[rid] = self.alloc.preempt(rid, generated)
+        admitted_at, admitted_rl = self._admitted_at.pop(rid)
+        generated = request.num_tokens - admitted_at
+        l_new = self.alloc.preempt(rid, generated)
+        if admitted_rl - generated < self.alloc.config.min_new_prediction:
+            l_new = self.repredicted(request)
+            self.repredictions += 1
+        self._predicted[rid] = l_new
         self._clamped.pop(rid, None)
         del self._requests[rid]
         return 0, []
+
+    def repredicted(self, request: Request) -> int:
+        """The remaining length of a request that outran its prediction (see `preempt`)."""
+        if isinstance(self.predicted_len, RemainingPredictor):
+            return max(1, self.predicted_len.predict_remaining(request))
+        return max(1, request.params.max_tokens - request.num_output_tokens)
 
     def release(self, request: Request) -> None:
         rid = request.request_id
@@ -197,6 +230,7 @@ class ExactKV(KVManager):
             "hosted_placements": a.hosted_placements,  # admitted into a host's unused allocation (§3.4)
             "reserved_pool_draws": a.reserved_pool_draws,  # blocks past a reservation (§3.2.2)
             "preemptions": a.preemptions,  # offload-free (§3.2.2)
+            "repredictions": self.repredictions,  # ...whose L_new was <= 0
             "hosted_evictions": a.hosted_evictions,  # guests whose host's writes reached them (§3.4)
             "hosted_drops": a.hosted_drops,  # ...with no host room: recomputed
             "restores": a.restores,  # evicted guests brought back

@@ -24,7 +24,9 @@ Plugging in: a predictor is a function of the request, which is what `exact_kv`'
     predictor.observe(request)  # when a request finishes: the online predictors learn here
 
 `ExactKV` asks once per request, at its first admission check, and caches the answer; after a
-preemption it uses L_new = predicted - generated (§3.2.2) instead of asking again. Padding is
+preemption it uses L_new = predicted - generated (§3.2.2) instead of asking again, unless that is
+<= 0 (the request outran its prediction): then it asks `predict_remaining`, the length still to
+come given what was generated. Padding is
 the allocator's job (`padding_ratio`), not the predictor's: predictors return the raw RL.
 
 A model-based predictor (e.g. a small classifier over the prompt's tokens into RL bins, as in
@@ -84,6 +86,16 @@ class LengthPredictor(ABC):
         """Learn from a finished request (default: its `num_output_tokens`). Stateless
         predictors ignore it; online ones update here."""
 
+    def predict_remaining(self, request: Request) -> int:
+        """Tokens still to come for a request that already generated `num_output_tokens` and
+        outran its prediction (§3.2.2's L_new = predicted - generated is then <= 0, see
+        `ExactKV.preempt`). Default: the prediction's excess if any, else all `max_tokens` allows
+        (what exact allocation reserves without a predictor)."""
+        generated = request.num_output_tokens
+        left = max(1, request.params.max_tokens - generated)
+        predicted = self.predict(request)
+        return min(left, predicted - generated) if predicted > generated else left
+
     def __call__(self, request: Request) -> int:
         return self.predict(request)
 
@@ -98,6 +110,9 @@ class OraclePredictor(LengthPredictor):
 
     def predict(self, request: Request) -> int:
         return clamp(self.lengths.get(request.request_id, request.params.max_tokens), request)
+
+    def predict_remaining(self, request: Request) -> int:
+        return max(1, self.predict(request) - request.num_output_tokens)
 
 
 @dataclass(frozen=True)
@@ -146,6 +161,15 @@ class NoisyOraclePredictor(LengthPredictor):
             return clamp(request.params.max_tokens, request)
         rng = random.Random(zlib.crc32(f"{self.seed}:{request.request_id}".encode()))
         return clamp(self.noisy(max(1, true), rng), request)
+
+    def predict_remaining(self, request: Request) -> int:
+        """The rest of the true length, with the same error (a fresh draw for each point)."""
+        true, generated = self.lengths.get(request.request_id), request.num_output_tokens
+        if true is None:
+            return super().predict_remaining(request)
+        rng = random.Random(zlib.crc32(f"{self.seed}:{request.request_id}:{generated}".encode()))
+        left = max(1, request.params.max_tokens - generated)
+        return max(1, min(left, self.noisy(max(1, true - generated), rng)))
 
     def noisy(self, true: int, rng: random.Random) -> int:
         """A prediction for true length `true`, in the class (accurate, under, over) drawn.
@@ -224,6 +248,18 @@ class BucketQuantilePredictor(LengthPredictor):
         if len(history) >= cfg.min_samples:
             return clamp(quantile(history, cfg.quantile), request)
         return clamp(cfg.default or request.params.max_tokens, request)
+
+    def predict_remaining(self, request: Request) -> int:
+        """The configured quantile of the recent lengths beyond what the request already
+        generated (its bucket's, else the global window's), minus that: the conditional
+        remaining length. With no such history, the default rule (max_tokens)."""
+        cfg, generated = self.config, request.num_output_tokens
+        for history in (self.buckets.get(prompt_bucket(request.num_prompt_tokens), ()), self.recent):
+            longer = [n for n in history if n > generated]
+            if len(longer) >= cfg.min_samples:
+                left = max(1, request.params.max_tokens - generated)
+                return max(1, min(left, quantile(longer, cfg.quantile) - generated))
+        return super().predict_remaining(request)
 
     def observe(self, request: Request, true_output_len: int | None = None) -> None:
         if true_output_len is None:
