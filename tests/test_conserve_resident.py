@@ -29,11 +29,12 @@ from nanoserve.memory.checkpoint_kv import CheckpointKV
 from nanoserve.memory.host import HostKVStore
 from nanoserve.request import RequestStatus
 from nanoserve.sampling import SamplingParams
+from nanoserve.sched.base import SchedulerOutput
 from nanoserve.sched.conserve import ConServeScheduler
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.slo import SLO
 
-from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, TaggingExecutor
+from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, StandInStream, TaggingExecutor
 
 B = 4
 COST = CostModel(prefill_tokens=0.01, decode_seqs=0.01, iteration=0.01)  # 10 ms per step, token, decode
@@ -41,36 +42,24 @@ SLO_ = SLO(ttft=1.0, tpot=0.05)  # online decodes leave 30 ms: 3 offline decodes
 
 
 class RecordingExecutor(TaggingExecutor):
-    """Runs copies as the runner does (kv_harness), keeping each batch. With `late`, copies are
-    filed in the host store's ledger and land only when the test says, except those the batch's
-    forward must wait for (`KVCopy.needed_by`), which land first, as the runner's wait_event
-    makes them: a forward that read a block whose load had not landed would read garbage."""
+    """Runs copies as the runner does (kv_harness), keeping each batch. With `late`, copies go on
+    a stand-in copy stream and land only when the test says, except those the batch's forward
+    must wait for (`KVCopy.needed_by`), which land first, as the runner's wait_event makes them:
+    a forward that read a block whose load had not landed would read garbage."""
 
     def __init__(self, store, num_blocks, block_size, late=False):
         super().__init__(store, num_blocks, block_size)
-        self.batches, self.late, self.queue, self.landed = [], late, [], set()
+        self.batches = []
+        self.stream = StandInStream(store, self.caches) if late else None
 
     def execute(self, batch):
         self.batches.append(batch)
-        if not self.late:
+        if self.stream is None:
             return super().execute(batch)
-        for group in batch.kv_copies:
-            for copy in group:
-                self.store.inflight.issue(copy, lambda t=copy.ticket: t in self.landed)
-                self.queue.append(copy)
-        readers = {c.request.request_id for c in batch.chunks}
-        needed = [i for i, c in enumerate(self.queue) if c.needed_by(readers)]
-        self.land(needed[-1] + 1 if needed else 0)
-        return super().execute(batch.__class__(chunks=batch.chunks, preempted=batch.preempted))
-
-    def land(self, count):
-        for copy in self.queue[:count]:
-            self.store.copy_now([copy], self.caches)
-            self.landed.add(copy.ticket)
-        self.queue = self.queue[count:]
-
-    def synchronize(self):
-        self.land(len(self.queue))
+        self.stream.planned += [copy for group in batch.kv_copies for copy in group]
+        self.stream.issue()
+        self.stream.land_what({c.request.request_id for c in batch.chunks})
+        return super().execute(SchedulerOutput(chunks=batch.chunks, preempted=batch.preempted))
 
 
 def build(num_blocks=24, budget=64, host_blocks=64, block_seconds=None, late=False):
@@ -81,7 +70,7 @@ def build(num_blocks=24, budget=64, host_blocks=64, block_seconds=None, late=Fal
                              policy="conserve")
     executor = RecordingExecutor(store, num_blocks, B, late)
     if late:  # the engine's idle settle waits for the stand-in stream, as for a real one
-        store.synchronize = executor.synchronize
+        store.synchronize = executor.stream.drain
     scheduler = ConServeScheduler(config, kv, cost_model=COST, clock=clock)
     return Engine(scheduler, executor, tokenizer=None), executor, clock
 
@@ -220,7 +209,7 @@ class ConServeMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(0, 6))
     def land(self, count):
-        self.executor.land(count)
+        self.executor.stream.land(count)
 
     @invariant()
     def parked_requests_wait_with_their_kv(self):
@@ -232,7 +221,7 @@ class ConServeMachine(RuleBasedStateMachine):
 
     def teardown(self):
         run_to_end(self.engine, self.clock, limit=3000)
-        self.executor.synchronize()
+        self.executor.stream.drain()
         self.engine.scheduler.settle()
         assert self.kv.num_used_blocks == 0 and self.kv.pool.num_held_blocks == 0
         assert self.kv.host_store.num_free_blocks == self.kv.host_store.num_blocks
