@@ -83,6 +83,12 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def output_tokens_left(self) -> int:
+        """Output tokens `max_tokens` still allows, at least 1: what a length prediction for an
+        unfinished request is capped to (the engine stops it there)."""
+        return max(1, self.params.max_tokens - self.num_output_tokens)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 

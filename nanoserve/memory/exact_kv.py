@@ -102,7 +102,7 @@ class ExactKV(KVManager):
             self._predicted[rid] = self.predicted_len(request) if callable(self.predicted_len) else fixed
         predicted = self._predicted[rid]
         # No point reserving past max_tokens: the engine stops the request there.
-        predicted = min(predicted, max(1, request.params.max_tokens - request.num_output_tokens))
+        predicted = min(predicted, request.output_tokens_left)
         # A reservation larger than the admission pool could never be admitted; a shorter one
         # is only an under-prediction, which the reserved pool and preemption handle (§3.2.2).
         pool = (alloc.num_blocks - alloc.reserve_target) * self.block_size - num_tokens
@@ -202,7 +202,7 @@ class ExactKV(KVManager):
         """The remaining length of a request that outran its prediction (see `preempt`)."""
         if isinstance(self.predicted_len, RemainingPredictor):
             return max(1, self.predicted_len.predict_remaining(request))
-        return max(1, request.params.max_tokens - request.num_output_tokens)
+        return request.output_tokens_left
 
     def release(self, request: Request) -> None:
         rid = request.request_id

@@ -222,14 +222,12 @@ class ConServeScheduler(PriorityScheduler):
         if self._evict(request, out, keep_resident=True):
             self._parked[request.request_id] = request
 
-    def _newest_unserved(self, request: Request, cls: str) -> Request | None:
+    def _victim(self, request: Request, cls: str) -> Request | None:
         """§4.4: ConServe "can selectively preempt offline requests that have been
         checkpointed": an offline victim is the one with least to recompute, then the newest."""
         if cls != "offline":
-            return super()._newest_unserved(request, cls)
-        candidates = [r for r in reversed(self.running) if r.priority == cls and r is not request
-                      and r.request_id not in self._served]
-        return min(candidates, key=self.kv.preemption_loss, default=None)
+            return super()._victim(request, cls)
+        return min(self._unserved(request, cls), key=self.kv.preemption_loss, default=None)
 
     def _defer(self, request: Request, out: SchedulerOutput) -> Literal["admit", "defer", "stop"]:
         """§4.4 background prefetching: a preempted offline request whose checkpoint is still

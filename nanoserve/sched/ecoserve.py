@@ -240,7 +240,7 @@ class EcoServeScheduler(Scheduler):
         prediction = getattr(self.kv, "prediction", None)
         if callable(prediction):
             return prediction(request)
-        return max(1, request.params.max_tokens - request.num_output_tokens)
+        return request.output_tokens_left
 
     def next_token_deadline(self, request: Request) -> float:
         """When the request's next token is due under its SLO (inf: no target)."""

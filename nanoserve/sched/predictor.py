@@ -91,8 +91,7 @@ class LengthPredictor(ABC):
         outran its prediction (§3.2.2's L_new = predicted - generated is then <= 0, see
         `ExactKV.preempt`). Default: the prediction's excess if any, else all `max_tokens` allows
         (what exact allocation reserves without a predictor)."""
-        generated = request.num_output_tokens
-        left = max(1, request.params.max_tokens - generated)
+        generated, left = request.num_output_tokens, request.output_tokens_left
         predicted = self.predict(request)
         return min(left, predicted - generated) if predicted > generated else left
 
@@ -168,8 +167,7 @@ class NoisyOraclePredictor(LengthPredictor):
         if true is None:
             return super().predict_remaining(request)
         rng = random.Random(zlib.crc32(f"{self.seed}:{request.request_id}:{generated}".encode()))
-        left = max(1, request.params.max_tokens - generated)
-        return max(1, min(left, self.noisy(max(1, true - generated), rng)))
+        return max(1, min(request.output_tokens_left, self.noisy(max(1, true - generated), rng)))
 
     def noisy(self, true: int, rng: random.Random) -> int:
         """A prediction for true length `true`, in the class (accurate, under, over) drawn.
@@ -257,8 +255,7 @@ class BucketQuantilePredictor(LengthPredictor):
         for history in (self.buckets.get(prompt_bucket(request.num_prompt_tokens), ()), self.recent):
             longer = [n for n in history if n > generated]
             if len(longer) >= cfg.min_samples:
-                left = max(1, request.params.max_tokens - generated)
-                return max(1, min(left, quantile(longer, cfg.quantile) - generated))
+                return max(1, min(request.output_tokens_left, quantile(longer, cfg.quantile) - generated))
         return super().predict_remaining(request)
 
     def observe(self, request: Request, true_output_len: int | None = None) -> None:

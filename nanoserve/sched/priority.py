@@ -18,7 +18,7 @@ Offline work gets what online work leaves: there is no SLO model here (that is C
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
+from typing import Iterator, Literal
 
 from nanoserve.request import Request
 from nanoserve.sched.base import ScheduledChunk, Scheduler, SchedulerOutput
@@ -136,17 +136,22 @@ class PriorityScheduler(Scheduler):
         request not served this step, else (if allowed) the newest such online one. A request
         with its chunk for this step is never preempted in it. False if no victim is left."""
         while not self.can_chunk(request, num_new):
-            victim = self._newest_unserved(request, "offline")
+            victim = self._victim(request, "offline")
             if victim is None and online_victims:
-                victim = self._newest_unserved(request, "online")
+                victim = self._victim(request, "online")
             if victim is None:
                 return False
             self._evict(victim, out)
         return True
 
-    def _newest_unserved(self, request: Request, cls: str) -> Request | None:
-        return next((r for r in reversed(self.running) if r.priority == cls and r is not request
-                     and r.request_id not in self._served), None)
+    def _victim(self, request: Request, cls: str) -> Request | None:
+        """Whom `request` preempts among running `cls` requests: the newest not served this step."""
+        return next(self._unserved(request, cls), None)
+
+    def _unserved(self, request: Request, cls: str) -> Iterator[Request]:
+        """Running `cls` requests other than `request` not served this step, newest first."""
+        return (r for r in reversed(self.running) if r.priority == cls and r is not request
+                and r.request_id not in self._served)
 
     def _evict(self, request: Request, out: SchedulerOutput, keep_resident: bool = False) -> bool:
         """Preempt a running request (`Scheduler.preempt`); True if its K/V stayed resident."""

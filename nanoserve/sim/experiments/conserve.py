@@ -271,7 +271,7 @@ def notes(table: dict[str, dict[str, float]], setup: Setup) -> list[str]:
         won = sum(c < p for c, p in zip(column(CONSERVE, "online_ttft_p99"), column(label, "online_ttft_p99")))
         return f"{won} of {len(column(CONSERVE, 'online_ttft_p99'))}"
 
-    fig5, fig78 = (p for p in setup.parts)
+    fig5, fig78 = setup.parts
     link = [c / setup.duration for c in column(CONSERVE, "link_busy_seconds")]
     stall = [c / setup.duration for c in column(CONSERVE, "forward_stall_seconds")]
     overloaded = [f"{t:.1f} s ({p.figure.split(' (')[0]}, CV {cv:g})" for p in setup.parts
