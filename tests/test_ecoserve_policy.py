@@ -2,11 +2,14 @@
 
 - Behaviour, through the real Engine with a model-free executor (kv_harness.TaggingExecutor) and a
   mock clock: with correct response-length predictions (an OraclePredictor) a workload that fills
-  the KV pool never has a request outgrow its reservation, so nothing is ever preempted (§3.2:
-  exact allocation avoids KV allocation failures); the same workload under-predicted draws on the
-  reserved pool and preempts (§3.2.2), and still produces every token.
-- Selection: equal-RL groups from the generation queue fill the free KV with a bisect past a head
-  that does not fit (§3.2.1, §3.3); deadline buckets come first; the TFS comes from the cost model.
+  the KV pool never has a request outgrow its allocation, so nothing is ever preempted or paused,
+  no allocation fails and no guest is evicted (§3.2: exact allocation avoids KV allocation
+  failures); the same workload under-predicted draws on the reserved pool and pauses GTs that
+  keep their KV (§3.2.2), and still produces every token.
+- Decoupling (§3.2.1): a PT holds only its prompt's KV, charged to the reserved pool, and waits in
+  Q_G after its prompt until A_KVC holds its RL; while GTs fill the KV, PTs still get the pool.
+- Selection: equal-RL groups from Q_G fill A_KVC with a bisect past a head that does not fit
+  (§3.2.1, §3.3); deadline buckets come first, then occupied KV; the TFS comes from the cost model.
 - Same answers: a tiny random Llama (fp32, CPU) with a tight pool and under-predicted lengths
   gives the same greedy outputs under ecoserve as under fcfs, with hosting (§3.4), the reserved
   pool and offload-free preemption (§3.2.2) all exercised.
@@ -92,21 +95,23 @@ def test_correct_predictions_fill_the_pool_without_a_single_preemption(seed):
     admission_pool = kv.num_blocks - kv.alloc.reserve_target
     assert peak >= 0.75 * admission_pool, f"the workload never filled the pool (peak {peak}/{admission_pool})"
     events = kv.events
-    assert events["preemptions"] == 0 and engine.scheduler.num_preemptions == 0, events
+    assert events["preemptions"] == events["pauses"] == engine.scheduler.num_preemptions == 0, events
     assert events["reserved_pool_draws"] == 0 and events["hosted_evictions"] == 0, events
+    assert events["batches"] > 0 and engine.scheduler.queued_drops == 0, events
     # Reserving max_tokens (no predictor) is just as safe, but runs fewer requests at once.
     _, _, without = _run(_exact(24, padding_ratio=0.0, reserved_fraction=0.1), 24, workload, seed)
     assert concurrency > without
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_under_predictions_draw_on_the_reserved_pool_then_preempt_and_still_finish(seed):
+def test_under_predictions_draw_on_the_reserved_pool_then_pause_and_still_finish(seed):
     workload = _workload(seed)
     kv = _exact(24, predicted_len=2, padding_ratio=0.0, reserved_fraction=0.1)
     engine, _, _ = _run(kv, 24, workload, seed)
     events = kv.events
-    assert events["reserved_pool_draws"] > 0 and events["preemptions"] > 0, events
-    assert engine.scheduler.num_preemptions == events["preemptions"]
+    assert events["reserved_pool_draws"] > 0 and events["pauses"] > 0, events
+    # Every preemption kept the KV (a pause) or dropped it; the queue's liveness drops are the rest.
+    assert engine.scheduler.num_preemptions + engine.scheduler.queued_drops == events["pauses"] + events["preemptions"]
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -122,7 +127,7 @@ def test_hosting_and_under_prediction_keep_every_position(seed):
     predicted["r0"] = lengths["r0"]
     kv = _exact(device_blocks, host_blocks, predicted_len=lambda r: predicted[r.request_id],
                 padding_ratio=rng.choice([0.0, 0.15]), reserved_fraction=rng.choice([0.0, 0.1, 0.2]),
-                pipeline_buffer=rng.choice([0, 2]))
+                pipeline_buffer_ratio=rng.choice([0.0, 0.15]), decoupled=rng.random() < 0.8)
     engine, executor, clock = _engine(kv, device_blocks, budget=rng.choice([3, 6, 16]), max_seqs=8)
     for rid, n in lengths.items():
         engine.add_request([1] * rng.randint(1, 6), SamplingParams(max_tokens=n, ignore_eos=True), rid,
@@ -149,25 +154,54 @@ def _request(rid: str, prompt_len: int = 2, max_tokens: int = 40, **kwargs):
                    arrival_time=100.0, **kwargs)
 
 
-def test_equal_rl_groups_fill_the_free_kv_past_a_head_that_does_not_fit():
-    rl = {"o": 22, "a": 40, "b": 14, "c": 14, "d": 6}
-    # A huge pipeline buffer keeps §3.4 hosting out of this test: only the free blocks count.
-    kv = _exact(16, predicted_len=lambda r: rl[r.request_id], padding_ratio=0.0, reserved_fraction=0.0,
-                pipeline_buffer=1000)
-    sched = _scheduler(kv)
-    occupant = _request("o")
-    sched.add_request(occupant)
-    first = sched.schedule()
-    assert [c.request.request_id for c in first.chunks] == ["o"]  # 2 + 22 tokens: 6 of 16 blocks
-    sched.update_after_step(first)
-    occupant.append_token(7, 100.0)
-    for rid in "abcd":  # FCFS would stop at "a": 42 tokens, 11 blocks, with 10 free
-        sched.add_request(_request(rid))
+def _step(sched, now: float = 100.0) -> list[str]:
+    """One scheduled step, executed: chunks that reach their request's end sample token 7."""
     out = sched.schedule()
-    # o decodes; then the RL=14 group (4 blocks each) is the longest that fits, and d (2 blocks)
-    # takes the rest.
-    assert [c.request.request_id for c in out.chunks] == ["o", "b", "c", "d"]
-    assert kv.alloc.num_free_blocks == 0 and [r.request_id for r in sched.waiting] == ["a"]
+    sched.update_after_step(out)
+    for chunk in out.chunks:
+        if chunk.samples:
+            chunk.request.append_token(7, now)
+    return [c.request.request_id for c in out.chunks]
+
+
+def test_a_pt_holds_its_prompt_from_the_reserved_pool_and_its_gt_waits_for_its_rl():
+    # 20 blocks of 4, 4 of them the reserved pool; o's GT fills A_KVC (16 blocks).
+    kv = _exact(20, predicted_len=lambda r: 62 if r.request_id == "o" else 10, padding_ratio=0.0,
+                reserved_fraction=0.2, pipeline_buffer_ratio=100.0)  # no hosting
+    sched = _scheduler(kv)
+    sched.add_request(_request("o", max_tokens=62))
+    assert _step(sched) == ["o"] and kv.num_used_blocks == 1 and kv.alloc.reserve_left == 3  # a PT: its prompt
+    assert _step(sched) == ["o"] and kv.num_used_blocks == 16 and kv.alloc.reserve_left == 4  # its GT: 2 + 62
+    for rid in "ab":
+        sched.add_request(_request(rid, prompt_len=6))
+    # A_KVC is full, yet both prompts run: each holds 2 blocks of the reserved pool (§3.2.1).
+    assert _step(sched) == ["o", "a", "b"] and kv.alloc.reserve_left == 0
+    assert kv.alloc.num_admission_blocks == 0
+    # Their prompts are done: they wait in Q_G with their prompt KV, and o decodes alone.
+    assert _step(sched) == ["o"] and [r.request_id for r in sched.waiting] == ["a", "b"]
+    assert kv.alloc.num_queued == 2 and len(sched._generations) == 2
+    # New prompts wait too: the pool is spent on queued GTs' prompts, and nothing else is free.
+    sched.add_request(_request("c"))
+    assert _step(sched) == ["o"]
+    kv.check_invariants()
+
+
+def test_equal_rl_groups_fill_a_kvc_past_a_head_that_does_not_fit():
+    rl = {"o": 22, "a": 44, "b": 14, "c": 14, "d": 6}
+    # A huge pipeline buffer keeps §3.4 hosting out of this test: only A_KVC counts.
+    kv = _exact(20, predicted_len=lambda r: rl[r.request_id], padding_ratio=0.0, reserved_fraction=0.2,
+                pipeline_buffer_ratio=100.0)
+    sched = _scheduler(kv)
+    sched.add_request(_request("o"))
+    _step(sched)
+    _step(sched)  # o's GT: 2 + 22 tokens, 6 of the 16 A_KVC blocks
+    for rid in "abcd":
+        sched.add_request(_request(rid))
+    assert _step(sched) == ["o", "a", "b", "c", "d"]  # four PTs: one pool block each
+    # o decodes; FCFS would stop at a (2 + 44 tokens: 11 blocks, 10 free); the RL=14 group (4
+    # blocks each) is the longest that fits, and d (2 blocks) takes the rest (§3.2.1, §3.3).
+    assert _step(sched) == ["o", "b", "c", "d"]
+    assert kv.alloc.num_admission_blocks == 0 and [r.request_id for r in sched.waiting] == ["a"]
 
 
 def test_deadline_buckets_come_before_occupied_kv_and_length():
@@ -177,15 +211,18 @@ def test_deadline_buckets_come_before_occupied_kv_and_length():
     sched.add_request(_request("chat", max_tokens=10, slo=SLO(ttft=0.3, tpot=0.05)))  # due in 0.3 s
     assert [c.request.request_id for c in sched.schedule().chunks] == ["chat"]
 
-    # Same deadline bucket: a preempted request (it held KV) goes before a longer new one.
-    sched = _scheduler(_exact(16, padding_ratio=0.0, reserved_fraction=0.0), max_seqs=1)
-    new, preempted = _request("new", max_tokens=40), _request("old", max_tokens=20)
-    preempted.num_preemptions = 1
-    preempted.token_ids += [5] * 200  # 200 generated tokens: two occupied-KV buckets up
-    for r in (new, preempted):
-        r.slo = SLO()
-        sched.add_request(r)
-    assert sched._gt_key(preempted, 100.0) < sched._gt_key(new, 100.0)
+    # Same deadline bucket: a paused GT (it holds KV for 200 generated tokens) goes before a new
+    # GT with a longer RL (§3.2.2: "it occupies a certain KVC and will be given a higher priority").
+    sched = _scheduler(_exact(16, padding_ratio=0.0, reserved_fraction=0.0))
+    new, paused = _request("new", max_tokens=400), _request("old", max_tokens=300)
+    paused.token_ids += [5] * 200
+    for request in (new, paused):
+        request.slo = SLO()
+        request.num_computed_tokens = request.num_tokens - 1  # both hold all but their last token
+        sched.add_request(request)
+    sched._queue_arrivals(100.0)
+    groups = sched._generations.groups()
+    assert [sched._generations.members(g) for g in groups] == [[paused], [new]]
 
 
 def test_target_forward_size_is_the_largest_batch_under_the_target():
@@ -218,7 +255,7 @@ def test_ecoserve_matches_fcfs_under_a_tight_pool_and_under_predictions(llama_di
     prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
     params = [_params(30)] + [_params(16)] * 7
     # The long request is predicted right and hosts the short ones (§3.4), which are predicted
-    # at 2 tokens: they outgrow that into the reserved pool, then get preempted (§3.2.2).
+    # at 2 tokens: they outgrow that into the reserved pool, then pause (§3.2.2).
     options = dict(predicted_len=lambda r: 30 if r.params.max_tokens == 30 else 2, padding_ratio=0.0,
                    reserved_fraction=0.2)
     common = dict(device="cpu", block_size=BLOCK, max_num_batched_tokens=32)
@@ -230,6 +267,6 @@ def test_ecoserve_matches_fcfs_under_a_tight_pool_and_under_predictions(llama_di
         assert_close_greedy(ref, out, f"ecoserve vs fcfs: {out.request_id}", max_tokens=p.max_tokens)
     events = llm.engine.kv.events
     assert events["hosted_placements"] > 0 and events["hosted_evictions"] > 0 and events["restores"] > 0, events
-    assert events["reserved_pool_draws"] > 0 and events["preemptions"] > 0, events
-    assert llm.engine.stats().num_preemptions == events["preemptions"]
+    assert events["reserved_pool_draws"] > 0 and events["pauses"] > 0, events
+    assert llm.engine.stats().num_preemptions == events["pauses"] + events["preemptions"]
     assert llm.engine.kv.num_used_blocks == 0

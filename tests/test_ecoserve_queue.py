@@ -1,4 +1,4 @@
-"""EcoServe's indexed generation queue (sched/ecoserve_queue.py) against the re-sort it replaces.
+"""EcoServe's indexed waiting queues, Q_P and Q_G (sched/ecoserve_queue.py), against the re-sort they replace.
 
 - The queue alone, under hypothesis-drawn adds (at either end), removals and clock moves (mostly
   forward, sometimes back): its groups, their members' order and the admission bisect are what
@@ -29,8 +29,8 @@ from nanoserve.model.runner import ExecutorOutput
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import SchedulerOutput
-from nanoserve.sched.ecoserve import EcoServeScheduler, _lacking
-from nanoserve.sched.ecoserve_queue import GenerationQueue, deadline_bucket
+from nanoserve.sched.ecoserve import EcoServeScheduler, _is_generation, _lacking
+from nanoserve.sched.ecoserve_queue import TaskQueue, deadline_bucket
 from nanoserve.slo import SLO
 
 from kv_harness import MockClock
@@ -59,7 +59,7 @@ OPS = st.lists(st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(ops=OPS, room=st.integers(0, 7), skips=st.integers(0, 3))
 def test_queue_matches_a_full_sort_of_the_waiting_deque(ops, room, skips):
-    queue, waiting, facts, now = GenerationQueue(BOUNDS), deque(), {}, 10.0
+    queue, waiting, facts, now = TaskQueue(BOUNDS), deque(), {}, 10.0
     queue.advance(now)
     for n, op in enumerate(ops):
         if op[0] == "add":
@@ -67,7 +67,7 @@ def test_queue_matches_a_full_sort_of_the_waiting_deque(ops, room, skips):
             request = Request(f"r{n}", [1], SamplingParams(max_tokens=8), arrival_time=float(arrival))
             facts[request.request_id] = (now + offset, occupied, rl)
             (waiting.appendleft if front else waiting.append)(request)
-            queue.add(request, deadline=now + offset, occupied_bucket=occupied, predicted_rl=rl, at_front=front)
+            queue.add(request, deadline=now + offset, occupied_bucket=occupied, length=rl, at_front=front)
         elif op[0] == "remove" and waiting:
             request = waiting[op[1] % len(waiting)]
             waiting.remove(request)
@@ -88,9 +88,9 @@ def test_queue_matches_a_full_sort_of_the_waiting_deque(ops, room, skips):
 
 
 def test_a_waiting_request_moves_to_more_urgent_buckets_only_as_its_slack_shrinks():
-    queue = GenerationQueue(BOUNDS)
+    queue = TaskQueue(BOUNDS)
     request = Request("a", [1], SamplingParams(max_tokens=8), arrival_time=100.0)
-    queue.add(request, deadline=103.0, occupied_bucket=1, predicted_rl=4)  # before any clock reading
+    queue.add(request, deadline=103.0, occupied_bucket=1, length=4)  # before any clock reading
     queue.advance(100.0)
     assert queue.groups() == [(2, -1)]  # 3 s of slack
     queue.advance(101.5)
@@ -104,27 +104,57 @@ def test_a_waiting_request_moves_to_more_urgent_buckets_only_as_its_slack_shrink
 
 
 # -- the scheduler over it, against a full re-sort every step ---------------------------------
-class ResortingEcoServe(EcoServeScheduler):
-    """The admission pass as it was before the index: every waiting request re-keyed and
-    sorted each step (the bisect pops from a per-step copy of each bucket)."""
+def _buckets(requests: list[Request], key) -> list[list[Request]]:
+    """`requests` (in deque order) stably sorted by `key`, cut into (deadline, occupied) buckets."""
+    keyed = sorted(((key(r), r) for r in requests), key=lambda kr: kr[0])
+    return [[r for _, r in group] for _, group in groupby(keyed, key=lambda kr: kr[0][:2])]
 
-    def _admit_groups(self, out: SchedulerOutput, budget: int, now: float) -> None:
+
+class ResortingEcoServe(EcoServeScheduler):
+    """Both admission passes as they would be without the index: every waiting request re-keyed
+    by §3.3 and sorted each step (the bisect pops from a per-step copy of each bucket)."""
+
+    def _key(self, request: Request, length: int) -> tuple:
+        now = self.clock()
+        return (self._deadline_bucket(request, now), -self._occupied_bucket(request), -length, request.arrival_time)
+
+    def _batch_generations(self, out: SchedulerOutput, budget: int) -> int:
+        failures, used = 0, 0
+        gts = [r for r in self.waiting if _is_generation(r)]
+        for bucket in _buckets(gts, lambda r: self._key(r, self.predicted_rl(r))):
+            while bucket and used < budget and len(self.running) < self.config.max_num_seqs:
+                if failures >= self.max_failed_admissions:
+                    return used
+                room = self.kv.admission_room_tokens()
+                i = bisect_left(bucket, -room, key=lambda r: -self.predicted_rl(r))
+                request = bucket.pop(min(i, len(bucket) - 1))
+                chunk = self.try_chunk(request, 1)
+                if chunk is None:
+                    failures += 1
+                    continue
+                self._dequeue(self._generations, request)
+                self._batched.add(request)
+                out.chunks.append(chunk)
+                used += 1
+        return used
+
+    def _admit_prompts(self, out: SchedulerOutput, budget: int) -> None:
         failures = 0
-        for bucket in self._buckets(list(self.waiting), self._gt_key, now):
+        pts = [r for r in self.waiting if not _is_generation(r)]
+        for bucket in _buckets(pts, lambda r: self._key(r, _lacking(r))):
             while bucket and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 if failures >= self.max_failed_admissions:
                     return
-                i = bisect_left(bucket, -self._free_kv_tokens(), key=lambda r: -self.predicted_rl(r))
+                i = bisect_left(bucket, -budget, key=lambda r: -_lacking(r))
                 request = bucket.pop(min(i, len(bucket) - 1))
                 num_new = min(_lacking(request), budget)
-                if not self.can_chunk(request, num_new):
+                chunk = self.try_chunk(request, num_new)
+                if chunk is None:
                     failures += 1
                     continue
-                self.waiting.remove(request)
-                self.admit(request)
-                out.chunks.append(self.chunk(request, num_new))
+                self._dequeue(self._prompts, request)
+                out.chunks.append(chunk)
                 budget -= num_new
-
 
 
 class InstantExecutor:

@@ -26,7 +26,7 @@ def test_reservation_is_prompt_plus_padded_prediction_up_front():
     assert ExactAllocator(8, ExactAllocConfig(block_size=4, padding_ratio=0.1)).reservation_tokens(0, 20) == 22  # no float-noise token
     assert alloc.admit("a", 5, 20, allow_hosting=False) is None
     assert len(alloc.block_table("a")) == 7  # ceil(28 / 4)
-    assert alloc.num_free_blocks == 16 - 2 - 7 and alloc.num_reserved_pool_blocks == 2
+    assert alloc.num_free_blocks == 16 - 7 and alloc.reserve_left == 2 and alloc.num_admission_blocks == 16 - 2 - 7
     assert alloc.grow("a", 5) == [] and alloc.grow("a", 23) == []  # growth inside the reservation never allocates
     assert len(alloc.block_table("a")) == 7 and alloc.reserved_pool_draws == 0
     table = alloc.block_table("a")
@@ -41,7 +41,7 @@ def test_admission_never_touches_the_reserved_pool():
     alloc.admit("a", 0, 24, allow_hosting=False)
     with pytest.raises(NoFreeBlocksError):
         alloc.admit("b", 0, 1, allow_hosting=False)
-    assert not alloc.has("b") and alloc.num_reserved_pool_blocks == 2
+    assert not alloc.has("b") and alloc.reserve_left == 2 and alloc.num_free_blocks == 2
     alloc.check_invariants()
 
 
@@ -53,7 +53,7 @@ def test_growth_past_the_prediction_draws_on_the_reserved_pool_then_preempts():
     assert alloc.reserved_pool_draws == 0
     assert alloc.can_grow("a", 4)
     alloc.grow("a", 4)  # 16 > 12: the one reserved block
-    assert alloc.reserved_pool_draws == 1 and alloc.num_reserved_pool_blocks == 0 and len(alloc.block_table("a")) == 4
+    assert alloc.reserved_pool_draws == 1 and alloc.reserve_left == 0 and len(alloc.block_table("a")) == 4
     alloc.check_invariants()
     assert not alloc.can_grow("a", 1)  # the pool is dry
     with pytest.raises(NoFreeBlocksError):
@@ -61,7 +61,7 @@ def test_growth_past_the_prediction_draws_on_the_reserved_pool_then_preempts():
     assert alloc.num_written("a") == 16 and len(alloc.block_table("a")) == 4
     assert alloc.preempt("a", 14) == 1  # offload-free preemption; predicted - generated < 1: clamped
     assert not alloc.has("a") and alloc.preemptions == 1
-    assert alloc.num_reserved_pool_blocks == 1 and alloc.num_free_blocks == 7  # the pool is refilled first
+    assert alloc.reserve_left == 1 and alloc.num_free_blocks == 8  # the charge went with the blocks
     alloc.check_invariants()
 
 
@@ -78,21 +78,23 @@ def test_preemption_re_predicts_predicted_minus_generated():
 
 def test_hosted_placement_nests_and_eviction_saves_then_restore_loads():
     store = _store(16, 2)
-    alloc = ExactAllocator(40, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.1), store)
-    alloc.admit("h", 2, 30)  # 32 tokens, 16 blocks, nothing to host it
+    alloc = ExactAllocator(40, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.1,
+                                                pipeline_buffer_ratio=0.0), store)
+    alloc.admit("h", 0, 32)  # 32 tokens, 16 blocks, nothing to host it
     assert alloc.host_of("h") is None and alloc.hosted_placements == 0
     assert alloc.admit("g", 2, 14) == "h"  # 16 tokens: the second half of h, as in Fig. 9a
     assert alloc.block_table("g") == alloc.block_table("h")[8:16]
     free_before = alloc.num_free_blocks
-    alloc.grow("h", 2)  # h's gap now [2, 16): its second half is too small for 8 tokens
-    assert alloc.admit("n", 2, 6) == "g"  # nested: inside g's second half, in h's last quarter
-    assert alloc.host_of(alloc.host_of("n")) == "h" and alloc.block_table("n") == alloc.block_table("h")[12:16]
+    alloc.grow("g", 2)  # g's prompt: a request hosts only once it writes one token a step
+    alloc.grow("h", 6)  # h's gap now [6, 16): its second half, 2 blocks, is too small for 6 tokens
+    assert alloc.admit("n", 0, 6) == "g"  # nested: in g's second half, h's last quarter
+    assert alloc.host_of(alloc.host_of("n")) == "h" and alloc.block_table("n") == alloc.block_table("h")[13:16]
     assert alloc.num_free_blocks == free_before and alloc.hosted_placements == 2
-    alloc.grow("g", 3)
+    alloc.grow("g", 1)
     alloc.grow("n", 2)
     alloc.check_invariants()
 
-    copies = alloc.grow("h", 14)  # h's writes reach g's region at token 16
+    copies = alloc.grow("h", 10)  # h's writes reach g's region at token 16
     assert copies == [] and alloc.is_resident("g")
     copies = alloc.grow("h", 1)
     assert sorted(c.kind for c in copies) == ["save", "save"]  # g and n, which lived inside g
@@ -110,12 +112,13 @@ def test_hosted_placement_nests_and_eviction_saves_then_restore_loads():
     alloc.check_invariants()
     for seq in ("h", "g", "n"):
         alloc.free(seq)
-    assert store.num_free_blocks == 16 and alloc.num_free_blocks + alloc.num_reserved_pool_blocks == 40
+    assert store.num_free_blocks == 16 and alloc.num_free_blocks == 40
     alloc.check_invariants()
 
 
 def test_eviction_without_host_room_drops_for_recompute():
-    alloc = ExactAllocator(20, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.0), _store(0, 2))
+    alloc = ExactAllocator(20, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.0,
+                                                pipeline_buffer_ratio=0.0), _store(0, 2))
     alloc.admit("h", 0, 16)
     assert alloc.admit("g", 1, 3) == "h"
     alloc.grow("g", 3)
@@ -126,7 +129,8 @@ def test_eviction_without_host_room_drops_for_recompute():
 
 
 def test_a_departing_host_leaves_its_guests_in_place():
-    alloc = ExactAllocator(40, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.0))
+    alloc = ExactAllocator(40, ExactAllocConfig(block_size=2, padding_ratio=0.0, reserved_fraction=0.0,
+                                                pipeline_buffer_ratio=0.0))
     alloc.admit("h", 0, 32)
     alloc.admit("g", 0, 16)
     alloc.grow("h", 1)
@@ -147,6 +151,80 @@ def test_a_departing_host_leaves_its_guests_in_place():
     alloc.check_invariants()
 
 
+def test_a_pt_holds_its_prompt_in_the_reserved_pool_and_its_gt_gets_its_rl_from_a_kvc():
+    # §3.2.1: "The KVC size allocated to a PT equals its prompt length, and that allocated to a GT
+    # equals to its predicted RL"; §2.2: the reserved pool is "for adding PTs at each iteration".
+    alloc = ExactAllocator(20, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=0.2))
+    alloc.admit("big", 0, 64, allow_hosting=False)  # A_KVC is full: 16 of 20 blocks
+    assert alloc.num_admission_blocks == 0 and not alloc.can_admit(1, 1, allow_hosting=False)
+    assert alloc.can_admit_prompt(8) and not alloc.can_admit_prompt(17)
+    alloc.admit_prompt("p", 6)  # a PT still fits: 2 pool blocks
+    assert alloc.reserve_left == 2 and not alloc.is_batched("p") and alloc.num_queued == 0
+    assert alloc.can_grow("p", 6) and not alloc.can_grow("p", 7)  # only its prompt
+    alloc.grow("p", 4)
+    assert alloc.num_queued == 0 and alloc.write_within("p", 6) and alloc.num_queued == 1  # its GT waits in Q_G
+    assert not alloc.write_within("p", 7) and not alloc.can_batch("p", 6, 10)
+    alloc.free("big")
+    assert alloc.can_batch("p", 6, 10)
+    assert alloc.batch("p", 6, 10) == [] and alloc.is_batched("p") and alloc.num_queued == 0
+    # 6 + 10 tokens: 4 blocks, the prompt's 2 now A_KVC's: the pool is whole again.
+    assert len(alloc.block_table("p")) == 4 and alloc.reserve_left == 4 and alloc.num_admission_blocks == 12
+    alloc.check_invariants()
+
+
+def test_a_paused_gt_keeps_its_written_blocks_and_is_batched_again_with_l_new():
+    alloc = ExactAllocator(12, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=1 / 6))
+    alloc.admit_prompt("a", 3)
+    alloc.grow("a", 3)
+    alloc.batch("a", 3, 5)  # 8 tokens: 2 blocks
+    alloc.grow("a", 5)
+    alloc.grow("a", 4)  # 12 > 8: a pool block
+    assert alloc.reserve_left == 1 and not alloc.can_grow("a", 5)
+    table = list(alloc.block_table("a"))
+    assert alloc.pause("a") == [] and alloc.num_queued == 1 and alloc.pauses == 1
+    assert alloc.block_table("a") == table and alloc.num_written("a") == 12  # §2.4: it keeps its KV
+    assert alloc.reserve_left == 1  # its overrun block stays charged while it waits
+    assert not alloc.can_grow("a", 1)  # unbatched: it writes nothing until batched
+    assert alloc.batch("a", 12, 6) == [] and alloc.block_table("a")[:3] == table  # L_new = 6 more
+    assert len(alloc.block_table("a")) == 5 and alloc.reserve_left == 2  # 18 tokens; the charge moved
+    alloc.check_invariants()
+
+
+@pytest.mark.parametrize("guest_rl, hosted", [(14, True), (15, False)])
+def test_a_gt_is_hosted_when_its_rl_is_below_half_the_hosts_minus_b(guest_rl, hosted):
+    # §3.4: "a hosted GT that has RL less than but closest to half of the hosing GT's RL
+    # subtracting b tokens", b = 15% of the host's predicted RL (40: b = 6): 40 / 2 - 6 = 14. The
+    # region starts at the middle of the host's RL part, position 24 (block 6), 20 steps ahead of
+    # its writes; the guest (whose last token's K/V is never written) must be done b before that.
+    # Decoupled: the guest's prompt is already in its own blocks.
+    alloc = ExactAllocator(40, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=0.25,
+                                                pipeline_buffer_ratio=0.15))
+    for seq, prompt, rl in (("h", 4, 40), ("g", 3, guest_rl)):
+        alloc.admit_prompt(seq, prompt)
+        alloc.grow(seq, prompt)
+    alloc.batch("h", 4, 40)  # 44 tokens: 11 blocks; its gap is [4, 44), its midpoint 24: block 6
+    assert alloc.batch("g", 3, guest_rl) == [] and (alloc.host_of("g") == "h") == hosted
+    if hosted:  # the guest's RL part sits in h's region, past its own prompt block
+        assert alloc.block_table("g")[1:] == alloc.block_table("h")[6:11]
+        assert alloc.hosted_placements == 1 and alloc.num_admission_blocks == 30 - 11 - 1  # g's prompt block
+    alloc.check_invariants()
+
+
+def test_a_paused_guest_moves_to_host_memory():
+    store = _store(8, 4)
+    alloc = ExactAllocator(40, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=0.0,
+                                                pipeline_buffer_ratio=0.0), store)
+    alloc.admit("h", 0, 64)
+    alloc.admit("g", 0, 8)
+    assert alloc.host_of("g") == "h"
+    alloc.grow("g", 8)
+    (save,) = alloc.pause("g")  # §3.4: "r_2 is preempted and its occupied cache will be moved to the main memory"
+    assert save.kind == "save" and not alloc.is_resident("g") and alloc.hosted_by("h") == []
+    assert alloc.num_queued == 1 and alloc.num_written("g") == 8
+    assert alloc.batch("g", 8, 4)[0].kind == "load" and alloc.host_of("g") is None  # back in fresh blocks
+    alloc.check_invariants()
+
+
 NUM_BLOCKS, BLOCK, HOST_BLOCKS = 48, 2, 8
 
 
@@ -155,20 +233,29 @@ def _value(seq_no: int, pos: int, layer: int) -> float:
 
 
 class ExactAllocMachine(RuleBasedStateMachine):
-    """Random admit/grow/finish/restore sequences on real tensors; all copies are executed."""
+    """Random admit (coupled) / admit_prompt, prefill, batch (PT -> GT, hosted or not), grow, pause,
+    finish and restore sequences on real tensors; all copies are executed. Beyond the allocator's
+    own invariants: every resident position reads back its own value (so a host's lent region
+    never overlaps its own future tokens, and no copy lands in the wrong place), and a paused GT's
+    blocks stay owned and unchanged until it is batched again."""
 
     def __init__(self):
         super().__init__()
-        config = ExactAllocConfig(block_size=BLOCK, padding_ratio=0.25, reserved_fraction=0.125, pipeline_buffer=1)
+        config = ExactAllocConfig(block_size=BLOCK, padding_ratio=0.25, reserved_fraction=0.125,
+                                  pipeline_buffer_ratio=0.15)
         self.store = _store(HOST_BLOCKS, BLOCK)
         self.alloc = ExactAllocator(NUM_BLOCKS, config, self.store)
         self.caches = [(torch.zeros(NUM_BLOCKS, BLOCK, 1, 2), torch.zeros(NUM_BLOCKS, BLOCK, 1, 2)) for _ in range(2)]
         self.written: dict[str, int] = {}
-        self.spec: dict[str, tuple[int, int, int]] = {}  # seq -> (number, prompt_len, predicted_len)
+        self.spec: dict[str, tuple[int, int, int]] = {}  # seq -> (number, tokens when predicted, predicted RL)
+        self.paused: dict[str, list[int]] = {}  # a paused resident GT's table when it paused
         self.next_no = 0
 
     def _live(self, resident: bool) -> list[str]:
         return sorted(s for s in self.written if self.alloc.is_resident(s) == resident)
+
+    def _batched(self, batched: bool) -> list[str]:
+        return [s for s in self._live(resident=True) if self.alloc.is_batched(s) == batched]
 
     def _write(self, seq: str, start: int, end: int) -> None:
         no = self.spec[seq][0]
@@ -183,10 +270,13 @@ class ExactAllocMachine(RuleBasedStateMachine):
             assert self.alloc.num_written(seq) in (self.written[seq], 0)  # saved whole, or dropped
             self.written[seq] = self.alloc.num_written(seq)
 
+    def _new(self) -> str:
+        self.next_no += 1
+        return f"r{self.next_no - 1}"
+
     @rule(prompt_len=st.integers(0, 4), predicted=st.one_of(st.integers(1, 6), st.integers(7, 30)), allow_hosting=st.booleans())
     def admit(self, prompt_len, predicted, allow_hosting):
-        seq, free_before = f"r{self.next_no}", self.alloc.num_free_blocks
-        self.next_no += 1
+        seq, free_before = self._new(), self.alloc.num_free_blocks
         feasible = self.alloc.can_admit(prompt_len, predicted, allow_hosting=allow_hosting)
         try:
             host = self.alloc.admit(seq, prompt_len, predicted, allow_hosting=allow_hosting)
@@ -208,10 +298,81 @@ class ExactAllocMachine(RuleBasedStateMachine):
         self._write(seq, 0, prompt_len)
         self.written[seq] = prompt_len
 
-    @precondition(lambda self: self._live(resident=True))
+    @rule(prompt_len=st.integers(0, 8))
+    def admit_prompt(self, prompt_len):
+        """A PT: its prompt's blocks, from the reserved pool and nowhere else (§3.2.1)."""
+        seq, free_before, left_before = self._new(), self.alloc.num_free_blocks, self.alloc.reserve_left
+        feasible = self.alloc.can_admit_prompt(prompt_len)
+        try:
+            self.alloc.admit_prompt(seq, prompt_len)
+        except NoFreeBlocksError:
+            assert not feasible and not self.alloc.has(seq) and self.alloc.reserve_left == left_before
+            return
+        assert feasible and not self.alloc.is_batched(seq)
+        blocks = self.alloc.blocks_for(prompt_len)
+        assert self.alloc.num_free_blocks == free_before - blocks and self.alloc.reserve_left == left_before - blocks
+        event("prompt admitted")
+        self.spec[seq], self.written[seq] = (self.next_no - 1, prompt_len, 0), 0
+
+    @precondition(lambda self: any(self.alloc.num_written(s) < self.alloc.reservation(s) for s in self._batched(False)))
+    @rule(data=st.data())
+    def prefill(self, data):
+        seq = data.draw(st.sampled_from([s for s in self._batched(False)
+                                         if self.alloc.num_written(s) < self.alloc.reservation(s)]))
+        old, left = self.written[seq], self.alloc.reservation(seq) - self.written[seq]
+        num_tokens = data.draw(st.integers(1, left))
+        assert self.alloc.can_grow(seq, num_tokens) and not self.alloc.can_grow(seq, left + 1)
+        assert self.alloc.grow(seq, num_tokens) == []
+        self._write(seq, old, old + num_tokens)
+        self.written[seq] = old + num_tokens
+        if self.written[seq] == self.alloc.reservation(seq):
+            event("prompt done: a GT in Q_G")
+
+    @precondition(lambda self: self.alloc.num_queued)
+    @rule(data=st.data(), predicted=st.one_of(st.integers(1, 6), st.integers(7, 30)), allow_hosting=st.booleans())
+    def batch(self, data, predicted, allow_hosting):
+        """A waiting GT gets its predicted RL (§3.2.1), in A_KVC or a host's region (§3.4)."""
+        queued = sorted(s for s in self.written if not self.alloc.is_batched(s)
+                        and self.alloc.num_written(s) >= self.alloc.reservation(s))
+        seq = data.draw(st.sampled_from(queued))
+        base, resident = self.written[seq], self.alloc.is_resident(seq)
+        feasible = self.alloc.can_batch(seq, base, predicted, allow_hosting=allow_hosting)
+        left_before = self.alloc.reserve_left
+        try:
+            copies = self.alloc.batch(seq, base, predicted, allow_hosting=allow_hosting)
+        except NoFreeBlocksError:
+            assert not feasible and not self.alloc.is_batched(seq) and self.alloc.reserve_left == left_before
+            return
+        assert feasible and self.alloc.is_batched(seq) and self.alloc.is_resident(seq)
+        if seq in self.paused:
+            assert self.alloc.block_table(seq)[:len(self.paused[seq])] == self.paused.pop(seq)
+        event("batched, hosted" if self.alloc.host_of(seq) is not None else "batched, restored" if not resident
+              else "batched")
+        assert self.alloc.reservation(seq) >= self.alloc.reservation_tokens(base, predicted)
+        self.store.execute(copies, self.caches)
+        self.spec[seq] = (self.spec[seq][0], base, predicted)
+
+    @precondition(lambda self: self._batched(True))
+    @rule(data=st.data())
+    def pause(self, data):
+        seq = data.draw(st.sampled_from(self._batched(True)))
+        guest = self.alloc.host_of(seq) is not None
+        copies = self.alloc.pause(seq)
+        self.store.execute(copies, self.caches)
+        assert not self.alloc.is_batched(seq) and self.alloc.num_queued
+        if guest:
+            event("paused guest: to host memory")
+            assert not self.alloc.is_resident(seq)
+        else:
+            event("paused, KV kept")
+            assert self.alloc.block_table(seq)[:self.alloc.blocks_for(self.written[seq])] == self.alloc.block_table(seq)
+            self.paused[seq] = list(self.alloc.block_table(seq))
+        self._sync_evicted()
+
+    @precondition(lambda self: self._batched(True))
     @rule(data=st.data(), num_tokens=st.integers(1, 5))
     def grow(self, data, num_tokens):
-        self._grow(data.draw(st.sampled_from(self._live(resident=True))), num_tokens)
+        self._grow(data.draw(st.sampled_from(self._batched(True))), num_tokens)
 
     @precondition(lambda self: self._hosts())
     @rule(data=st.data(), num_tokens=st.integers(1, 12))
@@ -220,10 +381,10 @@ class ExactAllocMachine(RuleBasedStateMachine):
         self._grow(data.draw(st.sampled_from(self._hosts())), num_tokens)
 
     def _hosts(self) -> list[str]:
-        return [s for s in self._live(resident=True) if self.alloc.hosted_by(s)]
+        return [s for s in self._batched(True) if self.alloc.hosted_by(s)]
 
     def _grow(self, seq: str, num_tokens: int) -> None:
-        _, prompt_len, predicted = self.spec[seq]
+        _, base, predicted = self.spec[seq]
         old, capacity = self.written[seq], len(self.alloc.block_table(seq)) * BLOCK
         draws, evictions = self.alloc.reserved_pool_draws, self.alloc.hosted_evictions
         if not self.alloc.can_grow(seq, num_tokens):  # offload-free preemption of the grower itself
@@ -231,9 +392,10 @@ class ExactAllocMachine(RuleBasedStateMachine):
             with pytest.raises(NoFreeBlocksError):
                 self.alloc.grow(seq, num_tokens)
             assert old + num_tokens > capacity  # only a request past its blocks needs the pool
-            generated = max(0, old - prompt_len)
+            generated = max(0, old - base)
             assert self.alloc.preempt(seq, generated) == max(1, predicted - generated)
             del self.written[seq]
+            self.paused.pop(seq, None)
             self._sync_evicted()
             return
         copies = self.alloc.grow(seq, num_tokens)
@@ -254,12 +416,13 @@ class ExactAllocMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.written)))
         self.alloc.free(seq)
         del self.written[seq]
+        self.paused.pop(seq, None)
         assert not self.alloc.has(seq) and self.store.blocks_of(seq) == []
 
-    @precondition(lambda self: self._live(resident=False))
+    @precondition(lambda self: [s for s in self._live(resident=False) if self.alloc.is_batched(s)])
     @rule(data=st.data())
     def restore(self, data):
-        seq = data.draw(st.sampled_from(self._live(resident=False)))
+        seq = data.draw(st.sampled_from([s for s in self._live(resident=False) if self.alloc.is_batched(s)]))
         feasible = self.alloc.can_grow(seq, 0)
         try:
             copies = self.alloc.ensure_resident(seq)
@@ -278,6 +441,12 @@ class ExactAllocMachine(RuleBasedStateMachine):
         held = sum(len(self.store.blocks_of(s)) for s in self.written)
         assert held + self.store.num_free_blocks == HOST_BLOCKS  # no host block outlives its request
         assert all(self.alloc.has(s) for s in self.written)
+
+    @invariant()
+    def a_paused_gts_blocks_stay_owned_and_unchanged(self):
+        for seq, table in self.paused.items():
+            assert self.alloc.is_resident(seq) and not self.alloc.is_batched(seq)
+            assert self.alloc.block_table(seq) == table and self.alloc.num_written(seq) == self.written[seq]
 
     @invariant()
     def every_resident_position_reads_back_its_own_value(self):
@@ -299,9 +468,9 @@ class ExactAllocMachine(RuleBasedStateMachine):
             self.alloc.free(seq)
         self.written.clear()
         self.alloc.check_invariants()  # with no requests: nothing leaked
-        assert self.alloc.num_free_blocks + self.alloc.num_reserved_pool_blocks == NUM_BLOCKS
+        assert self.alloc.num_free_blocks == NUM_BLOCKS and self.alloc.reserve_left == self.alloc.reserve_target
         assert self.store.num_free_blocks == HOST_BLOCKS
 
 
 TestExactAllocMachine = ExactAllocMachine.TestCase
-TestExactAllocMachine.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestExactAllocMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)

@@ -6,6 +6,7 @@ every greedy output with an uninterrupted run on plenty of paged KV (vLLM's near
   under-prediction (§3.2.2)   every request predicted far too short: growth draws on the
                               reserved pool, and when that runs dry requests are preempted
                               without offloading and recomputed with L_new = predicted - generated
+                              (fcfs over exact allocation: fcfs drops, it does not pause)
   KV pipelining (§3.4)        a long request hosts short, under-predicted ones in its unused
                               allocation; its writes reach them, so they are evicted (KV saved to
                               the host, or dropped when it is full) and restored (loaded, or
@@ -104,19 +105,27 @@ def _manager(num_blocks: int = 16, host_blocks: int = 0, **options):
 def test_predictions_come_from_options_max_tokens_or_l_new_and_fit_the_admission_pool():
     kv = _manager(padding_ratio=0.0, reserved_fraction=0.25)  # 12 admission blocks: 48 slots
     request = Request("a", [1] * 4, _params(10))
-    assert kv.prediction(request) == 10  # no predictor: max_tokens
-    assert _manager(predicted_len=3).prediction(request) == 3
-    assert _manager(predicted_len=50).prediction(request) == 10  # never past max_tokens
-    assert kv.prediction(Request("b", [1] * 40, _params(30))) == 8  # 40 + 8 fills the admission pool
+    assert kv.predicted_output_len(request) == 10  # no predictor: max_tokens
+    assert _manager(predicted_len=3).predicted_output_len(request) == 3
+    assert _manager(predicted_len=50).predicted_output_len(request) == 10  # never past max_tokens
+    assert kv.predicted_output_len(Request("b", [1] * 40, _params(30))) == 8  # 40 + 8 fills the admission pool
 
     assert kv.can_reserve(request, 4) and kv.num_used_blocks == 0  # side-effect free
-    assert kv.reserve(request, 4) == [] and kv.num_used_blocks == 4  # 4 + 10 tokens, exactly
+    assert kv.reserve(request, 4) == [] and kv.num_used_blocks == 1  # a PT: its prompt, from the pool
+    assert kv.alloc.reserve_left == 3
     request.append_token(7, 0.0)
+    assert kv.reserve(request, 5) == [] and kv.num_used_blocks == 4  # its GT: 4 + 10 tokens, exactly
+    assert kv.alloc.reserve_left == 4  # the prompt's charge moved to A_KVC
     request.append_token(8, 0.0)
     assert kv.preempt(request) == (0, []) and kv.num_used_blocks == 0  # offload-free: recompute
-    assert kv.prediction(request) == 10 - 2 and kv.events["preemptions"] == 1  # L_new
+    assert kv.predicted_output_len(request) == 10 - 2 and kv.events["preemptions"] == 1  # L_new
     kv.release(request)
     kv.check_invariants()
+
+    coupled = _manager(padding_ratio=0.0, reserved_fraction=0.25, decoupled=False)
+    request = Request("c", [1] * 4, _params(10))
+    assert coupled.reserve(request, 4) == [] and coupled.num_used_blocks == 4  # prompt + RL at once
+    coupled.release(request)
 
 
 def test_a_request_that_outran_its_prediction_is_re_predicted_not_given_l_new():
@@ -131,7 +140,7 @@ def test_a_request_that_outran_its_prediction_is_re_predicted_not_given_l_new():
     for token in range(5):  # 5 generated against a prediction of 3
         request.append_token(token, 0.0)
     kv.preempt(request)
-    assert kv.prediction(request) == 20 - 5 and kv.events["repredictions"] == 1  # plain callable: max_tokens
+    assert kv.predicted_output_len(request) == 20 - 5 and kv.events["repredictions"] == 1  # plain callable: max_tokens
     kv.release(request)
 
     kv = _manager(padding_ratio=0.0, reserved_fraction=0.25, predicted_len=oracle)
@@ -140,12 +149,12 @@ def test_a_request_that_outran_its_prediction_is_re_predicted_not_given_l_new():
     for token in range(5):
         request.append_token(token, 0.0)
     kv.preempt(request)
-    assert kv.prediction(request) == 9 - 5 and kv.events["repredictions"] == 0  # 9 - 5 > 0: the paper's L_new
+    assert kv.predicted_output_len(request) == 9 - 5 and kv.events["repredictions"] == 0  # 9 - 5 > 0: the paper's L_new
     kv.reserve(request, request.num_tokens)
     for token in range(6):  # now 11 generated: past the oracle's 9 (a max_tokens-capped trace, say)
         request.append_token(token, 0.0)
     kv.preempt(request)
-    assert kv.prediction(request) == 1 and kv.events["repredictions"] == 1  # the oracle knows: at least 1
+    assert kv.predicted_output_len(request) == 1 and kv.events["repredictions"] == 1  # the oracle knows: at least 1
     kv.release(request)
     kv.check_invariants()
 
@@ -155,6 +164,8 @@ def test_build_rejects_unknown_options_and_bad_predictions():
         _manager(padding=0.1)
     with pytest.raises(ValueError, match="predicted_len"):
         _manager(predicted_len=0)
+    with pytest.raises(ValueError, match="decoupled"):
+        _manager(decoupled="yes")
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -167,7 +178,7 @@ def test_fcfs_over_exact_kv_keeps_every_position(seed):
     predicted["r0"] = lengths["r0"]
     kv = _manager(device_blocks, host_blocks, predicted_len=lambda r: predicted[r.request_id],
                   padding_ratio=rng.choice([0.0, 0.15]), reserved_fraction=rng.choice([0.0, 0.1, 0.2]),
-                  pipeline_buffer=rng.choice([0, 2]))
+                  pipeline_buffer_ratio=rng.choice([0.0, 0.15]), decoupled=rng.random() < 0.5)
     executor = TaggingExecutor(kv.alloc.host_store, device_blocks, BLOCK)
     config = SchedulerConfig(max_num_batched_tokens=rng.choice([3, 6, 16]), max_num_seqs=8, max_model_len=device_blocks * BLOCK)
     engine = Engine(FCFSScheduler(config, kv), executor, tokenizer=None)

@@ -277,7 +277,7 @@ def test_a_learned_prediction_sizes_admission_through_the_fcfs_scheduler():
     scheduler.add_request(request)
     output = scheduler.schedule()
     assert [c.request.request_id for c in output.chunks] == ["learned"]
-    assert kv.prediction(request) == 11  # the median, not max_tokens
+    assert kv.predicted_output_len(request) == 11  # the median, not max_tokens
     assert kv.num_used_blocks == math.ceil((5 + 11) / BLOCK)  # 4 blocks, not ceil(205 / 4) = 52
     # Without history the same request would reserve max_tokens, which this pool cannot hold.
     assert BucketQuantilePredictor().predict(request) == 200

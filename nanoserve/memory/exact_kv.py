@@ -2,18 +2,26 @@
 
 Every request gets a predicted response length (RL): `options["predicted_len"]`, one number for
 all of them or a function of the request (a trace's lookup, a predictor model), else its
-`max_tokens`; after a preemption, the L_new of §3.2.2. The scheduler's calls map onto
-`ExactAllocator`:
+`max_tokens`; after a preemption, the L_new of §3.2.2. A prediction is made for a request's tokens
+at the time (its prompt, or prompt and generated tokens after a preemption) and reserves
+`tokens + RL + padding` slots. The scheduler's calls map onto `ExactAllocator`:
 
-    can_reserve(r, n)   exact, changes nothing: admission (in a host's region, §3.4, or the
-                        admission pool), growth (inside the reservation, else from the reserved
-                        pool, §3.2.2), or restoring an evicted guest and then growing it
-    reserve(r, n)       r's first call admits it with its whole predicted footprint (§3.2.1);
-                        an evicted guest is restored (`ensure_resident`: loads); then `grow`,
-                        whose copies save the guests r's writes reach (§3.4)
-    preempt(r)          offload-free (§3.2.2): free r's KV, keep L_new = predicted - generated as
-                        its prediction for re-admission (re-predicted when that is <= 0), and
-                        recompute: (0, [])
+    can_reserve(r, n)   exact, changes nothing: what `reserve` would do
+    reserve(r, n)       decoupled (the default, §3.2.1): r's first call admits its prompt, its KV
+                        charged to the reserved pool (`admit_prompt`), or, past the pool, coupled
+                        (`admit`: prompt + padded RL) from what A_KVC has left ("at the initial
+                        iteration, prompts are selected ... until the available KVC space is fully
+                        allocated"). assumption: a prompt may spill past the pool whenever A_KVC
+                        holds it with its RL (the scheduler batches waiting GTs first), not only
+                        when no GT waits: that stricter reading starved long prompts (TTFT p99
+                        293 s at 3 req/s, ShareGPT-like). Its first call past its prompt batches its GT
+                        (`batch`: its RL from A_KVC, or in a host's region). Coupled
+                        (`decoupled=False`: ORCA, fcfs): the first call admits prompt + padded RL.
+                        Then `grow`: past the allocation from the reserved pool; its copies save
+                        the guests r's writes reach (§3.4). An evicted guest is restored first.
+    pause(r)            resident preemption (§3.2.2): a decoding GT that cannot grow keeps its KV
+                        and waits to be batched again with L_new; None (a guest is evicted instead)
+    preempt(r)          drop r's KV (recompute) and keep L_new for its re-admission
     release(r)          free r's blocks (its guests keep theirs) and its host copies
 
 Why each call's copies are one safe group: a call returns loads (a restore) or saves (evictions),
@@ -21,7 +29,7 @@ never both, since a restored request has no guests. Why a step is safe (see sche
 forward reads and writes the slots of every request given a chunk this step. Only a host's growth
 takes slots from another request, and `order` serves hosts before their guests, so a guest is
 evicted (saved, in the host's group) before it is given a chunk, and its own later `reserve`
-restores it (loads into fresh blocks, in a later group). A request admitted from the queue is
+restores it (loads into fresh blocks, in a later group). A request batched from the queue is
 hosted only past its host's already-reserved positions. Releases and preemptions move no slots:
 guests keep their KV where it is. `reserve` checks this: evicting a request served this step raises.
 
@@ -42,14 +50,14 @@ from nanoserve.memory.manager import KVManager
 if TYPE_CHECKING:
     from nanoserve.request import Request
 
-ALLOC_OPTIONS = ("padding_ratio", "reserved_fraction", "pipeline_buffer", "min_new_prediction")
+ALLOC_OPTIONS = ("padding_ratio", "reserved_fraction", "pipeline_buffer_ratio", "min_new_prediction")
 Predictor = Union[int, Callable[["Request"], int], None]  # None: predict max_tokens
 
 
 @runtime_checkable
 class RemainingPredictor(Protocol):
     """A predictor that can also re-predict a running request's remaining length (the
-    predictors of sched/predictor.py): what `ExactKV.preempt` asks when L_new fails."""
+    predictors of sched/predictor.py): what `ExactKV` asks when L_new fails."""
 
     def __call__(self, request: Request) -> int: ...
 
@@ -57,29 +65,28 @@ class RemainingPredictor(Protocol):
 
 
 class ExactKV(KVManager):
-    """Exact allocation from predicted lengths, a reserved pool, offload-free preemption and KV
-    pipelining (EcoServe §3.2, §3.4)."""
+    """Exact allocation from predicted lengths, decoupled PT/GT allocation, a reserved pool,
+    offload-free (resident) preemption and KV pipelining (EcoServe §3.2, §3.4)."""
 
-    def __init__(self, alloc: ExactAllocator, predicted_len: Predictor = None):
+    def __init__(self, alloc: ExactAllocator, predicted_len: Predictor = None, decoupled: bool = True):
         self.alloc = alloc
         self.block_size = alloc.block_size
         self.host_store = alloc.host_store
         self.predicted_len = predicted_len
-        self._predicted: dict[str, int] = {}  # asked once per request; L_new after a preemption
-        self.repredictions = 0  # preemptions whose L_new was <= 0: re-predicted (see `preempt`)
-        # `prediction`'s answer and the request's tokens it was for: the admission pass asks again
-        # each step for the requests it tries, and the answer only changes with those two.
-        self._clamped: dict[str, tuple[int, int]] = {}
-        # Tokens at admission (what came after was generated) and the RL the admission reserved.
-        self._admitted_at: dict[str, tuple[int, int]] = {}
+        self.decoupled = decoupled
+        # Per request: (its tokens when predicted, the RL its allocation is for), asked once per
+        # request and again (L_new) at each preemption; the RL is clamped to what can be admitted.
+        self._predicted: dict[str, tuple[int, int]] = {}
         self._requests: dict[str, Request] = {}  # admitted ones, to send a dropped guest back to 0
         self._served: set[str] = set()  # given slots this step: their slots must not be taken
+        self.repredictions = 0  # preemptions whose L_new was <= 0: re-predicted (see `_l_new`)
+        self.spills = 0  # prompts admitted coupled, past the reserved pool
+        self.pauses = 0  # preemptions that kept the request's KV (on the device, or a guest's on the host)
 
     # -- capacity --------------------------------------------------------------------------
     @property
     def max_request_tokens(self) -> int:
-        # Admission never touches the reserved pool, so a longer request could never come back
-        # after an offload-free preemption.
+        # GTs are batched from A_KVC only, so a longer request could never be batched.
         return (self.alloc.num_blocks - self.alloc.reserve_target) * self.block_size
 
     @property
@@ -88,29 +95,53 @@ class ExactKV(KVManager):
 
     @property
     def num_used_blocks(self) -> int:
-        return self.alloc.num_blocks - self.alloc.num_free_blocks - self.alloc.num_reserved_pool_blocks
+        return self.alloc.num_blocks - self.alloc.num_free_blocks
+
+    def admission_room_tokens(self) -> int:
+        """A_KVC: the reserved pool is not for GTs."""
+        return self.alloc.num_admission_blocks * self.block_size
 
     # -- predictions -----------------------------------------------------------------------
-    def prediction(self, request: Request) -> int:
-        """The RL that `request`'s admission reserves for, beyond its current tokens."""
-        rid, alloc, num_tokens = request.request_id, self.alloc, request.num_tokens
-        cached = self._clamped.get(rid)
-        if cached is not None and cached[0] == num_tokens:
-            return cached[1]
-        if rid not in self._predicted:  # once: can_reserve and reserve must agree
+    def predicted_output_len(self, request: Request) -> int:
+        """The RL that `request`'s next allocation is for, past the tokens it had when predicted."""
+        return self._prediction(request)[1]
+
+    def _prediction(self, request: Request) -> tuple[int, int]:
+        cached = self._predicted.get(request.request_id)
+        if cached is None:  # once: can_reserve and reserve must agree
             fixed = self.predicted_len or request.params.max_tokens
-            self._predicted[rid] = self.predicted_len(request) if callable(self.predicted_len) else fixed
-        predicted = self._predicted[rid]
+            predicted = self.predicted_len(request) if callable(self.predicted_len) else fixed
+            cached = self._predicted[request.request_id] = self._clamped(request, predicted)
+        return cached
+
+    def _clamped(self, request: Request, predicted: int) -> tuple[int, int]:
+        """(tokens now, `predicted` cut to what can be admitted with them)."""
+        alloc, base = self.alloc, request.num_tokens
         # No point reserving past max_tokens: the engine stops the request there.
         predicted = min(predicted, request.output_tokens_left)
-        # A reservation larger than the admission pool could never be admitted; a shorter one
-        # is only an under-prediction, which the reserved pool and preemption handle (§3.2.2).
-        pool = (alloc.num_blocks - alloc.reserve_target) * self.block_size - num_tokens
+        # A reservation larger than A_KVC could never be batched; a shorter one is only an
+        # under-prediction, which the reserved pool and preemption handle (§3.2.2).
+        pool = (alloc.num_blocks - alloc.reserve_target) * self.block_size - base
         predicted = max(1, min(predicted, math.floor(pool / (1 + alloc.config.padding_ratio))))
-        while predicted > 1 and alloc.reservation_tokens(num_tokens, predicted) > pool + num_tokens:
+        while predicted > 1 and alloc.reservation_tokens(base, predicted) > pool + base:
             predicted -= 1  # the padding's rounding up: a step or two at most
-        self._clamped[rid] = (num_tokens, predicted)
-        return predicted
+        return base, predicted
+
+    def _l_new(self, request: Request) -> int:
+        """§3.2.2: "By subtracting its currently generated response length from its predicted RL,
+        we obtain its new predicted RL L_new". That formula has a flaw: a request preempted
+        because it outgrew its padded reservation has generated more than its prediction, so
+        L_new <= 0 and it would come back with a token or two reserved, to be preempted again.
+        Then (ours) the predictor re-predicts the remaining length (`predict_remaining`:
+        conditional on what was generated), or, with no predictor, all max_tokens allows."""
+        base, predicted = self._prediction(request)
+        l_new = predicted - (request.num_tokens - base)
+        if l_new >= self.alloc.config.min_new_prediction:
+            return l_new
+        self.repredictions += 1
+        if isinstance(self.predicted_len, RemainingPredictor):
+            return max(1, self.predicted_len.predict_remaining(request))
+        return request.output_tokens_left
 
     # -- the step --------------------------------------------------------------------------
     def order(self, running: list[Request]) -> list[Request]:
@@ -138,71 +169,81 @@ class ExactKV(KVManager):
         return []
 
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
-        rid = request.request_id
-        if not self.alloc.has(rid):
-            return self.alloc.can_admit(request.num_tokens, self.prediction(request))
-        return self.alloc.can_write(rid, num_tokens)
+        rid, alloc = request.request_id, self.alloc
+        if not alloc.has(rid):
+            _, predicted = self._prediction(request)
+            if self.decoupled and alloc.can_admit_prompt(request.num_tokens):
+                return True
+            return alloc.can_admit(request.num_tokens, predicted, allow_hosting=not self.decoupled)
+        if not alloc.is_batched(rid) and num_tokens > alloc.reservation(rid):
+            return alloc.can_batch(rid, *self._prediction(request))
+        return alloc.can_write(rid, num_tokens)
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
-        rid = request.request_id
-        if self.alloc.write_within(rid, num_tokens):  # a decode inside its reservation: no copies
+        rid, alloc = request.request_id, self.alloc
+        if alloc.write_within(rid, num_tokens):  # a decode inside its allocation: no copies
             self._served.add(rid)
             return []
         if not self.can_reserve(request, num_tokens):
             raise NoFreeBlocksError(f"{rid!r}: no room for {num_tokens} tokens")
         copies: list[KVCopy] = []
-        if not self.alloc.has(rid):
-            # The whole prompt (or, after a preemption, prompt and generated tokens) plus the RL.
-            predicted = self.prediction(request)
-            self.alloc.admit(rid, request.num_tokens, predicted)
-            self._admitted_at[rid], self._requests[rid] = (request.num_tokens, predicted), request
+        if not alloc.has(rid):
+            _, predicted = self._prediction(request)
+            if self.decoupled and alloc.can_admit_prompt(request.num_tokens):
+                alloc.admit_prompt(rid, request.num_tokens)  # a PT: its prompt, from the reserved pool
+            else:
+                # The prompt and its RL at once; decoupled, only GTs are hosted (§3.4: "Recursively
+                # select hosted GT groups"), so no request waiting in Q_G is ever a guest.
+                alloc.admit(rid, request.num_tokens, predicted, allow_hosting=not self.decoupled)
+                self.spills += self.decoupled
+            self._requests[rid] = request
+        elif not alloc.is_batched(rid) and num_tokens > alloc.reservation(rid):
+            copies += alloc.batch(rid, *self._prediction(request))  # its GT: the predicted RL
         else:
-            copies += self.alloc.ensure_resident(rid)
+            copies += alloc.ensure_resident(rid)
         guests = self._nested_guests(rid)
-        grow = num_tokens - self.alloc.num_written(rid)
+        grow = num_tokens - alloc.num_written(rid)
         if grow > 0:
-            copies += self.alloc.grow(rid, grow)
-        for guest in guests:
-            if self.alloc.is_resident(guest):
-                continue
-            if guest in self._served:
-                raise RuntimeError(f"{rid!r} evicted {guest!r}, which was given a chunk this step: order() is wrong")
-            if self.alloc.num_written(guest) == 0:  # dropped: no host room for its KV
-                self._requests[guest].num_computed_tokens = 0
+            copies += alloc.grow(rid, grow)
+        self._reset_dropped(guests)
         self._served.add(rid)
         return copies
 
     def block_table(self, request: Request) -> list[int]:
         return self.alloc.block_table(request.request_id)
 
-    def preempt(self, request: Request) -> tuple[int, list[KVCopy]]:
-        """Offload-free (§3.2.2): free the request's KV and re-admit it later with L_new.
+    def pause(self, request: Request) -> tuple[int, list[KVCopy]] | None:
+        """Resident preemption (§3.2.2): "If the reserved KVC is not enough, this request stops
+        processing along with other completed requests in the batch ... It will be grouped with
+        other GTs with the predicted RLs equalling to L_new". It keeps its KV: "A waiting GT
+        occupies a certain KVC space for the tokens of its prompt and also for its previously
+        generated tokens if it is preempted" (§2.4). Only a decoding GT pauses; anything else is
+        dropped (`preempt`). A guest is evicted to host memory (§3.4): then its tokens survive
+        there, not resident."""
+        rid, alloc = request.request_id, self.alloc
+        decoding = request.num_computed_tokens == request.num_tokens - 1
+        if not (self.decoupled and alloc.has(rid) and decoding and alloc.is_batched(rid) and alloc.is_resident(rid)):
+            return self.preempt(request)
+        l_new, guests = self._l_new(request), self._nested_guests(rid)
+        copies = alloc.pause(rid)
+        self._reset_dropped(guests)
+        if not alloc.is_resident(rid) and alloc.num_written(rid) == 0:  # an evicted guest with no host room
+            return self.preempt(request)
+        self._predicted[rid] = self._clamped(request, l_new)
+        self.pauses += 1
+        return None if alloc.is_resident(rid) else (request.num_computed_tokens, copies)
 
-        The paper: "By subtracting its currently generated response length from its predicted
-        RL, we obtain its new predicted RL L_new". That formula has a flaw: a request preempted
-        because it outgrew its padded reservation has generated more than its prediction, so
-        L_new <= 0 and it would come back with a token or two reserved, to be preempted again.
-        Then (ours) the predictor re-predicts the remaining length (`predict_remaining`:
-        conditional on what was generated), or, with no predictor, all max_tokens allows."""
+    def preempt(self, request: Request) -> tuple[int, list[KVCopy]]:
+        """Offload-free, dropping the KV (§3.2.2's second option; what a coupled policy does): free
+        the request's KV and re-admit it later with L_new (`_l_new`), recomputing."""
         rid = request.request_id
         if not self.alloc.has(rid):
             return 0, []
-        admitted_at, admitted_rl = self._admitted_at.pop(rid)
-        generated = request.num_tokens - admitted_at
-        l_new = self.alloc.preempt(rid, generated)
-        if admitted_rl - generated < self.alloc.config.min_new_prediction:
-            l_new = self.repredicted(request)
-            self.repredictions += 1
-        self._predicted[rid] = l_new
-        self._clamped.pop(rid, None)
+        l_new = self._l_new(request)
+        self.alloc.preempt(rid, request.num_tokens - self._predicted[rid][0])
+        self._predicted[rid] = self._clamped(request, l_new)
         del self._requests[rid]
         return 0, []
-
-    def repredicted(self, request: Request) -> int:
-        """The remaining length of a request that outran its prediction (see `preempt`)."""
-        if isinstance(self.predicted_len, RemainingPredictor):
-            return max(1, self.predicted_len.predict_remaining(request))
-        return request.output_tokens_left
 
     def release(self, request: Request) -> None:
         rid = request.request_id
@@ -211,15 +252,27 @@ class ExactKV(KVManager):
         observe = getattr(self.predicted_len, "observe", None)
         if callable(observe) and request.status.finished:
             observe(request)
-        for table in (self._predicted, self._clamped, self._admitted_at, self._requests):
-            table.pop(rid, None)
+        self._predicted.pop(rid, None)
+        self._requests.pop(rid, None)
 
     def _nested_guests(self, rid: str) -> list[str]:
+        if not self.alloc.num_guests:
+            return []
         guests, stack = [], self.alloc.hosted_by(rid)
         while stack:
             guests.append(stack.pop())
             stack += self.alloc.hosted_by(guests[-1])
         return guests
+
+    def _reset_dropped(self, guests: list[str]) -> None:
+        """Guests just evicted with no host room recompute from 0 (see the module docstring)."""
+        for guest in guests:
+            if self.alloc.is_resident(guest):
+                continue
+            if guest in self._served:
+                raise RuntimeError(f"{guest!r} was evicted after it was given a chunk this step: order() is wrong")
+            if self.alloc.num_written(guest) == 0:  # dropped: no host room for its KV
+                self._requests[guest].num_computed_tokens = 0
 
     # -- observability ----------------------------------------------------------------------
     @property
@@ -227,9 +280,13 @@ class ExactKV(KVManager):
         a = self.alloc
         return {
             "admissions": a.admissions,
-            "hosted_placements": a.hosted_placements,  # admitted into a host's unused allocation (§3.4)
-            "reserved_pool_draws": a.reserved_pool_draws,  # blocks past a reservation (§3.2.2)
-            "preemptions": a.preemptions,  # offload-free (§3.2.2)
+            "prompt_admissions": a.prompt_admissions,  # PTs given their prompt's KV only (§3.2.1)
+            "spills": self.spills,  # ...or, past the reserved pool, prompt and RL at once
+            "batches": a.batches,  # GTs given their predicted RL (§3.2.1)
+            "hosted_placements": a.hosted_placements,  # in a host's unused allocation (§3.4)
+            "reserved_pool_draws": a.reserved_pool_draws,  # blocks past an allocation (§3.2.2)
+            "pauses": self.pauses,  # preemptions that kept the KV (§3.2.2)
+            "preemptions": a.preemptions,  # KV dropped, recomputed
             "repredictions": self.repredictions,  # ...whose L_new was <= 0
             "hosted_evictions": a.hosted_evictions,  # guests whose host's writes reached them (§3.4)
             "hosted_drops": a.hosted_drops,  # ...with no host room: recomputed
@@ -243,14 +300,19 @@ class ExactKV(KVManager):
 def build(ctx) -> ExactKV:
     """The registry's builder for "exact" (see nanoserve/memory/__init__.py). Options:
     `predicted_len` (one RL for every request, or a function of the request; default each
-    request's max_tokens) and the `ExactAllocConfig` knobs (padding_ratio, reserved_fraction,
-    pipeline_buffer, min_new_prediction)."""
+    request's max_tokens), `decoupled` (default True: PTs get their prompt's KV, GTs their RL
+    when batched; False: prompt + RL at admission, for ORCA and policies that do not batch GTs),
+    and the `ExactAllocConfig` knobs (padding_ratio, reserved_fraction, pipeline_buffer_ratio,
+    min_new_prediction)."""
     options = dict(ctx.options)
     predicted_len = options.pop("predicted_len", None)
+    decoupled = options.pop("decoupled", True)
     knobs = {name: options.pop(name) for name in ALLOC_OPTIONS if name in options}
     if options:
         raise ValueError(f"unknown options for the exact KV manager: {sorted(options)}")
     if not (predicted_len is None or callable(predicted_len) or (isinstance(predicted_len, int) and predicted_len >= 1)):
         raise ValueError(f"predicted_len must be a positive integer or a function of the request, got {predicted_len!r}")
+    if not isinstance(decoupled, bool):
+        raise ValueError(f"decoupled must be a bool, got {decoupled!r}")
     config = ExactAllocConfig(block_size=ctx.block_size, **knobs)
-    return ExactKV(ExactAllocator(ctx.num_blocks, config, ctx.host_store), predicted_len)
+    return ExactKV(ExactAllocator(ctx.num_blocks, config, ctx.host_store), predicted_len, decoupled)

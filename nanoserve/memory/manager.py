@@ -134,6 +134,16 @@ class KVManager(ABC):
         """Computed tokens of `request` that `preempt` would make it recompute."""
         return request.num_computed_tokens
 
+    def admission_room_tokens(self) -> int:
+        """Token slots a request admitted now could be given (EcoServe's A_KVC); default: every
+        free block. A manager that holds some free blocks back for other uses says less."""
+        return (self.num_blocks - self.num_used_blocks) * self.block_size
+
+    def predicted_output_len(self, request: Request) -> int:
+        """The response length the manager allocates `request` for (EcoServe's predicted RL);
+        default: all that max_tokens allows, as a manager with no predictor must assume."""
+        return request.output_tokens_left
+
     @property
     def events(self) -> dict[str, int]:
         """Counters of the allocator's mechanisms (preemptions, checkpoints, ...)."""

@@ -1,68 +1,70 @@
 """EcoServe's scheduling (ecoserve.txt §3): SyncDecoupled batching with Ordering, over exact
 allocation (`memory/exact_kv.py`, the policy's default KV manager).
 
-The paper splits each request into its prompt tasks (PTs) and its generation tasks (GTs), and
-gives each resource to one of them (§3.2.1): GTs fill the KV cache, PTs fill the GPU, i.e. the
-step's target forward size (TFS). One step of Algorithm 1 (§3.5) maps onto `plan` as follows:
+The paper splits each request into its prompt task (PT) and its generation task (GT), and gives
+each resource to one of them (§3.2.1): "PTs and GTs are responsible for fully utilizing the GPU and
+KVC, respectively." A PT is allocated its prompt's KV; when its prompt is done it becomes a GT in
+the GT queue, and a GT is allocated its predicted RL when it is batched. One step of Algorithm 1
+(§3.5) maps onto `plan` as follows:
 
     Alg. 1 / paper                           here
     ---------------------------------------  ----------------------------------------------------
-    the running batch's GTs (time-synced     `_split_tasks`: every admitted request that is
-    groups, §3.2.2) advance one token each   decoding (lacks one token) gets one token
-    line 5: PTs from Q_P until Σ L_p = TFS   `_fill_prompts`: admitted requests still prefilling
-    (§3.2.1), TFS from the cost model        (or recomputing) share `target_forward_size` minus
-                                             the decodes, ordered (§3.3), bisect for the longest
-                                             whole prompt that fits, else a chunk
-    line 1-2: when a GT group completes,     `_admit_groups`: the generation queue Q_G is the
-    GT groups from Q_G until Σ L_r = A_KVC   waiting queue (new and preempted requests, indexed
-                                             in `_queue`, sched/ecoserve_queue.py), grouped
-                                             by equal predicted RL (`predicted_rl`: the manager's
-                                             `prediction` if it has one, L_new after a
-                                             preemption, else max_tokens); ordered (§3.3), bisect
-                                             for the group whose RL is closest below the free KV;
-                                             a group that does not fit whole is split
-    line 3: hosted GTs (KVCPipeline, §3.4)   the manager places an admitted request in a host's
-                                             unused allocation when one fits (exact_kv), so a
-                                             request longer than the free KV is still tried
-    lines 7-9: Ordering of new/preempted     `_gt_key`: kept by `_queue`, which keys a request
-    GTs (§3.3)                               once as it joins Q_G (only its deadline bucket moves
-                                             while it waits, and `advance` moves just those), so
-                                             a step touches only what it admits or moves;
-                                             `_pt_key`: the few prefilling requests, re-sorted
-                                             every step
-    under-prediction (§3.2.2)                padding and the reserved pool are the manager's; a
-                                             running request it says cannot grow is preempted
-                                             offload-free (`self.preempt`), gets L_new as its
-                                             prediction, and is re-admitted with its group later
+    lines 7-9: "the GTs generated from the   `_enter_generation_queue`: a running PT whose prompt
+    prompts and preempted GTs are inserted   is done (the step sampled its first token) leaves
+    into the GT queue"                       the batch for Q_G, its prompt KV held; a GT that
+                                             paused (below) is already there
+    the running batch's GTs advance one      `_serve_running`: every batched GT gets one token, in
+    token each (time-synced groups, §3.2.2)  the manager's order (hosts before guests, §3.4)
+    under-prediction (§3.2.2): "it first     the manager charges growth past the allocation to the
+    tries to use the reserved KVC. If the    reserved pool; a GT it says cannot grow is paused
+    reserved KVC is not enough, this         (`preempt(keep_resident=True)`): it keeps its KV and
+    request stops processing"                re-enters Q_G with L_new
+    line 2: "Select GT groups from Q_G       `_batch_generations`: Q_G (`_generations`), grouped by
+    until Σ L_r = A_KVC"                     equal predicted RL, in §3.3 order; bisect for the
+                                             group whose RL is closest below A_KVC
+                                             (`admission_room_tokens`); a group that does not fit
+                                             whole is split. Each batched GT decodes at once
+    line 3: hosted GTs (KVCPipeline, §3.4)   the manager places a batched GT in a host's unused
+                                             allocation when one fits, so a GT longer than A_KVC
+                                             is still tried
+    line 5: "Select PTs from Q_P until       `_fill_prompts`: running PTs go on first (their KV is
+    Σ L_p = TFS"                             held), then Q_P (`_prompts`) in §3.3 order: bisect for
+                                             the longest whole prompt that fits what is left of
+                                             the TFS, else a chunk of the one closest above. The
+                                             manager gives a PT its prompt's KV from the reserved
+                                             pool ("A small amount KVC is reserved for PTs")
+    Ordering (§3.3)                          `_queue_arrivals` keys a request once as it joins
+                                             either queue (only its deadline bucket moves while it
+                                             waits, and `advance` moves just those)
 
 Ordering (§3.3), for both queues: ascending deadline bucket (the SLO deadline of the request's
 next token: arrival + TTFT before the first token, then first token + TPOT per later token;
 slack < 0.5 s, < 2 s, later, no target), then descending occupied-KV bucket (tokens whose KV
-the request holds, or held before a preemption, in `kv_bucket_tokens` ranges), then descending
-length (predicted RL for GTs, remaining prompt for PTs), then arrival; ties on all of it keep
+the request holds, in `kv_bucket_tokens` ranges: a paused GT's prompt and generated tokens),
+then descending length (predicted RL for GTs, remaining prompt for PTs), then arrival; ties keep
 the waiting deque's order (preempted requests at its front). Within one (deadline, occupied)
 bucket the tasks are thus sorted by length, and `bisect` finds the one closest below the room left.
 
-Adaptations to this framework, where a request's KV lives from admission to finish:
-- exact_kv reserves prompt + padded RL at admission, so a GT group's admission and its PT's
-  first chunk coincide (an admitted request gets a chunk at once); Σ L_r is checked by the
-  manager (`can_chunk`), the bisect over RL only picks where to start.
-- All admitted GTs decode every step (their KV is held anyway; time-synced groups end together
-  because they were admitted together with equal RL). Decodes are never cut by the TFS.
+Adaptations to this framework (ours):
+- Both queues are `self.waiting` for the engine: a waiting request that holds the K/V of all its
+  tokens but the last (one token lacking) is a GT; any other is a PT (a new prompt, or one whose
+  KV was dropped and is recomputed as prompt).
+- Q_G is batched every step there is room, not only "if a GT group completes": room appears
+  when any GT finishes, and §3.2.1 batches "If there is available KVC".
 - The TFS is the largest token count whose predicted iteration time (cost model, one prefill
   chunk at prefix 0 next to the decodes) stays under `tfs_target` (default: the online TPOT
   target, since every iteration is one decode step of every running GT), capped by the token
   budget; prompts always get at least `min_prefill_tokens` so they advance under any target.
-- Running requests are served in `self.kv.order(running)` (hosts before guests, exact_kv §3.4),
-  whatever their queue, so a host's growth never evicts a guest already given a chunk.
-- No admissions in a step that preempted (as fcfs): the freed KV goes to the running batch.
+  Decodes are never cut by the TFS.
+- Liveness: paused GTs hold KV while they wait, so when nothing runs and no GT in Q_G can be
+  batched, the one holding least KV is dropped to be recomputed (`queued_drops`); the paper
+  does not say what happens then.
 """
 from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left, bisect_right
-from itertools import groupby
+from bisect import bisect_right
 from typing import Callable
 
 from nanoserve.config import SchedulerConfig
@@ -71,104 +73,211 @@ from nanoserve.memory.manager import KVManager
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import Scheduler, SchedulerOutput
 from nanoserve.sched.cost_model import CostModel
-from nanoserve.sched.ecoserve_queue import GenerationQueue, deadline_bucket
+from nanoserve.sched.ecoserve_queue import TaskQueue, deadline_bucket
 
 
 def _lacking(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
+def _is_generation(request: Request) -> bool:
+    """A GT: it holds the K/V of every token but the one it will decode next."""
+    return request.num_computed_tokens > 0 and len(request.token_ids) - request.num_computed_tokens == 1
+
+
 class EcoServeScheduler(Scheduler):
     deadline_buckets: tuple[float, ...] = (0.5, 2.0)  # §3.3's slack ranges, seconds
     kv_bucket_tokens: int = 128  # §3.3's magnitude ranges for occupied KV
     min_prefill_tokens: int = 16  # prompts advance even when decodes alone exceed the TFS target
-    max_failed_admissions: int = 32  # can_chunk refusals per step before admission gives up
+    max_failed_admissions: int = 32  # refusals per queue per step before it gives up
 
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic, tfs_target: float | None | str = "online_tpot"):
         super().__init__(config, kv, cost_model, clock)
         # Seconds one iteration may take: by default the online TPOT target (None: no time cap).
         self.tfs_target = config.online_slo.tpot if tfs_target == "online_tpot" else tfs_target
-        # Q_G: `self.waiting` indexed by `_gt_key`. Requests that joined `self.waiting` since the
-        # last admission pass wait in `_unqueued` (True: at the deque's front), in deque order, and
+        # Q_P and Q_G: `self.waiting` indexed by §3.3's keys. Requests that joined `self.waiting`
+        # since the last pass wait in `_unqueued` (True: at the deque's front), in deque order, and
         # are keyed at the next one: that is when a full re-sort would have asked the predictor.
-        self._queue = GenerationQueue(self.deadline_buckets)
+        self._prompts = TaskQueue(self.deadline_buckets)
+        self._generations = TaskQueue(self.deadline_buckets)
         self._unqueued: dict[Request, bool] = {}
+        self._batched: set[Request] = set()  # running GTs; a running request not in it is a PT
+        self.queued_drops = 0  # GTs whose KV was dropped because nothing else could run (ours)
 
-    # -- the waiting queue: `self.waiting` for the engine and base class, `_queue` for the order
+    # -- the waiting queues: `self.waiting` for the engine and base class, two indexes for the order
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         self._unqueued[request] = False
 
-    def preempt(self, request: Request) -> None:
-        super().preempt(request)
+    def preempt(self, request: Request, keep_resident: bool = False) -> bool:
+        kept = super().preempt(request, keep_resident)
+        self._batched.discard(request)
         self._unqueued[request] = True
+        return kept
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
-        if request in self._unqueued:
-            del self._unqueued[request]
-        elif request in self._queue:
-            self._queue.remove(request)
+        self._unindex(request)
+        self._batched.discard(request)
         super().finish_request(request, status)
 
-    def _queue_arrivals(self) -> None:
+    def _unindex(self, request: Request) -> None:
+        if request in self._unqueued:
+            del self._unqueued[request]
+        elif request in self._generations:
+            self._generations.remove(request)
+        elif request in self._prompts:
+            self._prompts.remove(request)
+
+    def _queue_arrivals(self, now: float) -> None:
+        self._prompts.advance(now)  # first: arrivals are placed by their slack at `now`
+        self._generations.advance(now)
         for request, at_front in self._unqueued.items():
-            self._queue.add(request, deadline=self.next_token_deadline(request),
-                            occupied_bucket=self._occupied_bucket(request),
-                            predicted_rl=self.predicted_rl(request), at_front=at_front)
+            if _is_generation(request):
+                self._generations.add(request, deadline=self.next_token_deadline(request),
+                                      occupied_bucket=self._occupied_bucket(request),
+                                      length=self.predicted_rl(request), at_front=at_front)
+            else:
+                self._prompts.add(request, deadline=self.next_token_deadline(request),
+                                  occupied_bucket=self._occupied_bucket(request), length=_lacking(request),
+                                  at_front=at_front)
         self._unqueued.clear()
+
+    def _dequeue(self, queue: TaskQueue, request: Request) -> None:
+        queue.remove(request)
+        self.waiting.remove(request)
+        self.admit(request)
 
     # -- the step (Algorithm 1) ------------------------------------------------------------
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        running = self.running = self.kv.order(self.running)
         now = self.clock()
+        self._enter_generation_queue()
         budget = self.config.max_num_batched_tokens
-
-        decodes, decode_batch, prompts = self._split_tasks(budget)
-        budget -= len(decodes)
-        tfs = self.target_forward_size(decode_batch)
-        prompt_budget = min(budget, max(tfs - len(decodes), self.min_prefill_tokens))
-        allotted = dict.fromkeys(decodes, 1)
-        for request, num_new in self._fill_prompts(prompts, prompt_budget, now):
-            allotted[request] = num_new
-            prompt_budget -= num_new
-
-        # Serve in the manager's order; preempt whoever it says cannot grow (§3.2.2).
-        for request in list(running):
-            num_new = allotted.get(request)
-            if num_new is None:
-                continue
-            # A dropped guest lacks more, never less. (`_lacking` inline: 1,000 times a step.)
-            num_new = min(num_new, len(request.token_ids) - request.num_computed_tokens)
-            if self.can_chunk(request, num_new):
-                out.chunks.append(self.chunk(request, num_new))
-            else:
-                self.running.remove(request)
-                self.preempt(request)
-                out.preempted.append(request)
-
-        if not out.preempted:
-            self._admit_groups(out, prompt_budget, now)
+        budget -= self._serve_running(out, budget)
+        self._queue_arrivals(now)  # after the pauses: a paused GT may be batched again at once
+        self._admit(out, budget)
+        while not out.chunks and not self.running and len(self._generations):
+            self._drop_a_queued_generation()
+            self._queue_arrivals(now)
+            self._admit(out, budget)
         return out
 
-    def _split_tasks(self, budget: int) -> tuple[list[Request], list[tuple[int, int]], list[Request]]:
-        """The running GTs (one token lacking; the first `budget` of them), the same as the cost
-        model's (prefix, 1) chunks, and the PTs (more lacking), in the manager's order: one pass,
-        as it reads every running request."""
-        decodes: list[Request] = []
-        decode_batch: list[tuple[int, int]] = []
-        prompts: list[Request] = []
-        for request in self.running:
-            # len(token_ids) is `num_tokens` without a property call: this runs 1,000s of times a step.
-            lacking = len(request.token_ids) - request.num_computed_tokens
-            if lacking == 1:
-                decodes.append(request)
-                decode_batch.append((request.num_computed_tokens, 1))
-            elif lacking > 1:
-                prompts.append(request)
-        budget = max(budget, 0)
-        return decodes[:budget], decode_batch[:budget], prompts
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """GTs from Q_G to fill the KV, then PTs to reach the TFS (Alg. 1 lines 2-5)."""
+        budget -= self._batch_generations(out, budget)
+        decodes = [(c.start, 1) for c in out.chunks]
+        tfs = self.target_forward_size(decodes)
+        self._fill_prompts(out, min(budget, max(tfs - len(decodes), self.min_prefill_tokens)))
+
+    def _enter_generation_queue(self) -> None:
+        """Alg. 1 lines 7-9: a PT whose prompt is done becomes a GT in Q_G, keeping its prompt KV."""
+        done = [r for r in self.running if r not in self._batched and _is_generation(r)]
+        for request in done:
+            self.running.remove(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+            self._unqueued[request] = False
+
+    def _serve_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Every batched GT decodes one token (the first `budget` of them), in the manager's order;
+        one the manager cannot grow pauses (§3.2.2) and waits in Q_G with L_new. Returns the tokens."""
+        self.running = self.kv.order(self.running)
+        served = 0
+        for request in list(self.running):
+            # A batched GT lacking more than one token recomputes a dropped guest's KV: a prompt.
+            if served >= budget or request not in self._batched or _lacking(request) != 1:
+                continue
+            chunk = self.try_chunk(request, 1)
+            if chunk is None:
+                self.running.remove(request)
+                self.preempt(request, keep_resident=True)
+                out.preempted.append(request)
+                continue
+            out.chunks.append(chunk)
+            served += 1
+        return served
+
+    def _batch_generations(self, out: SchedulerOutput, budget: int) -> int:
+        """Alg. 1 lines 2-3: equal-RL GT groups from Q_G, in §3.3 order, until A_KVC is allocated (or
+        a host's region holds them); each batched GT decodes at once. Returns the tokens."""
+        failures, used, room = 0, 0, self.kv.admission_room_tokens()
+        for group in self._generations.groups():
+            refused: set[Request] = set()  # by the manager this step: passed over, as if popped
+            while used < budget and len(self.running) < self.config.max_num_seqs:
+                # The group whose RL is closest below A_KVC; if none, the shortest (it may still be
+                # hosted in a running GT's unused allocation, §3.4).
+                request = self._generations.closest_below(group, room, refused)
+                if request is None:
+                    break
+                if failures >= self.max_failed_admissions:
+                    return used
+                chunk = self.try_chunk(request, 1)
+                if chunk is None:
+                    failures += 1
+                    refused.add(request)
+                    continue
+                self._dequeue(self._generations, request)
+                self._batched.add(request)
+                out.chunks.append(chunk)
+                used += 1
+                room = self.kv.admission_room_tokens()
+        return used
+
+    def _fill_prompts(self, out: SchedulerOutput, budget: int) -> None:
+        """Alg. 1 line 5: PTs until the TFS is reached: the running ones (their prompt KV is held),
+        then Q_P in §3.3 order; in each bucket the longest prompt that fits whole (bisect), else a
+        chunk of the one closest above."""
+        for request in list(self.running):
+            if budget <= 0:
+                return
+            # Running and not batched: a PT (a finished one went to Q_G). Batched and lacking
+            # more than one token: a GT recomputing a dropped guest's KV.
+            if request not in self._batched or _lacking(request) > 1:
+                num_new = min(_lacking(request), budget)
+                chunk = self.try_chunk(request, num_new)
+                if chunk is None:  # a dropped guest that cannot be restored now: recomputed later
+                    self.running.remove(request)
+                    self.preempt(request)
+                    out.preempted.append(request)
+                    continue
+                out.chunks.append(chunk)
+                budget -= num_new
+        self._admit_prompts(out, budget)
+
+    def _admit_prompts(self, out: SchedulerOutput, budget: int) -> None:
+        """New PTs from Q_P within `budget` tokens; the manager gives each its prompt's KV."""
+        failures = 0
+        for group in self._prompts.groups():
+            refused: set[Request] = set()
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self._prompts.closest_below(group, budget, refused)
+                if request is None:
+                    break
+                if failures >= self.max_failed_admissions:
+                    return
+                num_new = min(_lacking(request), budget)
+                chunk = self.try_chunk(request, num_new)
+                if chunk is None:
+                    failures += 1
+                    refused.add(request)
+                    continue
+                self._dequeue(self._prompts, request)
+                out.chunks.append(chunk)
+                budget -= num_new
+
+    def _drop_a_queued_generation(self) -> None:
+        """Nothing runs and no waiting GT could be batched (paused GTs hold the KV): drop the KV
+        of the one holding least, to be recomputed as a PT (ours: liveness)."""
+        victim = min(self._generations.requests(), key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+        self._generations.remove(victim)
+        kept, copies = self.kv.preempt(victim)
+        self._add_copies(copies)
+        victim.num_computed_tokens = kept
+        self.waiting.remove(victim)  # to the front, as a preemption puts it
+        self.waiting.appendleft(victim)
+        self._unqueued[victim] = True
+        self.queued_drops += 1
 
     def target_forward_size(self, decodes: list[tuple[int, int]]) -> int:
         """The TFS: decodes plus the largest prefill chunk whose predicted iteration time stays
@@ -191,56 +300,12 @@ class EcoServeScheduler(Scheduler):
         largest = bisect_right(range(room + 1), self.tfs_target, key=cost) - 1
         return len(decodes) + max(largest, 0)
 
-    def _fill_prompts(self, prompts: list[Request], budget: int, now: float) -> list[tuple[Request, int]]:
-        """§3.2.1 line 5: PTs in §3.3 order until the budget (TFS) is spent; in each bucket the
-        longest prompt that fits whole (bisect), else a chunk of the one closest above."""
-        picks: list[tuple[Request, int]] = []
-        for bucket in self._buckets(prompts, self._pt_key, now):
-            while bucket and budget > 0:
-                i = bisect_left(bucket, -budget, key=lambda r: -_lacking(r))
-                request = bucket.pop(min(i, len(bucket) - 1))
-                num_new = min(_lacking(request), budget)
-                picks.append((request, num_new))
-                budget -= num_new
-        return picks
-
-    def _admit_groups(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        """Alg. 1 lines 2-3: equal-RL GT groups from the waiting queue, in §3.3 order, until the
-        KV is full; each admitted request starts its prompt with what is left of the TFS."""
-        self._queue.advance(now)  # first: arrivals are placed by their slack at `now`
-        self._queue_arrivals()
-        failures, free_kv = 0, self._free_kv_tokens()
-        for group in self._queue.groups():
-            refused: set[Request] = set()  # by can_chunk this step: passed over, as if popped
-            while budget > 0 and len(self.running) < self.config.max_num_seqs:
-                # The group whose RL is closest below the free KV; if none, the shortest (it may
-                # still be hosted in a running request's unused allocation, §3.4).
-                request = self._queue.closest_below(group, free_kv, refused)
-                if request is None:
-                    break
-                if failures >= self.max_failed_admissions:
-                    return
-                num_new = min(_lacking(request), budget)
-                if not self.can_chunk(request, num_new):
-                    failures += 1
-                    refused.add(request)
-                    continue
-                self._queue.remove(request)
-                self.waiting.remove(request)
-                self.admit(request)
-                out.chunks.append(self.chunk(request, num_new))
-                budget -= num_new
-                free_kv = self._free_kv_tokens()
-
     # -- Ordering (§3.3) -------------------------------------------------------------------
     def predicted_rl(self, request: Request) -> int:
-        """The request's predicted remaining response length: the KV manager's (exact_kv: the
-        predictor's, or L_new after a preemption), else what max_tokens allows. Fixed while the
-        request waits: the queue asks once, when the request joins it."""
-        prediction = getattr(self.kv, "prediction", None)
-        if callable(prediction):
-            return prediction(request)
-        return request.output_tokens_left
+        """The request's predicted response length, as the KV manager allocates it (exact_kv: the
+        predictor's, or L_new after a preemption; others: what max_tokens allows). Fixed while
+        the request waits: the queue asks once, when the request joins it."""
+        return self.kv.predicted_output_len(request)
 
     def next_token_deadline(self, request: Request) -> float:
         """When the request's next token is due under its SLO (inf: no target)."""
@@ -253,25 +318,6 @@ class EcoServeScheduler(Scheduler):
         return deadline_bucket(self.next_token_deadline(request) - now, self.deadline_buckets)
 
     def _occupied_bucket(self, request: Request) -> int:
-        """KV the request holds, or held before a preemption (§3.2.2: such a GT goes first)."""
-        running = request.status == RequestStatus.RUNNING
-        occupied = request.num_computed_tokens if running or not request.num_preemptions else request.num_tokens
-        return occupied // self.kv_bucket_tokens
-
-    def _gt_key(self, request: Request, now: float) -> tuple:
-        """The §3.3 order of the waiting queue; `_queue` keeps it (ties: deque order)."""
-        return (self._deadline_bucket(request, now), -self._occupied_bucket(request),
-                -self.predicted_rl(request), request.arrival_time)
-
-    def _pt_key(self, request: Request, now: float) -> tuple:
-        return (self._deadline_bucket(request, now), -self._occupied_bucket(request),
-                -_lacking(request), request.arrival_time)
-
-    def _buckets(self, requests: list[Request], key, now: float) -> list[list[Request]]:
-        """`requests` in `key` order, cut into (deadline, occupied) buckets, each sorted by
-        descending length: what the bisects search."""
-        keyed = sorted(((key(r, now), r) for r in requests), key=lambda kr: kr[0])
-        return [[r for _, r in group] for _, group in groupby(keyed, key=lambda kr: kr[0][:2])]
-
-    def _free_kv_tokens(self) -> int:
-        return (self.kv.num_blocks - self.kv.num_used_blocks) * self.kv.block_size
+        """KV the request holds (§2.4: a waiting GT's prompt, and its generated tokens if it was
+        preempted; such a GT goes first, §3.2.2)."""
+        return request.num_computed_tokens // self.kv_bucket_tokens

@@ -1,8 +1,9 @@
-"""EcoServe's generation queue Q_G (ecoserve.txt §3.3), indexed so that a step costs what changed,
-not what waits.
+"""EcoServe's waiting queues, the prompt queue Q_P and the GT queue Q_G (ecoserve.txt §3.3), indexed
+so that a step costs what changed, not what waits.
 
-§3.3 orders waiting GTs by (deadline bucket, -occupied-KV bucket, -predicted RL, arrival). While a
-request waits, all of that is fixed but the deadline bucket: the deadline of its next token is
+§3.3 orders waiting tasks by (deadline bucket, -occupied-KV bucket, -length, arrival), the length
+being the predicted RL for GTs and the prompt length for PTs. While a task waits, all of that is
+fixed but the deadline bucket: the deadline of its next token is
 fixed, its slack shrinks as time passes, so its bucket only ever moves to more urgent ones. The
 queue therefore keeps
 - one list per (deadline bucket, -occupied bucket) group, sorted by the rest of the key: what the
@@ -24,7 +25,7 @@ from typing import Hashable
 from nanoserve.request import Request
 
 Group = tuple[int, int]  # (deadline bucket, -occupied-KV bucket): ascending is §3.3's order
-Rank = tuple[int, float, int]  # (-predicted RL, arrival time, deque position) inside a group
+Rank = tuple[int, float, int]  # (-length, arrival time, deque position) inside a group
 
 
 def deadline_bucket(slack: float, bounds: tuple[float, ...]) -> int:
@@ -41,7 +42,7 @@ class _Entry:
     group: Group = (0, 0)  # where it sits as of the queue's `now`
 
 
-class GenerationQueue:
+class TaskQueue:
     def __init__(self, deadline_bounds: tuple[float, ...]):
         self.bounds = deadline_bounds
         self.now = -math.inf  # until the first `advance`, every slack reads as no target
@@ -60,7 +61,7 @@ class GenerationQueue:
         entry = self._entries.get(request.request_id)
         return entry is not None and entry.request is request
 
-    def add(self, request: Request, *, deadline: float, occupied_bucket: int, predicted_rl: int,
+    def add(self, request: Request, *, deadline: float, occupied_bucket: int, length: int,
             at_front: bool = False) -> None:
         """Queue `request` with the static parts of its §3.3 key; `at_front` as deque.appendleft."""
         if request.request_id in self._entries:
@@ -71,7 +72,7 @@ class GenerationQueue:
         else:
             position = self._back
             self._back += 1
-        entry = _Entry(request, deadline, -occupied_bucket, (-predicted_rl, request.arrival_time, position))
+        entry = _Entry(request, deadline, -occupied_bucket, (-length, request.arrival_time, position))
         self._entries[request.request_id] = entry
         self._place(entry)
 
@@ -101,16 +102,20 @@ class GenerationQueue:
                     self._unplace_from_group(entry)
                     self._place(entry)
 
+    def requests(self) -> list[Request]:
+        """Every queued request, in no particular order."""
+        return [entry.request for entry in self._entries.values()]
+
     def groups(self) -> list[Group]:
         """The non-empty groups, most urgent first (§3.3)."""
         return sorted(group for group, members in self._groups.items() if members)
 
     def members(self, group: Group) -> list[Request]:
-        """The group's requests, longest predicted RL first: the order `closest_below` searches."""
+        """The group's requests, longest first: the order `closest_below` searches."""
         return [item[-1] for item in self._groups.get(group, ())]
 
     def closest_below(self, group: Group, room: int, skip: set[Request]) -> Request | None:
-        """The group's first request (by rank) whose predicted RL is at most `room`, else its last
+        """The group's first request (by rank) whose length is at most `room`, else its last
         (the shortest): §3.3's bisect. Requests in `skip` are passed over as if gone."""
         members = self._groups.get(group)
         if not members:

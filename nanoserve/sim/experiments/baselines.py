@@ -67,7 +67,8 @@ ORCA = Baseline(
     "ORCA: max-allocation, batch 8", "fcfs", "exact",
     "EcoServe §2.1: \"The batch size of ORCA and FastServe was set to 8\", with max-allocation (every request "
     "reserves prompt + max_tokens: exact allocation with no predictor)",
-    config={"max_num_seqs": 8}, kv_manager_options={"padding_ratio": 0.0, "reserved_fraction": 0.0})
+    config={"max_num_seqs": 8},
+    kv_manager_options={"padding_ratio": 0.0, "reserved_fraction": 0.0, "decoupled": False})
 VLLM_2023_RECOMPUTE = Baseline(
     "vLLM v0, recompute: prefill-first + paged", "prefill-first", "paged",
     "ours, the row earlier runs called \"vLLM v0\": vLLM's 2023 scheduler with its default recompute preemption "
