@@ -6,7 +6,7 @@ Setup, from §2 "Machine settings" and §4 "Experiment Settings", fixed here bef
 - ShareGPT-like lengths (synthetic: sim/workloads.py, EcoServe's Table 2 means 161/338).
 - A rising rate: the same seeded trace shape at each rate of `RATES` (Fig. 10's x axis).
 - EcoServe: the ecoserve policy over exact allocation with the paper's KV pipelining buffer b
-  = 15% of the predicted RL on ShareGPT (§4), as tokens: 15% of the dataset's mean output.
+  = 15% of the (host's) predicted RL on ShareGPT (§4).
   The paper predicts RLs with a fine-tuned OPT-13B, which we do not have, so the predictor's
   error is a parameter (`sched/predictor.py`): "EcoServe" gets the true lengths with the
   paper's reported error on ShareGPT (73.2% within ±15%, §2.3: `NoisyOraclePredictor`);
@@ -43,7 +43,7 @@ from nanoserve.sim.workloads import LENGTHS, TraceRequest, make_trace, poisson_a
 
 LENGTH_DIST = LENGTHS["sharegpt-ecoserve"]
 BASE = SimConfig(model="OPT-13B", gpu="A100-80G", kv_bytes=12e9, block_size=32)
-PIPELINE_BUFFER = round(0.15 * LENGTH_DIST.mean_output)  # §4: b = 15% of the RL on ShareGPT
+PIPELINE_BUFFER_RATIO = 0.15  # §4: b = 15% of the predicted RL on ShareGPT
 RATES = {"paper": (0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0), "ci": (0.25, 1.0, 2.0, 3.0, 4.0)}
 REQUESTS = {"paper": 1000, "ci": 150}
 LATENCY_FACTOR = 2.0
@@ -61,7 +61,7 @@ class System:
 
 def _ecoserve(predictor: Callable[[list[TraceRequest]], object]) -> Callable[[list[TraceRequest]], SimConfig]:
     def config(trace: list[TraceRequest]) -> SimConfig:
-        options = {"predicted_len": predictor(trace), "pipeline_buffer": PIPELINE_BUFFER}
+        options = {"predicted_len": predictor(trace), "pipeline_buffer_ratio": PIPELINE_BUFFER_RATIO}
         return SimConfig(**{**BASE.__dict__, "policy": "ecoserve", "kv_manager_options": options})
     return config
 
@@ -151,15 +151,9 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
     ]
     notes = [f"normalized-latency threshold {threshold * 1e3:.1f} ms/token ({LATENCY_FACTOR:g}x the lightest "
              f"load's best); sustained req/s: " + ", ".join(f"{k} {v:.2f}" for k, v in sustained.items()),
-             "Why EcoServe does not beat vLLM here: exact allocation reserves prompt + padded predicted RL at "
-             "admission, so 12 GB (14.6k tokens of OPT-13B KV) holds fewer running requests than paged "
-             "allocation, which holds only the tokens written; KV pipelining lends at most the second half of a "
-             "host's unused space. FastGen-like recompute preemptions are cheap on ShareGPT's short prompts "
-             "(prefill is compute-bound and fast), so overcommitment costs little, and with an oracle predictor the "
-             "full reservation makes EcoServe worse, not better. vLLM (2023) swaps instead: its swap-out and swap-in "
-             "block their steps, and no new prompt is admitted while a request is swapped out.",
-             "Preemptions (swap-outs for vLLM (2023)) per rate are in the sweep table; the issue that reworks "
-             "EcoServe itself (decoupled queues, reserved pool, resident preemption) is where the gap is taken up.",
+             "EcoServe here is SyncDecoupled as the paper states it: a PT holds its prompt's KV, charged to the "
+             "reserved pool; its GT waits in Q_G for its padded predicted RL; a GT that cannot grow pauses, keeping "
+             "its KV; hosting needs RL < host RL / 2 - b. benchmarks/RESULTS.md discusses the gap to the paper.",
              "Predictors: \"EcoServe\" has the paper's ShareGPT error (73.2% within ±15%; misses half under, half "
              "over, up to 50% beyond the band: an assumption), \"learned\" a bucket-quantile predictor warm-started "
              f"on {HELD_OUT} held-out requests (the synthetic trace draws prompt and output lengths independently, so "
