@@ -8,6 +8,7 @@ virtual clock, a named GPU and model priced by a roofline, a synthetic workload 
     python examples/simulate.py all                      # every policy on one mixed workload
     python examples/simulate.py ecoserve --scale ci      # the few-hundred-request version CI runs
     python examples/simulate.py conserve --no-calibration   # ablation: policies keep their fitted profile
+    python examples/simulate.py bros --seed 0 1 2        # three seeds, then each ratio's mean and range
 
 It prints a table per run, then our ratio next to the paper's claim, and notes on any gap.
 """
@@ -17,9 +18,10 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from nanoserve.sim.experiments import EXPERIMENTS, SCALES, run_experiment
-from nanoserve.sim.experiments.report import format_report, save_json, save_plots
+from nanoserve.sim.experiments.report import format_report, save_json, save_plots, seeds_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,9 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("experiment", choices=list(EXPERIMENTS))
     parser.add_argument("--scale", choices=SCALES, default="paper",
                         help="paper: the paper's setup; ci: a few hundred requests (default: paper)")
-    parser.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
-    parser.add_argument("--json", metavar="PATH", help="write every run, its summaries and the comparisons")
-    parser.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: pip install '.[bench]')")
+    parser.add_argument("--seed", type=int, nargs="+", default=[0],
+                        help="the workload's seed, or several: each runs, then a table of every ratio over them "
+                             "(default 0)")
+    parser.add_argument("--json", metavar="PATH", help="write every run, its summaries and the comparisons "
+                                                       "(several seeds: PATH with -seedN before its suffix)")
+    parser.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: pip install '.[bench]'); "
+                                                      "several seeds: the first seed's")
     parser.add_argument("--no-calibration", action="store_true",
                         help="do not calibrate the policies' cost model on the simulated steps (as the real engine "
                              "does by default): an ablation")
@@ -37,14 +43,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_calibration:
         os.environ["NANOSERVE_SIM_CALIBRATE"] = "0"  # read by every SimConfig the experiment builds
     started = time.perf_counter()
-    result = run_experiment(args.experiment, args.scale, args.seed)
-    print(format_report(result))
-    if args.json:
-        save_json(result, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        for path in save_plots(result, args.plot):
+    results = {}
+    for seed in dict.fromkeys(args.seed):
+        results[seed] = result = run_experiment(args.experiment, args.scale, seed)
+        if len(args.seed) > 1:
+            print(f"# seed {seed}\n")
+        print(format_report(result))
+        if args.json:
+            path = Path(args.json)
+            path = path if len(args.seed) == 1 else path.with_name(f"{path.stem}-seed{seed}{path.suffix}")
+            save_json(result, path)
             print(f"wrote {path}")
+        if args.plot and seed == args.seed[0]:
+            for plot_path in save_plots(result, args.plot):
+                print(f"wrote {plot_path}")
+    if len(results) > 1:
+        print(f"# every ratio over seeds {', '.join(map(str, results))}\n")
+        print(seeds_table(results))
     print(f"({time.perf_counter() - started:.0f} s wall)", file=sys.stderr)
     return 0
 

@@ -12,6 +12,7 @@ import pytest
 
 from nanoserve.sim.experiments import EXPERIMENTS, Comparison, ExperimentResult, run_experiment
 from nanoserve.sim.experiments.baselines import BASELINES, FASTGEN, ORCA, markdown
+from nanoserve.sim.experiments import ecoserve as ecoserve_experiment
 from nanoserve.sim.experiments.ecoserve import sustained_rate
 from nanoserve.sim.experiments.report import comparison_table, format_report, save_json
 
@@ -48,22 +49,82 @@ def test_comparison_verdicts():
     assert "| d | 3.00x | 2-4x | vLLM with swapping (Fig. 10) | yes |" in labelled
 
 
+def test_ecoserve_datasets_take_the_papers_settings_and_scaled_rates():
+    datasets = ecoserve_experiment.DATASETS
+    assert [(d.padding_ratio, d.reserved_fraction, d.pipeline_buffer_ratio) for d in datasets.values()] == [
+        (0.15, 0.03, 0.15), (0.10, 0.012, 0.15), (0.20, 0.05, 0.10)]  # ShareGPT, Alpaca, BookCorpus
+    assert datasets["sharegpt"].rates == ecoserve_experiment.RATES
+    ideal = {name: ecoserve_experiment.ideal_rate(d.lengths) for name, d in datasets.items()}
+    # Short Alpaca requests fit many at once; BookCorpus's long prompts few, and cost prefill time.
+    assert ideal["alpaca"] > 10 * ideal["sharegpt"] > 100 * ideal["bookcorpus"]
+    for name in ("alpaca", "bookcorpus"):
+        for scale, rates in ecoserve_experiment.RATES.items():
+            expected = [rate * ideal[name] / ideal["sharegpt"] for rate in rates]
+            assert datasets[name].rates[scale] == pytest.approx(expected, rel=5e-3)
+    assert ecoserve_experiment.REQUESTS["paper"] >= 10_000
+    with pytest.raises(ValueError, match="datasets"):
+        ecoserve_experiment.run("ci", datasets=("imdb",))
+
+
+def test_ideal_rate_follows_the_roofline():
+    # Twice the output per request at the same prompt: fewer fit in the KV and each takes longer.
+    from nanoserve.sim.workloads import LengthDist
+    short, long = LengthDist("short", 100, 100), LengthDist("long", 100, 200)
+    assert ecoserve_experiment.ideal_rate(short) > 1.5 * ecoserve_experiment.ideal_rate(long)
+
+
+def _points(result: ExperimentResult, dataset: str, system: str) -> list[tuple[float, float]]:
+    return sorted((row["rate"], row["norm_latency"]) for row in result.extra["sweep"]
+                  if row["dataset"] == dataset and row["system"] == system)
+
+
 def test_ecoserve_beats_max_allocation_and_every_request_finishes(ecoserve):
-    sustained = ecoserve.extra["sustained_rate"]
+    assert list(ecoserve.extra["sustained_rate"]) == ["ShareGPT"]  # CI runs ShareGPT only
+    sustained = ecoserve.extra["sustained_rate"]["ShareGPT"]
     # ORCA's max-allocation with batch 8 saturates far below both paged and exact allocation.
     assert sustained["EcoServe"] > 2 * sustained[ORCA.label]
     assert sustained[FASTGEN.label] > 2 * sustained[ORCA.label]
+    assert set(ecoserve.runs) == set(sustained)  # every system ran the table rate
     for result in ecoserve.runs.values():
         assert all(r.finish_reason == "stop" for r in result.records)
-    # Every system ran at every rate.
-    rates = {row["rate"] for row in ecoserve.extra["sweep"]}
-    assert len(ecoserve.extra["sweep"]) == len(rates) * len(ecoserve.extra["sustained_rate"])
+    for row in ecoserve.extra["sweep"]:  # EcoServe's rows carry its KV manager's counters
+        assert (row["events"] is not None) == row["system"].startswith("EcoServe")
+        if row["events"] is not None:
+            assert row["events"]["admissions"] > 0
+
+
+def test_ecoserve_sweep_stops_a_system_only_past_twice_the_threshold(ecoserve):
+    rates = ecoserve.extra["rates"]["ShareGPT"]
+    stop = ecoserve_experiment.STOP_FACTOR * ecoserve.extra["threshold_s_per_token"]["ShareGPT"]
+    table_rate = ecoserve.extra["table_rate"]
+    stopped = 0
+    for system in ecoserve.extra["sustained_rate"]["ShareGPT"]:
+        points = _points(ecoserve, "ShareGPT", system)
+        ran = [rate for rate, _ in points]
+        skipped = [rate for rate in rates if rate not in ran]
+        assert ran[0] == rates[0] and set(ran) <= set(rates)
+        if skipped:  # past the stop line before its first skipped rate; after it, only the table rate
+            stopped += 1
+            assert max(latency for rate, latency in points if rate < skipped[0]) > stop
+            assert all(rate < skipped[0] or rate == table_rate for rate in ran)
+    assert stopped >= 1  # ORCA, far over at the CI scale's higher rates
 
 
 def test_ecoserve_latency_rises_with_the_rate(ecoserve):
-    for system in ecoserve.extra["sustained_rate"]:
-        points = sorted((row["rate"], row["norm_latency"]) for row in ecoserve.extra["sweep"] if row["system"] == system)
+    for system in ecoserve.extra["sustained_rate"]["ShareGPT"]:
+        points = _points(ecoserve, "ShareGPT", system)
         assert points[-1][1] > points[0][1]
+
+
+def test_sweep_plot_draws_a_panel_per_dataset(ecoserve, tmp_path):
+    pytest.importorskip("matplotlib")
+    from nanoserve.sim.experiments.report import save_plots
+    rows = [dict(row, dataset=name) for name in ("ShareGPT", "Alpaca") for row in ecoserve.extra["sweep"]]
+    threshold = ecoserve.extra["threshold_s_per_token"]["ShareGPT"]
+    fake = ExperimentResult("eco-two", "two datasets", "synthetic", {}, [],
+                            extra={"sweep": rows, "threshold_s_per_token": {"ShareGPT": threshold, "Alpaca": threshold}})
+    (path,) = save_plots(fake, tmp_path)
+    assert path.name == "eco-two-sweep.png" and path.stat().st_size > 0
 
 
 def test_report_and_json_say_synthetic(ecoserve, tmp_path):
@@ -88,6 +149,25 @@ def test_simulate_example_writes_json_and_plots(ecoserve, tmp_path, monkeypatch,
     assert (tmp_path / "out.json").exists()
     pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
     assert "ecoserve-sweep.png" in pngs and "ecoserve-latency-cdf.png" in pngs
+
+
+def test_simulate_example_runs_several_seeds_and_tables_every_ratio(tmp_path, monkeypatch, capsys):
+    import nanoserve.sim.experiments as experiments
+
+    def fake(name, scale, seed):  # a ratio that moves with the seed; one comparison only seed 1 has
+        comparisons = [Comparison("A / B", 2.0 + seed, "2-4x higher", 2.0, "B (Fig. 1)")]
+        comparisons += [Comparison("A / C", 0.5, "(not run by the paper)")] if seed == 1 else []
+        return ExperimentResult("fake", "t", "synthetic", {}, comparisons)
+    monkeypatch.setattr(experiments, "run_experiment", fake)
+    monkeypatch.setattr(sys, "argv", ["simulate.py", "ecoserve", "--seed", "0", "1", "2", "--json",
+                                      str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "examples" / "simulate.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "| A / B | 2.00x | 3.00x | 4.00x | 3.00x | 2.00-4.00x | 2-4x higher | yes |" in out
+    assert "| A / C | - | 0.50x | - | 0.50x | 0.50-0.50x | (not run by the paper) | no |" in out
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["out-seed0.json", "out-seed1.json", "out-seed2.json"]
 
 
 def test_all_workload_is_fixed_and_priority_protects_online_work():

@@ -42,11 +42,35 @@ def comparison_table(comparisons: list[Comparison]) -> str:
 def rows_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
-    keys = list(rows[0])
+    # Nested columns (e.g. a run's KV counters, {} or None per row) stay in the JSON only.
+    keys = [k for k in rows[0] if not any(isinstance(row.get(k), dict) for row in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "|".join("---" for _ in keys) + "|"]
     for row in rows:
-        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()]
+        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in (row.get(k) for k in keys)]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def seeds_table(results: dict[int, ExperimentResult]) -> str:
+    """Each comparison over several seeds' runs of one experiment: every seed's ratio, their
+    mean and range, and whether the mean reaches the paper's low end. A comparison is matched
+    by its metric's name; one a seed lacks is shown for the seeds that have it."""
+    seeds = sorted(results)
+    by_metric: dict[str, dict[int, Comparison]] = {}
+    for seed in seeds:
+        for c in results[seed].comparisons:
+            by_metric.setdefault(c.metric, {})[seed] = c
+    header = " | ".join(f"seed {seed}" for seed in seeds)
+    lines = [f"| comparison | {header} | mean | min-max | paper | reaches the paper's low end (mean) |",
+             "|---|" + "---|" * (len(seeds) + 4)]
+    for metric, per_seed in by_metric.items():
+        ratios = [c.ours for c in per_seed.values()]
+        mean = sum(ratios) / len(ratios)
+        cells = " | ".join(f"{per_seed[seed].ours:.2f}x" if seed in per_seed else "-" for seed in seeds)
+        first = next(iter(per_seed.values()))
+        verdict = _verdict(Comparison(metric, mean, first.paper, first.paper_low, first.baseline))
+        lines.append(f"| {metric} | {cells} | {mean:.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x | {first.paper} "
+                     f"| {verdict} |")
     return "\n".join(lines) + "\n"
 
 
@@ -82,22 +106,33 @@ def save_plots(result: ExperimentResult, directory: str | Path) -> list[Path]:
 
 
 def _sweep_plot(result: ExperimentResult, rows: list[dict[str, Any]], directory: Path) -> Path:
+    """Latency against rate, one line per system; one panel per dataset when the rows name one
+    (EcoServe: extra["threshold_s_per_token"] is then {dataset: threshold})."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metric = next(k for k in ("norm_latency", "rt_norm_latency") if k in rows[0])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for system in dict.fromkeys(row["system"] for row in rows):
-        points = sorted((row["rate"], row[metric]) for row in rows if row["system"] == system)
-        ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", label=system)
-    threshold = result.extra.get("threshold_s_per_token")
-    if threshold:
-        ax.axhline(threshold * 1e3, color="grey", linestyle="--", label="sustained-rate threshold")
-    ax.set(xlabel="request rate (req/s)", ylabel="normalized latency (ms/token)", yscale="log")
-    ax.set_title("\n".join(textwrap.wrap(f"{result.name}: {result.title}", 90) + [result.workload]), fontsize=8)
-    ax.legend(fontsize=8)
+    panels = list(dict.fromkeys(row.get("dataset") for row in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
+    thresholds = result.extra.get("threshold_s_per_token")
+    for ax, panel in zip(axes[0], panels):
+        panel_rows = [row for row in rows if row.get("dataset") == panel]
+        for system in dict.fromkeys(row["system"] for row in panel_rows):
+            points = sorted((row["rate"], row[metric]) for row in panel_rows if row["system"] == system)
+            ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", label=system)
+        threshold = thresholds.get(panel) if isinstance(thresholds, dict) else thresholds
+        if threshold:
+            ax.axhline(threshold * 1e3, color="grey", linestyle="--", label="sustained-rate threshold")
+        ax.set(xlabel="request rate (req/s)", ylabel="normalized latency (ms/token)", yscale="log")
+        if panel is not None:
+            ax.set_title(panel, fontsize=10)
+        ax.legend(fontsize=7)
+    heading = textwrap.wrap(f"{result.name}: {result.title}", 80 + 100 * (len(panels) - 1)) + [result.workload]
+    fig.suptitle("\n".join(heading), fontsize=8)
     fig.tight_layout()
+    # Room above the panels for the heading's lines (8 pt, in inches over the figure's height).
+    fig.subplots_adjust(top=1 - (len(heading) * 8 * 1.4 / 72 + 0.35) / fig.get_figheight())
     path = directory / f"{slugify(result.name)}-sweep.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
