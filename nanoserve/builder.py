@@ -49,6 +49,7 @@ class EngineArgs:
     kv_manager: str | None = None  # see nanoserve/memory/__init__.py; None: the policy's own
     cost_model: str | None = None  # JSON from `python -m nanoserve.sched.profile`; None: a default
     kv_manager_options: dict | None = None  # knobs of the chosen manager
+    policy_options: dict | None = None  # knobs of the chosen policy (its Scheduler.OPTIONS)
     host_kv_tokens: int | None = None  # host KV store size; default: as many as the device holds
     preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
     tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
@@ -132,7 +133,7 @@ def build_engine(args: EngineArgs) -> Engine:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, policy=args.policy,
         online_slo=args.online_slo or DEFAULT_SLOS["online"], offline_slo=args.offline_slo or DEFAULT_SLOS["offline"],
-        pipeline_microbatches=microbatches,
+        pipeline_microbatches=microbatches, policy_options=dict(args.policy_options or {}),
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None

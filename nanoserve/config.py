@@ -70,6 +70,9 @@ class SchedulerConfig:
     # Micro-batches a pipelined step runs (nanoserve/dist/pipeline.py; 1: no pipeline). A policy
     # that cuts its own (KunServe) gives each step up to this many.
     pipeline_microbatches: int = 1
+    # Knobs of the chosen policy, by name; each policy declares the ones it takes
+    # (`Scheduler.OPTIONS`) and refuses any other.
+    policy_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -6,10 +6,12 @@
 2. Same answers: a tiny random Llama (fp32, CPU) under a tight KV pool serves mixed online and
    offline prompts with `policy="bros"`; greedy outputs match `policy="fcfs"` on a roomy pool,
    and the bidirectional mechanisms (overwrites, checkpoints) fired.
-3. Adaptive batch size: grows additively with no RT request waiting, resets on SLO risk.
+3. Adaptive batch size: doubles (or adds: an option) after a step without SLO risk, resets on it.
 4. Alg. 1's orders: RT by remaining time (running sorted, waiting merged, Fig. 8); BE by slots
    on the host; a BE request replaces an RT request that can afford to wait.
 5. Random arrivals: every request finishes, budgets hold, K/V is never lost or shared.
+6. A burst past capacity, then quiet: memory is tested before risk, so the batch size recovers
+   while the queue drains (and the mutant that tests risk first fails that).
 """
 from __future__ import annotations
 
@@ -146,9 +148,9 @@ def test_batch_size_grows_without_rt_and_resets_on_slo_risk():
     for _ in range(5):
         engine.step()
         sizes.append(scheduler.batch_size)
-    assert sizes == [9, 10, 11, 12, 13]  # additive increase: no RT request is waiting
+    assert sizes == [16, 32, 32, 32, 32]  # doubling (the default), up to max_num_seqs
     assert len(engine.executor.batches[0].chunks) == 8  # the first step held to the initial size
-    assert len(engine.executor.batches[-1].chunks) == 12
+    assert len(engine.executor.batches[1].chunks) == 12
     # Two RT arrivals whose TTFT target each prompt meets alone (17 ms) but not together: at risk.
     for name in ("rt", "rt2"):
         engine.add_request([2] * 30, SamplingParams(max_tokens=2, ignore_eos=True), name, priority="online",
@@ -157,8 +159,51 @@ def test_batch_size_grows_without_rt_and_resets_on_slo_risk():
     assert scheduler.slo_risk and scheduler.batch_size == 8
     assert [c.request.request_id for c in engine.executor.batches[-1].chunks] == ["rt"]  # lines 11-12
     engine.step()  # rt2 is late now: no batch saves it, so it no longer counts as risk
-    assert not scheduler.slo_risk and scheduler.batch_size == 9
+    assert not scheduler.slo_risk and scheduler.batch_size == 16
     assert {"rt", "rt2"} < {c.request.request_id for c in engine.executor.batches[-1].chunks}
+    run(engine)
+
+
+def test_initial_batch_size_and_growth_are_options():
+    # §4.2 lost both symbols; the experiment sweeps them (assumptions: 8 and +1 by default).
+    def scheduler(**options):
+        config = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=100, max_model_len=64, policy="bros",
+                                 policy_options=options)
+        kv = BidirectionalKV(BidirectionalBlockManager(16, B, HostKVStore(4, B, 2, 1, 2, torch.float32,
+                                                                          pin_memory=False)))
+        return BROSScheduler(config, kv, cost_model=COST, clock=MockClock(0.0))
+
+    doubling = scheduler(initial_batch_size=32, batch_growth="x2")
+    assert doubling.batch_size == 32
+    doubling._adapt_batch_size(risk=False)
+    doubling._adapt_batch_size(risk=False)
+    assert doubling.batch_size == 100  # 64, then capped at max_num_seqs
+    doubling._adapt_batch_size(risk=True)
+    assert doubling.batch_size == 32
+    adding = scheduler(batch_growth="+4")
+    adding._adapt_batch_size(risk=False)
+    assert adding.batch_size == 12
+    assert not adding.whole_prompts and scheduler(prefill="whole").whole_prompts
+    for bad in ({"batch_growth": "x1"}, {"batch_growth": "*2"}, {"initial_batch_size": 0}, {"prefill": "half"}):
+        with pytest.raises(ValueError):
+            scheduler(**bad)
+    with pytest.raises(ValueError, match="takes no option batch.*initial_batch_size"):
+        scheduler(batch=3)
+
+
+@pytest.mark.parametrize("prefill", ["chunked", "whole"])
+def test_whole_prompts_wait_for_a_step_that_holds_them(prefill):
+    # Two 40-token prompts, a 64-token step: chunked, the second starts with the 24 tokens left;
+    # whole (the paper's), it waits for the next step and runs in one.
+    engine, clock, executor = make_engine(num_blocks=64, max_seqs=8, budget=64, online_slo=SLO(ttft=5.0, tpot=1.0))
+    engine.scheduler.whole_prompts = prefill == "whole"
+    for name in ("a", "b"):
+        engine.add_request([1] * 40, SamplingParams(max_tokens=2, ignore_eos=True), name, arrival_time=clock())
+    engine.step()
+    first = {c.request.request_id: c.num_tokens for c in executor.batches[-1].chunks}
+    assert first == ({"a": 40, "b": 24} if prefill == "chunked" else {"a": 40})
+    engine.step()
+    assert executor.batches[-1].chunks[-1].num_tokens == (16 if prefill == "chunked" else 40)
     run(engine)
 
 
@@ -173,9 +218,9 @@ def test_rt_request_that_misses_its_deadline_even_alone_is_no_slo_risk():
     engine.add_request([2] * 4, SamplingParams(max_tokens=2, ignore_eos=True), "rt", priority="online",
                        arrival_time=clock(), slo=SLO(ttft=0.005, tpot=0.05))
     engine.step()
-    assert not scheduler.slo_risk and scheduler.batch_size == 10
+    assert not scheduler.slo_risk and scheduler.batch_size == 32
     chunks = engine.executor.batches[-1].chunks
-    assert chunks[0].request.request_id == "rt" and len(chunks) == 9  # with 8 BE requests
+    assert chunks[0].request.request_id == "rt" and len(chunks) == 13  # with every BE request
     run(engine)
 
 
@@ -253,3 +298,56 @@ def test_random_arrivals_finish_within_limits(arrivals, num_blocks, host_blocks,
         engine.kv.check_invariants()
     assert {rid: len(o.token_ids) for rid, o in finished.items()} == expected
     assert engine.kv.num_used_blocks == 0
+
+
+# -- 6. a burst past capacity, then quiet ------------------------------------------------------
+def burst_then_quiet(engine, clock, burst=24, quiet_steps=1000):
+    """BE work running, then `burst` RT requests at once whose KV the pool holds one or two of at
+    a time; no arrivals after. Returns the batch size after each step, and whether the step hit
+    SLO risk, until every request has finished (or the step limit)."""
+    for i in range(6):
+        engine.add_request([1] * 4, SamplingParams(max_tokens=60, ignore_eos=True), f"be{i}", priority="offline")
+    for _ in range(3):
+        engine.step()
+    for i in range(burst):  # 40-token prompts: 10 of the 16 blocks each, 14 with their output
+        engine.add_request([2] * 40, SamplingParams(max_tokens=16, ignore_eos=True), f"rt{i}", priority="online",
+                           arrival_time=clock())
+    trace = []
+    for _ in range(quiet_steps):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        engine.kv.check_invariants()
+        trace.append((engine.scheduler.batch_size, engine.scheduler.slo_risk, len(engine.scheduler._rt_waiting)))
+    return trace
+
+
+def _burst_engine():
+    # TTFT loose (waiting RT requests stay on time, so they could count as risk), TPOT tight (the
+    # time budget is the running RT request's next token).
+    return make_engine(num_blocks=16, host_blocks=64, max_seqs=32, budget=256, online_slo=SLO(ttft=30.0, tpot=0.02))
+
+
+def test_burst_past_capacity_batch_size_recovers_and_queue_drains():
+    # A waiting RT request that no block can take is passed over before its cost is weighed
+    # (memory before risk, Alg. 1): it never resets the batch size, which grows while the queue
+    # drains (§4.2: grow whenever lines 11-12 did not return early).
+    engine, clock, _ = _burst_engine()
+    trace = burst_then_quiet(engine, clock)
+    assert not engine.has_unfinished_requests(), "the queue did not drain within the step limit"
+    assert engine.kv.num_used_blocks == 0
+    queued = [(size, risk) for size, risk, waiting in trace if waiting > 1]
+    assert len(queued) > 20, "the burst never queued: it does not exceed capacity"
+    assert sum(risk for _, risk in queued) <= len(queued) // 10, "waiting requests with no KV counted as risk"
+    mean_size = sum(size for size, _ in queued) / len(queued)
+    assert mean_size >= 2 * BROSScheduler.initial_batch_size  # it recovered under the queue
+
+
+def test_risk_before_memory_mutant_fails_the_burst_regression(monkeypatch):
+    # The mutant weighs every waiting RT request's cost as if it could get KV: the old order.
+    monkeypatch.setattr(BROSScheduler, "_kv_within_reach", lambda self, batch, request, num_tokens: True)
+    engine, clock, _ = _burst_engine()
+    trace = burst_then_quiet(engine, clock)
+    queued = [(size, risk) for size, risk, waiting in trace if waiting > 1]
+    assert sum(risk for _, risk in queued) > len(queued) // 2  # a reset nearly every step
+    assert sum(size for size, _ in queued) / len(queued) < 2 * BROSScheduler.initial_batch_size

@@ -37,3 +37,48 @@ def test_every_manager_serves_a_request_and_frees_everything(llama_dir, name):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
     assert llm.engine.kv.num_used_blocks == 0 and llm.engine.stats().kv_blocks_used == 0
+
+
+def _running(request_id: str, tokens: int, priority: str = "online"):
+    from nanoserve.request import Request, RequestStatus
+    request = Request(request_id, [1] * tokens, SamplingParams(max_tokens=4), priority=priority)
+    request.status = RequestStatus.RUNNING
+    return request
+
+
+def test_fits_after_preempting_counts_free_blocks_and_the_victims_blocks():
+    # BROS passes over an RT request that could not get KV even after its evictions (Alg. 1:
+    # memory before risk); the manager answers without changing anything.
+    from nanoserve.memory.blocks import BlockPool
+    from nanoserve.memory.manager import PagedKV
+    from nanoserve.request import Request
+    kv = PagedKV(BlockPool(8, 4))
+    a, b = _running("a", 12, "offline"), _running("b", 16, "offline")
+    kv.reserve(a, 12)
+    kv.reserve(b, 16)  # 3 + 4 blocks used, 1 free
+    newcomer = Request("new", [1] * 20, SamplingParams(max_tokens=4))  # waiting: 5 blocks, none held
+    assert not kv.fits_after_preempting(newcomer, 20, [])
+    assert not kv.fits_after_preempting(newcomer, 20, [a])  # 1 + 3
+    assert kv.fits_after_preempting(newcomer, 20, [a, b])
+    assert kv.fits_after_preempting(a, 16, [])  # a grows by the one free block
+    assert kv.num_used_blocks == 7
+
+
+def test_bidirectional_rt_fits_where_free_or_be_only_blocks_can_take_its_pages():
+    import torch
+    from nanoserve.memory.bidirectional import BidirectionalBlockManager
+    from nanoserve.memory.bidirectional_kv import BidirectionalKV
+    from nanoserve.memory.host import HostKVStore
+    from nanoserve.request import Request
+    store = HostKVStore(0, 4, 2, 1, 2, torch.float32, pin_memory=False)  # no host: no checkpoint room
+    kv = BidirectionalKV(BidirectionalBlockManager(4, 4, store))
+    rt, be = _running("rt", 8), _running("be", 8, "offline")
+    kv.reserve(rt, 8)  # blocks 0-1, RT side
+    kv.reserve(be, 8)  # two blocks: BE pages on free blocks (FindBlock: most empty slots)
+    newcomer = Request("new", [1] * 8, SamplingParams(max_tokens=4))
+    assert kv.blocks.rt_page_room() == 2 and kv.blocks.rt_pages_lacking("new", 8) == 2
+    # Overwriting BE slots needs host room to checkpoint them, so it cannot reserve now; with
+    # the BE request evicted (dropped: recompute) its two blocks take the RT pages.
+    assert not kv.can_reserve(newcomer, 8)
+    assert kv.fits_after_preempting(newcomer, 8, [be])
+    assert not kv.fits_after_preempting(newcomer, 12, [be])  # 3 pages, 2 blocks without an RT page

@@ -2,9 +2,10 @@
 A100-40G, RT at 10 req/s for 30 s beside 32 BE requests every 10 s. Only directions that held with
 a margin at seeds 0-3, never the paper's magnitudes.
 
-Not asserted, because it does not hold here: BROS's RT normalized latency below FastGen-like fcfs's
-(vLLM v1's chunked prefill). It was 1.05-1.3x higher at those seeds: fcfs never stalls a decode behind a
-prompt, and BROS's per-token time budget keeps its batches small (the experiment's notes)."""
+Not asserted, because the margin is too thin: BROS's RT normalized latency below FastGen-like
+fcfs's (vLLM v1's chunked prefill): fcfs / BROS was 1.02-1.06x at seeds 0-3 with BROS's batch
+size doubling after a step without SLO risk (1.05-1.3x the other way with +1 growth, which kept
+its batches small)."""
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,7 @@ def test_every_request_finishes_and_every_policy_sees_the_same_trace(result):
 
 
 def test_bros_meets_more_ttft_slos_than_vllm(result):
-    # Seeds 0-3: 92-98% against 74-83% (v1) and 56-74% (v0). RT requests go first by deadline,
+    # Seeds 0-3: 100% against 74-83% (v1) and 56-74% (v0). RT requests go first by deadline,
     # not by arrival behind a BE batch's prompts.
     bros = row(result, BROS)["rt_ttft_attainment"]
     assert bros > row(result, FCFS)["rt_ttft_attainment"] + 0.08
@@ -46,20 +47,20 @@ def test_bros_meets_more_ttft_slos_than_vllm(result):
 
 
 def test_bros_rt_latency_beats_vllm_v0(result):
-    # Seeds 0-3: v0 / BROS 1.10-1.34x. v0 stalls every running decode while it prefills a prompt.
-    assert row(result, VLLM_V0)["rt_norm_latency"] > 1.05 * row(result, BROS)["rt_norm_latency"]
+    # Seeds 0-3: v0 / BROS 1.42-1.52x. v0 stalls every running decode while it prefills a prompt.
+    assert row(result, VLLM_V0)["rt_norm_latency"] > 1.2 * row(result, BROS)["rt_norm_latency"]
 
 
 def test_bros_rt_latency_beats_round_robin(result):
-    # Seeds 0-3: RR / BROS 1.22-1.5x. RR gives BE every other iteration whatever the RT load.
-    assert row(result, RR)["rt_norm_latency"] > 1.1 * row(result, BROS)["rt_norm_latency"]
+    # Seeds 0-3: RR / BROS 1.51-1.66x. RR gives BE every other iteration whatever the RT load.
+    assert row(result, RR)["rt_norm_latency"] > 1.3 * row(result, BROS)["rt_norm_latency"]
 
 
 def test_be_throughput_orders_vllm_bros_round_robin(result):
-    # Seeds 0-3: vLLM 5.8-6.1, BROS 3.9-4.9, RR 3.2-3.6 BE requests per busy second. BROS
-    # gives BE what RT leaves (the paper's direction: it loses some), RR half the iterations.
+    # Seeds 0-3: vLLM 5.8-6.1, BROS 5.3-5.9 (3-8% less), RR 3.2-3.6 BE requests per busy second.
+    # BROS gives BE what RT leaves (the paper's direction: it loses some), RR half the iterations.
     vllm, bros, rr = (row(result, s)["be_throughput_req_s"] for s in (FCFS, BROS, RR))
-    assert vllm > 1.15 * bros and bros > 1.05 * rr
+    assert vllm > 1.01 * bros and bros > 1.3 * rr
     # ... and the comparisons report it in the orientation the paper uses: BROS / baseline.
     (vs_vllm,) = [c for c in result.comparisons if c.metric.startswith(f"BE throughput: BROS / {FCFS} at")]
     assert vs_vllm.ours == pytest.approx(bros / vllm)

@@ -90,9 +90,18 @@ class FastGrowth(BidirectionalBlocks):
         sizes = self._index.sizes  # a BE-only block stays BE-only while its key is stale
         if sizes[FREE] or any(n and key is not None and key[0] == "be" for key, n in sizes.items()):
             return False
+        return self.rt_pages_lacking(seq_id, num_tokens) > 0
+
+    def rt_pages_lacking(self, seq_id: SeqId, num_tokens: int) -> int:
+        """Pages an RT sequence growing to `num_tokens` still needs a block for (new pages, or
+        swapped-out ones to restore)."""
         state = self._seqs.get(seq_id)
         on_device = 0 if state is None else sum(block is not None for block in state.pages)
-        return -(-num_tokens // self.block_size) > on_device
+        return -(-num_tokens // self.block_size) - on_device
+
+    def rt_page_room(self) -> int:
+        """Blocks that could take an RT page: free ones and those holding a BE page alone."""
+        return sum(n for key, n in self._index.sizes.items() if key == FREE or (key is not None and key[0] == "be"))
 
     def _grow_in_place(self, state: SeqState, num_tokens: int) -> None:
         """Growth `_in_place` allowed: more of the last page, so only its block's key goes stale."""

@@ -28,7 +28,7 @@ used here, since the scheduler picks victims.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.host import HostKVStore, KVCopy
@@ -88,6 +88,16 @@ class BidirectionalKV(KVManager):
 
     def block_table(self, request: Request) -> list[int]:
         return self.blocks.block_table(request.request_id)
+
+    def fits_after_preempting(self, request: Request, num_tokens: int, victims: Iterable[Request]) -> bool:
+        """For an RT request: whether enough blocks could take its pages (FindPreemptBlock's
+        targets, free or BE-only: their BE slots are checkpointed, or their owners dropped, as
+        the last resort of §5.2); evicting BE requests adds none, since an RT page never shares a
+        block with another RT page. BE requests: the default."""
+        if request.priority == "offline":
+            return super().fits_after_preempting(request, num_tokens, victims)
+        return self.can_reserve(request, num_tokens) or self.blocks.rt_pages_lacking(request.request_id, num_tokens) \
+            <= self.blocks.rt_page_room()
 
     def preempt(self, request: Request) -> tuple[int, list[KVCopy]]:
         seq = request.request_id

@@ -25,13 +25,11 @@ interface, such as `MemoryArena`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Iterable
 
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore, KVCopy
-
-if TYPE_CHECKING:
-    from nanoserve.request import Request
+from nanoserve.request import Request, RequestStatus
 
 
 class KVManager(ABC):
@@ -133,6 +131,23 @@ class KVManager(ABC):
     def preemption_loss(self, request: Request) -> int:
         """Computed tokens of `request` that `preempt` would make it recompute."""
         return request.num_computed_tokens
+
+    def fits_after_preempting(self, request: Request, num_tokens: int, victims: Iterable[Request]) -> bool:
+        """Whether `request` could hold `num_tokens` positions if every one of `victims` (running
+        requests with no chunk this step) were preempted first; changes nothing. An upper bound,
+        for a policy that decides whom to pass over before it evicts anyone (BROS's Alg. 1).
+        Default: the blocks it lacks against the free blocks plus every block the victims hold
+        (a waiting request holds none on the device)."""
+        held = len(self.block_table(request)) if request.status is RequestStatus.RUNNING else 0
+        lacking = -(-num_tokens // self.block_size) - held
+        room = self.num_blocks - self.num_used_blocks
+        if lacking <= room:
+            return True
+        for victim in victims:
+            room += len(self.block_table(victim))
+            if lacking <= room:
+                return True
+        return False
 
     def admission_room_tokens(self) -> int:
         """Token slots a request admitted now could be given (EcoServe's A_KVC); default: every

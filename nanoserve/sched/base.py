@@ -68,9 +68,16 @@ class SchedulerOutput:
 
 
 class Scheduler(ABC):
+    # The `SchedulerConfig.policy_options` this policy takes (name -> what it sets); none by default.
+    OPTIONS: dict[str, str] = {}
+
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.config = config
+        unknown = set(config.policy_options) - set(self.OPTIONS)
+        if unknown:
+            raise ValueError(f"policy {config.policy!r} takes no option {', '.join(sorted(unknown))} "
+                             f"(it takes: {', '.join(sorted(self.OPTIONS)) or 'none'})")
         self.kv = PagedKV(kv) if isinstance(kv, BlockPool) else kv
         # Policies that budget time (BROS, ConServe, KunServe, EcoServe) ask the cost model what a
         # batch would take and the clock what time it is; tests pass a mock clock.

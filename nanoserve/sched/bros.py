@@ -19,9 +19,12 @@ Each step maximises BE work while every RT request's next token can still meet i
     _select_rt              Alg. 1 lines 5-15: add the most urgent RT requests while the batch
                             size (7), the token budget and max_num_seqs allow and the cost model's
                             iteration time (2)-(5) stays within the smallest residual of the RT
-                            requests in the batch (6). Adding one that would break it is the SLO
-                            risk of lines 11-12: stop, with no BE work this step. A candidate
-                            that has no seat cannot join, so it breaks nothing: passed over.
+                            requests in the batch (6). Memory comes first: a waiting RT request
+                            that could not get KV even after the BE evictions _make_room_for_rt
+                            would make is passed over before its cost is weighed (Alg. 1 packs
+                            "until ... no empty and preemptible cache blocks ... exist"), and so
+                            is one without a seat. Adding one that would break the budget is the
+                            SLO risk of lines 11-12: stop, with no BE work this step.
     _be_candidates          Alg. 1 line 17: BE requests by fewest KV slots on the host (their
                             swap-in cost, `missing_positions`); running before waiting on ties.
                             Only checkpointed or swapped requests have any: the running ones are
@@ -31,9 +34,8 @@ Each step maximises BE work while every RT request's next token can still meet i
                             request replaces the least urgent RT request that can afford to sit
                             this iteration out.
     _adapt_batch_size       §4.2 adaptive batch sizing (TCP-like): start at `initial_batch_size`,
-                            add `batch_size_step` after a step with no SLO risk and no RT request
-                            left waiting (except for lack of batch room); back to the start on
-                            SLO risk, i.e. when lines 11-12 returned early ("once the estimated
+                            grow (x2 by default) after every step that did not return early
+                            at lines 11-12; back to the start on SLO risk ("once the estimated
                             iteration time surpasses the residual time").
     plan                    Packs twice. A draft runs Alg. 1 on paper (no KV touched) to find
                             which RT requests BE requests replace; the real pass packs again
@@ -55,16 +57,33 @@ Each step maximises BE work while every RT request's next token can still meet i
     _grant_be               A waiting BE request is admitted only where it fits; a running one
                             that cannot grow drops newer BE requests, or itself, as FCFS.
 
-Chunked prefill is as in FCFS: a request takes min(tokens it lacks, budget left).
+Chunked prefill is as in FCFS: a request takes min(tokens it lacks, budget left); a BE prefill
+chunk also shrinks to fit the time budget. That is ours: the paper prefills whole prompts and
+argues against chunking for TTFT (§1: "Sarathi-Serve adopts chunked-prefills ... but delays the
+return of the initial context (TTFT)"). The option prefill='whole' does as the paper does: a
+prompt (or a recompute) of up to max_num_batched_tokens runs in one step, or waits for a step
+whose token and time budgets hold it whole; a longer one is still chunked (it could never run).
 
-Refinements the paper leaves open: an RT request that misses its deadline even alone in a batch
-(residual below its own chunk's cost) cannot be saved by a smaller batch, so it is served first
-but neither bounds the time budget nor counts as SLO risk. Counted, it reset the batch size to 8
-nearly every step once requests ran late, and the small batches made everything later: a load
-vLLM serves at 100% TPOT attainment never drained (the bros experiment, seed 1). Admission never
-evicts a running RT request (§5.2: RT preempts BE blocks); only a running one that cannot grow does.
-The cost model does not price KV copies (the paper overlaps swaps with the forward pass:
-max(T_exec, T_swap)); swap cost enters only through the BE ordering.
+Assumptions (the paper's text lost both symbols: "start with a conservative batch size, e.g.,
+." and "we increase the batch size: to include more BE requests"): the initial batch size is 8
+and it doubles per step (TCP's slow start; §4.2 names TCP's window as its model). Both are
+policy options (`OPTIONS`: initial_batch_size, batch_growth '+N' or 'xN'), swept in RESULTS.md.
+
+Our additions, which the paper does not have:
+- Late requests are exempt from the budget and from risk. An RT request that misses its
+  deadline even alone in a batch (residual below its own chunk's cost) cannot be saved by a
+  smaller batch, so it is served first but neither bounds the time budget nor counts as SLO
+  risk. Counted, it reset the batch size to 8 nearly every step once requests ran late, and the
+  small batches made everything later: a load vLLM serves at 100% TPOT attainment never drained
+  (the bros experiment, seed 1).
+- The oldest RT request goes first whatever its urgency, and an RT request evicts only younger
+  RT requests, so the oldest always advances: a livelock guard (`_rt_candidates`, `_rt_victim`).
+- A waiting RT request never evicts a running RT request. §5.2 drops "first BE, then RT, based
+  on the remaining time"; we let only a running RT request that cannot grow evict (younger) RT
+  requests, because admissions that evicted RT requests threw away half-done prefills in a loop
+  under memory pressure.
+- The cost model does not price KV copies (the paper overlaps swaps with the forward pass:
+  max(T_exec, T_swap)); swap cost enters only through the BE ordering.
 """
 from __future__ import annotations
 
@@ -76,15 +95,44 @@ from nanoserve.sched.bros_batch import INF, WAITING, Batch, is_rt
 from nanoserve.sched.bros_queue import PulledQueues
 
 
+def _growth(spec: str) -> tuple[int, int]:
+    """'+N' -> (N, 1): add N; 'xN' -> (1, N): multiply by N."""
+    kind, number = spec[:1], spec[1:]
+    if kind not in ("+", "x") or not number.isdigit() or int(number) < (1 if kind == "+" else 2):
+        raise ValueError(f"batch_growth must be '+N' (N >= 1) or 'xN' (N >= 2), not {spec!r}")
+    return (int(number), 1) if kind == "+" else (1, int(number))
+
+
 class BROSScheduler(PulledQueues):
-    initial_batch_size = 8  # §4.2 "start with a conservative batch size"
-    # Additive increase per step without SLO risk. The paper's increment is lost from its text
-    # ("we increase the batch size: to include more BE requests"); TCP's additive increase, which
-    # §4.2 names as the model, is one segment per round trip: one request per iteration here.
-    batch_size_step = 1
+    OPTIONS = {"initial_batch_size": "§4.2's lost initial batch size (default 8)",
+               "batch_growth": "§4.2's lost increase per step without SLO risk: '+N' adds N, 'xN' multiplies "
+                               "by N (default 'x2')",
+               "prefill": "'chunked' (ours, the default: a prompt takes what the budgets leave) or 'whole' "
+                          "(the paper's: a prompt runs in one step or waits)"}
+    # §4.2 "start with a conservative batch size, e.g., ." assumption: 8 (the symbol is lost).
+    initial_batch_size = 8
+    # Increase per step without SLO risk: "we increase the batch size: to include more BE
+    # requests" (the formula is lost). assumption: x2, TCP's slow start, since §4.2 names TCP's
+    # window as its model. TCP's additive increase (+1 per step, `batch_growth` '+1') was our
+    # earlier reading: from 8, it left BROS with ~20-request batches beside 140 running requests
+    # and 468 requests unfinished in the CI-scale `all` run, where x2 finished all of them (see
+    # RESULTS.md for the sweep of both symbols).
+    batch_size_step = 1  # added when batch_size_factor is 1
+    batch_size_factor = 2  # > 1: multiply by it instead
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        options = self.config.policy_options
+        if "initial_batch_size" in options:
+            self.initial_batch_size = int(options["initial_batch_size"])
+            if self.initial_batch_size < 1:
+                raise ValueError("initial_batch_size must be >= 1")
+        if "batch_growth" in options:
+            self.batch_size_step, self.batch_size_factor = _growth(str(options["batch_growth"]))
+        prefill = options.get("prefill", "chunked")
+        if prefill not in ("chunked", "whole"):
+            raise ValueError(f"prefill must be 'chunked' or 'whole', not {prefill!r}")
+        self.whole_prompts = prefill == "whole"
         self.batch_size = self._initial_size()
         self.slo_risk = False  # whether the last plan hit lines 11-12 (for tests and stats)
 
@@ -113,8 +161,7 @@ class BROSScheduler(PulledQueues):
         if not batch.stop:
             if not (replay_be and self._replay_be(batch, draft)):
                 self._select_be(batch, replace=False, skip=set(batch.held))
-        rt_left_waiting = len(self._rt_waiting) > 0  # those admitted left the queue
-        self._adapt_batch_size(batch.risk, capped or not rt_left_waiting)
+        self._adapt_batch_size(batch.risk)
         self.slo_risk = batch.risk
         return batch.out
 
@@ -132,6 +179,7 @@ class BROSScheduler(PulledQueues):
         # Locals and inline arithmetic: this loop runs for every RT request in the batch, twice.
         chunk_cost, iteration, gone, held = self.cost_model.chunk_cost, self.cost_model.iteration, batch.gone, batch.held
         now, due, per_iteration, draft = batch.now, self._due, self.config.max_num_batched_tokens, batch.out is None
+        whole = self.whole_prompts
         for request in candidates:
             if id(request) in skip or id(request) in gone:
                 continue
@@ -142,6 +190,15 @@ class BROSScheduler(PulledQueues):
             num_new = lacking if lacking < batch.tokens_left else batch.tokens_left
             if num_new <= 0:
                 break  # the token budget is spent
+            if num_new < lacking and whole and lacking <= per_iteration:
+                continue  # its whole prompt does not fit the token budget left: it cannot join
+            if request.status is WAITING and not self._kv_within_reach(batch, request, computed + num_new):
+                # Memory before risk: Alg. 1 adds RT requests "until ... no empty and preemptible
+                # cache blocks exist"; one that no block could take joins no batch, so it puts
+                # no one at risk. Passed over, in the draft as for real.
+                if self._no_block_for_rt():
+                    batch.waiting_closed = True  # no waiting RT request can get a block this step
+                continue
             # Eq. (6)'s residual: the time each iteration it still needs may take, for its next
             # token to be on time ("assuming the remaining tokens are scheduled consecutively").
             residual = (due[request] - now) / -(-lacking // per_iteration)
@@ -161,12 +218,19 @@ class BROSScheduler(PulledQueues):
             if not (batch.has_seat(request) if draft else self._make_room_for_rt(batch, request, num_new)):
                 batch.seatless = True
                 if not draft and request.status is WAITING and self._no_block_for_rt():
-                    # Alg. 1 adds RT requests "until ... no empty and preemptible cache blocks exist":
-                    # every waiting one needs a block, so none is tried again this step.
-                    batch.waiting_closed = True
+                    batch.waiting_closed = True  # the RT chunks reserved before it took the last blocks
                 continue  # no seat or no KV for it (FindPreemptBlock found nothing)
             batch.add(request, num_new, cost, residual)
         return False
+
+    def _kv_within_reach(self, batch: Batch, request: Request, num_tokens: int) -> bool:
+        """Whether the waiting RT `request` could hold `num_tokens` positions, allowing for the BE
+        evictions `_make_room_for_rt` would make (running BE requests with no chunk this step);
+        changes nothing, so the draft asks it too."""
+        if self.can_chunk(request, num_tokens - request.num_computed_tokens):
+            return True
+        victims = (r for r in self.running if not is_rt(r) and not batch.holds(r) and not batch.evicted(r))
+        return self.kv.fits_after_preempting(request, num_tokens, victims)
 
     def _select_be(self, batch: Batch, replace: bool, skip: set[int] = frozenset()) -> None:
         """Alg. 1 lines 17-33 (past the requests in `skip`, which a replay already packed)."""
@@ -181,6 +245,7 @@ class BROSScheduler(PulledQueues):
         # every BE request in the batch, twice.
         gone, held, batch_size, draft = batch.gone, batch.held, self.batch_size, batch.out is None
         chunk_cost, iteration = self.cost_model.chunk_cost, self.cost_model.iteration
+        whole, per_iteration = self.whole_prompts, self.config.max_num_batched_tokens
         for request in candidates:
             if batch.tokens_left <= 0:
                 break
@@ -198,6 +263,8 @@ class BROSScheduler(PulledQueues):
             cost = chunk_cost(computed, num_new) if num_new > 0 else 0.0
             if num_new > 0 and batch.chunk_cost + cost + iteration > batch.budget:
                 num_new, cost = batch.largest_chunk_within_budget(request)  # a BE prefill chunk shrinks to fit
+            if whole and 0 < num_new < lacking <= per_iteration:
+                num_new = 0  # its whole prompt does not fit the token or time budget left
             if num_new > 0 and (batch.has_seat(request) if draft else self._admit_be(batch, request, num_new)):
                 batch.add(request, num_new, cost)
                 batch.constrained = num_new < lacking
@@ -255,13 +322,18 @@ class BROSScheduler(PulledQueues):
             batch.add(request, num_new, cost, chunk=chunk)
         return True
 
-    def _adapt_batch_size(self, risk: bool, may_grow: bool) -> None:
-        """§4.2: additive increase while no RT request waits (except for batch room), reset on
-        SLO risk."""
+    def _adapt_batch_size(self, risk: bool) -> None:
+        """§4.2: "At each iteration, if the scheduler does not trigger the early-return in lines
+        11-12 of Alg. 1 ..., we increase the batch size"; "Once the estimated iteration time
+        surpasses the residual time ..., we apply an aggressive penalty by resetting the current
+        batch size back to" the initial one. The initial size and the increase are assumptions
+        (class attributes): the paper's text lost both symbols."""
         if risk:
             self.batch_size = self._initial_size()
-        elif may_grow:
-            self.batch_size = min(self.batch_size + self.batch_size_step, self.config.max_num_seqs)
+        else:
+            grown = self.batch_size * self.batch_size_factor if self.batch_size_factor > 1 else \
+                self.batch_size + self.batch_size_step
+            self.batch_size = min(grown, self.config.max_num_seqs)
 
     # -- reserving KV: RT first, then BE -----------------------------------------------------
     def _admit_be(self, batch: Batch, request: Request, num_new: int) -> bool:

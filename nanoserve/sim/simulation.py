@@ -75,6 +75,7 @@ class SimConfig:
     tp: int = 1
     kv_manager: str | None = None  # default: the policy's (sched.POLICY_MEMORY)
     kv_manager_options: Mapping[str, Any] | None = None
+    policy_options: Mapping[str, Any] | None = None  # the policy's knobs (Scheduler.OPTIONS)
     kv_bytes: float | None = None  # KV memory per GPU; default: what the weights leave
     host_kv_tokens: int | None = None  # default: as many as the device holds
     gpu_memory_utilization: float = 0.9
@@ -188,7 +189,8 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
     max_len = min(config.max_model_len or roofline.model.max_position_embeddings, kv.max_request_tokens)
     sched_config = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=max_len, policy=config.policy,
-                                   online_slo=config.online_slo, offline_slo=config.offline_slo)
+                                   online_slo=config.online_slo, offline_slo=config.offline_slo,
+                                   policy_options=dict(config.policy_options or {}))
     policy_model = fitted_cost_model(roofline, max_len) if config.fitted_policy_model else None
     executor = SimExecutor(clock, executor_cost or roofline, output_lens, copy_cost=roofline,
                            preempt_every_layers=config.preempt_every_layers,
