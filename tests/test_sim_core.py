@@ -10,7 +10,7 @@ from nanoserve.sim.hardware import GPUS, gpu
 from nanoserve.sim.models import MODELS, ModelCost, model
 from nanoserve.sim.roofline import Roofline, fitted_cost_model
 from nanoserve.sim.simulation import SimConfig, kv_blocks, simulate
-from nanoserve.sim.workloads import TraceRequest
+from nanoserve.sim.workloads import ClosedLoopBatches, TraceRequest
 
 PUBLISHED_PARAMS = {"Llama-2-7B": 6.74e9, "Qwen2.5-14B": 14.7e9, "Qwen2.5-72B": 72.7e9, "OPT-13B": 12.9e9,
                     "OPT-175B": 175e9}
@@ -102,6 +102,30 @@ def test_every_policy_runs_the_trace_to_its_workload_lengths(policy):
     # Requests arriving at 3 s cannot finish before then: the clock jumped over the idle gap.
     assert min(r.arrival + r.e2e for r in result.records[3:]) > 3.0
     assert result.busy_seconds <= result.duration + 1e-9
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "bros"])
+def test_closed_loop_batches_go_in_when_the_previous_batch_completes(policy):
+    # BROS §7.1: BE requests "are periodically submitted in a batch manner when previous batched
+    # requests are completed"; the open trace runs beside them.
+    flat = CostModel(decode_seqs=0.01, prefill_tokens=0.001, iteration=0.005)
+    batches = tuple(tuple(TraceRequest(0.0, 50 + 10 * i, 3 + i, "offline") for i in range(3)) for _ in range(5))
+    loop = ClosedLoopBatches(batches, start=0.5, until=1.0)
+    online = [TraceRequest(0.0, 100, 4), TraceRequest(0.7, 100, 4)]
+    result = simulate(SimConfig(policy=policy), online, executor_cost=flat, closed_loop=loop)
+    assert [r.arrival for r in result.records[:2]] == [0.0, 0.7]
+    offline = result.records[2:]
+    assert len(offline) % 3 == 0 and 3 <= len(offline) < loop.num_requests  # `until` stopped it early
+    assert all(r.finish_reason == "stop" for r in result.records)
+    groups = [offline[i:i + 3] for i in range(0, len(offline), 3)]
+    assert {r.arrival for r in groups[0]} == {0.5}
+    for before, after in zip(groups, groups[1:]):
+        completed = max(r.arrival + r.e2e for r in before)
+        assert [r.arrival for r in after] == pytest.approx([completed] * 3)  # the moment the last one finished
+        assert completed <= 1.0  # none submitted after `until`
+    assert max(r.arrival + r.e2e for r in groups[-1]) > 1.0 or len(groups) == len(batches)
+    with pytest.raises(ValueError):
+        ClosedLoopBatches(())
 
 
 def test_the_executor_can_run_on_a_fitted_profile_instead_of_the_roofline():

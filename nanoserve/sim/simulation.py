@@ -1,7 +1,8 @@
 """One simulated serving run: a trace into a real `Engine` (the policy's scheduler, its KV
 manager, the engine's bookkeeping) whose executor is a `SimExecutor` on a virtual clock.
 
-    for each step:   admit every trace request that has arrived by now (at its arrival time)
+    for each step:   admit every trace request that has arrived by now (at its arrival time),
+                     and the next closed-loop batch if the one before it has completed
                      nothing to run?  jump the clock to the next arrival
                      engine.step()    the policy schedules (its KV manager first polls which
                                       copies landed), the executor queues the step's copies on
@@ -58,7 +59,7 @@ from nanoserve.sim.executor import EOS_TOKEN, FILLER_TOKEN, SimExecutor, Virtual
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline, fitted_cost_model
-from nanoserve.sim.workloads import TraceRequest
+from nanoserve.sim.workloads import ClosedLoopBatches, TraceRequest
 from nanoserve.slo import DEFAULT_SLOS, SLO
 
 ACTIVATION_RESERVE = 2e9  # bytes kept free for activations, as the real builder keeps 1 GiB
@@ -202,41 +203,86 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
 
 
 def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofline | CostModel | None = None,
-             max_steps: int = 10_000_000) -> SimResult:
-    clock = VirtualClock(trace[0].arrival if trace else 0.0)
-    ids = [f"sim-{i}" for i in range(len(trace))]
-    output_lens = {i: r.output_len for i, r in zip(ids, trace)}
+             max_steps: int = 10_000_000, closed_loop: ClosedLoopBatches | None = None) -> SimResult:
+    """Run `trace` (open loop: each request at its arrival) and, if given, `closed_loop`'s batches
+    (each submitted when the one before it has completed) through one engine. The i-th request
+    is "sim-i": the trace's first, then the closed-loop batches' in order. A closed-loop batch
+    that was never submitted (the run ended, or `until` passed) has no records."""
+    start = min([r.arrival for r in trace[:1]] + ([closed_loop.start] if closed_loop else []), default=0.0)
+    clock = VirtualClock(start)
+    specs = list(trace) + [r for batch in (closed_loop.batches if closed_loop else ()) for r in batch]
+    ids = [f"sim-{i}" for i in range(len(specs))]
+    output_lens = {i: r.output_len for i, r in zip(ids, specs)}
     engine, executor, _ = build(config, output_lens, clock, executor_cost)
     pending = deque(sorted(zip(ids, trace), key=lambda item: item[1].arrival))
+    arrivals = {request_id: spec.arrival for request_id, spec in zip(ids, trace)}  # as submitted
     finished: dict[str, RequestOutput] = {}
     usage: list[tuple[float, float]] = []
     generated: list[tuple[float, int, int]] = []
 
+    def add(request_id: str, spec: TraceRequest, arrival: float) -> None:
+        # max_tokens only bounds the context; the workload's EOS ends the request.
+        params = SamplingParams(temperature=0, max_tokens=max(1, engine.config.max_model_len - spec.prompt_len))
+        prompt = [FILLER_TOKEN] * min(spec.prompt_len, engine.config.max_model_len - 1)
+        engine.add_request(prompt, params, request_id, arrival_time=arrival, priority=spec.priority)
+
     def admit_arrivals() -> None:
         while pending and pending[0][1].arrival <= clock.now:
             request_id, spec = pending.popleft()
-            # max_tokens only bounds the context; the workload's EOS ends the request.
-            params = SamplingParams(temperature=0, max_tokens=max(1, engine.config.max_model_len - spec.prompt_len))
-            prompt = [FILLER_TOKEN] * min(spec.prompt_len, engine.config.max_model_len - 1)
-            engine.add_request(prompt, params, request_id, arrival_time=spec.arrival, priority=spec.priority)
+            add(request_id, spec, spec.arrival)
+
+    # Closed loop: the batch in the system (its ids still unfinished) and the next to submit.
+    loop_ids = iter(ids[len(trace):])
+    loop_batches = iter(closed_loop.batches if closed_loop else ())
+    loop_open: set[str] = set()
+    loop_next = closed_loop.start if closed_loop else math.inf  # when the next batch may go in
+
+    def submit_batch() -> None:
+        """The next closed-loop batch, if its time has come (the last one completed) and not past `until`."""
+        nonlocal loop_next
+        if loop_open or clock.now < loop_next or clock.now > closed_loop.until:
+            return
+        batch = next(loop_batches, None)
+        if batch is None:
+            loop_next = math.inf
+            return
+        for spec in batch:
+            request_id = next(loop_ids)
+            arrivals[request_id] = clock.now
+            loop_open.add(request_id)
+            add(request_id, spec, clock.now)
+
+    def loop_waiting() -> bool:
+        return closed_loop is not None and not loop_open and loop_next <= closed_loop.until
 
     if hasattr(engine.scheduler, "preempt_running_batch"):
         executor.preemption.on_safe_point = admit_arrivals
     stop_at = clock.now + config.horizon if config.horizon is not None else math.inf
     idle_steps = 0  # steps in a row at this instant that ran no forward and had nothing to wait for
-    while (pending or engine.has_unfinished_requests()) and clock.now < stop_at:
+    while (pending or engine.has_unfinished_requests() or loop_waiting()) and clock.now < stop_at:
         admit_arrivals()
+        if closed_loop is not None:
+            submit_batch()
         if not engine.has_unfinished_requests():
-            clock.advance_to(pending[0][1].arrival)
+            later = [t for t in (pending[0][1].arrival if pending else None,
+                                 loop_next if loop_waiting() else None) if t is not None]
+            if not later:
+                break
+            clock.advance_to(min(later))
             continue
         steps, forwards = executor.stats.steps, executor.stats.forwards
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+                if out.request_id in loop_open:
+                    loop_open.discard(out.request_id)
+                    if not loop_open:
+                        loop_next = clock.now  # the batch completed: the next goes in now
         if executor.stats.forwards == forwards:  # the policy scheduled nothing, or only copies
             # Nothing changes until a request arrives or a copy lands (its manager learns it at
             # the next step's poll): both lie strictly after now, so the clock always moves.
-            later = [t for t in (pending[0][1].arrival if pending else None, executor.next_landing())
+            later = [t for t in (pending[0][1].arrival if pending else None, executor.next_landing(),
+                                 loop_next if loop_waiting() and loop_next > clock.now else None)
                      if t is not None]
             if later:
                 clock.advance_to(min(later))
@@ -257,18 +303,20 @@ def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofli
         if executor.stats.steps > max_steps:
             raise RuntimeError(f"simulation exceeded {max_steps} steps")
     records = []
-    for request_id, spec in zip(ids, trace):
+    for request_id, spec in zip(ids, specs):
+        arrival = arrivals.get(request_id)
+        if arrival is None:
+            continue  # a closed-loop batch never submitted
         if request_id in finished:
             m = finished[request_id].metrics
-            records.append(RequestRecord(request_id, spec.priority, spec.arrival, spec.prompt_len, spec.output_len,
+            records.append(RequestRecord(request_id, spec.priority, arrival, spec.prompt_len, spec.output_len,
                                          m.ttft, m.tpot, m.e2e, m.num_preemptions, finished[request_id].finish_reason))
             continue
         request = engine.requests.get(request_id)  # None: it never arrived before the horizon
         first = request.first_token_time if request is not None else None
-        records.append(RequestRecord(request_id, spec.priority, spec.arrival, spec.prompt_len, spec.output_len,
-                                     None if first is None else first - spec.arrival, None, None,
+        records.append(RequestRecord(request_id, spec.priority, arrival, spec.prompt_len, spec.output_len,
+                                     None if first is None else first - arrival, None, None,
                                      request.num_preemptions if request is not None else 0, None))
-    start = trace[0].arrival if trace else 0.0
     stats = executor.stats
     extra = {"layerwise_preemptions": executor.preemption.num_preempted,
              "discarded_forward_seconds": stats.discarded_seconds}

@@ -37,6 +37,27 @@ class TraceRequest:
             raise ValueError(f"need positive lengths and a priority in {PRIORITIES}: {self}")
 
 
+@dataclass(frozen=True)
+class ClosedLoopBatches:
+    """Requests submitted a batch at a time, each batch the moment the one before it has
+    completed (BROS §7.1: BE requests "are periodically submitted in a batch manner when previous
+    batched requests are completed"). The first batch arrives at `start`; none is submitted
+    after `until`. The requests' own `arrival` fields are ignored: `simulate` stamps each with
+    its batch's submission time."""
+
+    batches: tuple[tuple[TraceRequest, ...], ...]
+    start: float = 0.0
+    until: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not self.batches or any(not batch for batch in self.batches):
+            raise ValueError("closed-loop batches need at least one request each")
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(batch) for batch in self.batches)
+
+
 # ----------------------------------------------------------------------------- arrivals
 def _check(rate: float, n: int | None, duration: float | None) -> None:
     if not rate > 0 or math.isinf(rate):

@@ -20,27 +20,28 @@ The workload, fixed here before any policy runs, from §7.1:
   (prompt 222.76 +- 256.36, output 234.51 +- 268.50: a lognormal of sigma 0.92), each side capped
   at 1,024 tokens to fit OPT's 2,048-token context.
 - BE: prompts U(512, 1024), outputs U(32, 128) (§7.1, after FlexGen), "periodically submitted in
-  a batch manner". The paper submits the next batch when the previous one completes, and gives
-  no batch size; a trace here is fixed in advance, so `be_batch` requests arrive every
-  `be_period` seconds (our choice: a batch of 32 alone keeps the GPUs busy for a fraction of the
-  period, `be_batch_alone_s` in extra).
-- The same seeded RT trace per rate, and the same BE batches, for every policy.
+  a batch manner when previous batched requests are completed": closed loop
+  (`ClosedLoopBatches`), the first batch at the start, each next one the moment the last request
+  of the one before finishes, none after the RT trace ends. The paper gives no batch size:
+  `be_batch` = 32 is ours (one batch alone keeps the GPUs busy `be_batch_alone_s` seconds, in
+  extra).
+- The same seeded RT trace per rate, and the same sequence of BE batches, for every policy
+  (when each batch goes in depends on the policy).
 
 BE throughput is the closed-loop quantity the paper measures: BE requests finished per second of
 time during which BE work was in the system (the union over BE requests of [arrival, finish]).
-A batch that ends early leaves a gap the paper's next batch would have filled at once, so gaps
-do not count; a backlog makes it the BE capacity left beside the RT load.
 """
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
 from nanoserve.sim.experiments.baselines import FASTGEN, ROUND_ROBIN, VLLM_2023, VLLM_2023_RECOMPUTE, Baseline
 from nanoserve.sim.simulation import SimConfig, SimResult, simulate
-from nanoserve.sim.workloads import LENGTHS, LengthDist, TraceRequest, make_trace, merge_traces, poisson_arrivals
+from nanoserve.sim.workloads import (LENGTHS, ClosedLoopBatches, LengthDist, TraceRequest, make_trace,
+                                     poisson_arrivals)
 from nanoserve.slo import SLO
 
 
@@ -55,14 +56,13 @@ class Setup:
     # waiting requests the memory cannot take, needs hours of wall time per run there.
     rates: tuple[float, ...] = (5.0, 7.5, 10.0)
     duration: float = 600.0  # seconds of RT arrivals: "10-minute traces"
-    be_batch: int = 32  # BE requests per batch (ours; the paper gives none)
-    be_period: float = 10.0  # seconds between BE batches (ours; the paper's is closed-loop)
+    be_batch: int = 32  # BE requests per closed-loop batch (ours; the paper gives none)
     # Virtual seconds after the first arrival at which a run stops: a system that falls into
     # overload may take hours of wall time to drain. Unfinished requests count as misses.
     horizon: float = 900.0
 
 
-# ci: the same setup on ~300 RT and 96 BE requests at the middle rate.
+# ci: the same setup on ~300 RT requests at the middle rate, beside closed-loop BE batches for 30 s.
 SETUPS = {"paper": Setup(), "ci": Setup(rates=(10.0,), duration=30.0, horizon=90.0)}
 # Table 2, ShareGPT: sigma = sqrt(ln(1 + (std / mean)^2)) = 0.918 (prompt), 0.916 (output).
 RT_LENGTHS = LengthDist("ShareGPT-like (BROS Table 2)", 222.76, 234.51, min_prompt=4, max_prompt=1024,
@@ -81,11 +81,14 @@ PAPER_BASELINE = {VLLM: "vLLM, 2024: prefill-first, swap (§7.2.1, Fig. 10, Shar
                   RR: "BROS-Round-Robin (§7.2.1, Fig. 10, ShareGPT)"}
 
 
-def be_trace(setup: Setup, seed: int) -> list[TraceRequest]:
-    batches = math.ceil(setup.duration / setup.be_period)
-    pairs = BE_LENGTHS.sample(batches * setup.be_batch, seed)
-    return [TraceRequest(b * setup.be_period, *pairs[b * setup.be_batch + i], "offline")
-            for b in range(batches) for i in range(setup.be_batch)]
+def be_batches(setup: Setup, seed: int) -> ClosedLoopBatches:
+    """The BE batches, submitted closed loop from the start until the RT trace ends. More than any
+    policy can finish: a batch takes at least a step per output token (32-128 of them)."""
+    count = math.ceil(setup.duration / 0.5)
+    pairs = BE_LENGTHS.sample(count * setup.be_batch, seed)
+    batches = tuple(tuple(TraceRequest(0.0, *pairs[b * setup.be_batch + i], "offline") for i in range(setup.be_batch))
+                    for b in range(count))
+    return ClosedLoopBatches(batches, start=0.0, until=setup.duration)
 
 
 def rt_trace(setup: Setup, rate: float, seed: int) -> list[TraceRequest]:
@@ -124,6 +127,11 @@ def rt_stats(result: SimResult, slo: SLO) -> dict[str, float]:
         "rt_preemptions": sum(r.preemptions for r in rt),
         "be_preemptions": sum(r.preemptions for r in be),
         "swap_outs": result.events.get("swap_outs", 0),
+        # §5's bidirectional memory at work (BROS only): RT pages over BE slots, the BE slots
+        # checkpointed for it, and the pages brought back.
+        "overwrites": result.events.get("overwrites", 0),
+        "checkpointed_slots": result.events.get("checkpointed_slots", 0),
+        "restored_pages": result.events.get("restored_pages", 0),
         "link_busy_s": result.link_busy_seconds,
         "forward_stall_s": result.forward_stall_seconds,
         "steps": result.steps,
@@ -132,7 +140,7 @@ def rt_stats(result: SimResult, slo: SLO) -> dict[str, float]:
 
 def be_batch_alone_seconds(setup: Setup, seed: int) -> float:
     """How long one BE batch keeps the GPUs busy with nothing else running (vLLM's fcfs)."""
-    batch = be_trace(replace(setup, duration=setup.be_period), seed)
+    batch = list(be_batches(setup, seed).batches[0])
     return simulate(FASTGEN.sim_config(_config(setup)), batch).duration
 
 
@@ -151,17 +159,17 @@ def _reduction_ratio(cuts: list[float]) -> float:
 def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
     check_scale(scale)
     setup = SETUPS[scale]
-    be = be_trace(setup, seed + 2)
+    be = be_batches(setup, seed + 2)
     runs: dict[str, SimResult] = {}
     sweep: list[dict[str, float | str]] = []
     comparisons: list[Comparison] = []
     latency_cuts: dict[str, list[float]] = {base: [] for base in BASELINES}
     throughput_ratios: dict[str, list[float]] = {base: [] for base in BASELINES}
     for rate in setup.rates:
-        trace = merge_traces(rt_trace(setup, rate, seed), be)
+        trace = rt_trace(setup, rate, seed)
         stats = {}
         for label in POLICIES:
-            result = simulate(_config(setup, label), trace)
+            result = simulate(_config(setup, label), trace, closed_loop=be)
             runs[f"{label} @ {rate:g} req/s"] = result
             stats[label] = rt_stats(result, setup.slo)
             sweep.append({"system": label, "rate": rate, **stats[label]})
@@ -197,7 +205,7 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
         name="bros",
         title=(f"BROS vs vLLM (2023), RR and two stronger baselines (bros.txt §7.2.1): {setup.model} at TP={setup.tp} on "
                f"{setup.gpu}, RT Poisson {', '.join(f'{r:g}' for r in setup.rates)} req/s for {setup.duration:g} s "
-               f"plus {setup.be_batch} BE requests every {setup.be_period:g} s; SLO TTFT "
+               f"plus closed-loop batches of {setup.be_batch} BE requests; SLO TTFT "
                f"{setup.slo.ttft * 1e3:g} ms / TPOT {setup.slo.tpot * 1e3:g} ms"),
         workload=f"RT: {RT_LENGTHS.label}; BE: {BE_LENGTHS.label}",
         runs=runs, comparisons=comparisons, notes=notes(sweep, setup, alone),
@@ -224,8 +232,8 @@ def notes(sweep: list[dict[str, float | str]], setup: Setup, alone: float) -> li
         "one at or above the paper's figure means BROS lost no more than the paper says.",
         f"SLO attainment over rates ({attainment}). The paper's averages: vLLM TTFT 1.28%, RR TTFT 10.55%, "
         "TPOT RR 47.34% and BROS 65.49%.",
-        f"One BE batch alone keeps the GPUs busy for {alone:.1f} s of each {setup.be_period:g} s period. BE busy "
-        f"time (BE work in the system) per system, over rates: " + "; ".join(
+        f"One BE batch alone keeps the GPUs busy for {alone:.1f} s. BE busy time (BE work in the system) per "
+        f"system, over rates: " + "; ".join(
             f"{s} {span(column(s, 'be_busy_s'), 1 / (setup.duration + 1e-9) * 100, '.0f')}% of the trace"
             for s in POLICIES) + ".",
         "The paper's vLLM (2024) prefilled whole prompts in steps of their own and swapped under memory "
@@ -240,10 +248,13 @@ def notes(sweep: list[dict[str, float | str]], setup: Setup, alone: float) -> li
         f"forwards, as the paper overlaps them: the link was busy {span(column(BROS, 'link_busy_s'), fmt='.1f')} s "
         f"per run, and forwards waited {span(column(BROS, 'forward_stall_s'), fmt='.2f')} s for the copies they "
         "read (a checkpoint of slots the step overwrites blocks it; a restore blocks the step that reads it).",
-        "Both length distributions are synthetic (sim/workloads.py), and the BE batches arrive on a fixed "
-        "period rather than when the previous batch completes.",
+        "BROS's bidirectional memory (§5) per rate: overwrites (RT pages over BE slots) "
+        f"{', '.join(str(int(v)) for v in column(BROS, 'overwrites'))}; checkpointed BE slots "
+        f"{', '.join(str(int(v)) for v in column(BROS, 'checkpointed_slots'))}; restored pages "
+        f"{', '.join(str(int(v)) for v in column(BROS, 'restored_pages'))}.",
+        "Both length distributions are synthetic (sim/workloads.py).",
     ]
 
 
-__all__ = ["BE_LENGTHS", "BROS", "FCFS", "POLICIES", "RR", "RT_LENGTHS", "SETUPS", "Setup", "VLLM", "VLLM_V0",
+__all__ = ["BE_LENGTHS", "BROS", "be_batches", "FCFS", "POLICIES", "RR", "RT_LENGTHS", "SETUPS", "Setup", "VLLM", "VLLM_V0",
            "be_busy_seconds", "run"]
