@@ -82,3 +82,14 @@ def test_bidirectional_rt_fits_where_free_or_be_only_blocks_can_take_its_pages()
     assert not kv.can_reserve(newcomer, 8)
     assert kv.fits_after_preempting(newcomer, 8, [be])
     assert not kv.fits_after_preempting(newcomer, 12, [be])  # 3 pages, 2 blocks without an RT page
+
+
+def test_policy_options_reach_the_policy_and_unknown_ones_are_refused(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu", policy="bros", kv_cache_tokens=256, block_size=4,
+              policy_options={"initial_batch_size": 4, "batch_growth": "+2", "prefill": "whole"})
+    scheduler = llm.engine.scheduler
+    assert (scheduler.batch_size, scheduler.batch_size_step, scheduler.whole_prompts) == (4, 2, True)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 3
+    with pytest.raises(ValueError, match="policy 'fcfs' takes no option batch_growth"):
+        LLM(str(llama_dir), device="cpu", policy="fcfs", kv_cache_tokens=256, policy_options={"batch_growth": "x2"})
