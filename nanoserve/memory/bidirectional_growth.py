@@ -87,10 +87,7 @@ class FastGrowth(BidirectionalBlocks):
         a swapped-out one to restore) while no block can take one: none free and none holding a
         BE page alone, FindPreemptBlock's only targets. Then its growth fails whatever else it
         would plan. In overload the scheduler asks this of every waiting RT request, each step."""
-        sizes = self._index.sizes  # a BE-only block stays BE-only while its key is stale
-        if sizes[FREE] or any(n and key is not None and key[0] == "be" for key, n in sizes.items()):
-            return False
-        return self.rt_pages_lacking(seq_id, num_tokens) > 0
+        return self.rt_page_room() == 0 and self.rt_pages_lacking(seq_id, num_tokens) > 0
 
     def rt_pages_lacking(self, seq_id: SeqId, num_tokens: int) -> int:
         """Pages an RT sequence growing to `num_tokens` still needs a block for (new pages, or
@@ -100,7 +97,8 @@ class FastGrowth(BidirectionalBlocks):
         return -(-num_tokens // self.block_size) - on_device
 
     def rt_page_room(self) -> int:
-        """Blocks that could take an RT page: free ones and those holding a BE page alone."""
+        """Blocks that could take an RT page: free ones and those holding a BE page alone (a
+        BE-only block stays BE-only while its key is stale)."""
         return sum(n for key, n in self._index.sizes.items() if key == FREE or (key is not None and key[0] == "be"))
 
     def _grow_in_place(self, state: SeqState, num_tokens: int) -> None:

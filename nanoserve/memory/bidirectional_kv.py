@@ -96,8 +96,10 @@ class BidirectionalKV(KVManager):
         block with another RT page. BE requests: the default."""
         if request.priority == "offline":
             return super().fits_after_preempting(request, num_tokens, victims)
-        return self.can_reserve(request, num_tokens) or self.blocks.rt_pages_lacking(request.request_id, num_tokens) \
-            <= self.blocks.rt_page_room()
+        # The count first: a scheduler asks this after `can_reserve` said no (BROS does), so the
+        # exact test, a search, runs only where the count cannot settle it.
+        return (self.blocks.rt_pages_lacking(request.request_id, num_tokens) <= self.blocks.rt_page_room()
+                or self.can_reserve(request, num_tokens))
 
     def preempt(self, request: Request) -> tuple[int, list[KVCopy]]:
         seq = request.request_id

@@ -146,7 +146,7 @@ class BROSScheduler(PulledQueues):
         self.running = self.kv.order(self.running)  # RT first, as the bidirectional manager needs
         # Alg. 1 on paper first (no KV touched): which RT requests BE requests replace.
         draft = Batch(self, now)
-        draft.capped = self._select_rt(draft)
+        self._select_rt(draft)
         draft.rt_stop, draft.host_version = draft.stop, self._host_slots_version()
         if not draft.stop:
             self._select_be(draft, replace=True)
@@ -154,10 +154,10 @@ class BROSScheduler(PulledQueues):
         # memory cannot take (even after evictions) is passed over for the next one. Where the
         # memory takes each chunk as it is, the real pass decides as the draft did: replay it.
         batch = Batch(self, now, out=SchedulerOutput(), draft=draft)
-        capped = self._replay_rt(batch, draft)
-        replay_be = capped is not None and draft.host_version == self._host_slots_version()
-        if capped is None:
-            capped = self._select_rt(batch, skip=draft.replaced | batch.held, cap=self.batch_size - len(draft.replaced))
+        replayed = self._replay_rt(batch, draft)
+        replay_be = replayed and draft.host_version == self._host_slots_version()
+        if not replayed:
+            self._select_rt(batch, skip=draft.replaced | batch.held, cap=self.batch_size - len(draft.replaced))
         if not batch.stop:
             if not (replay_be and self._replay_be(batch, draft)):
                 self._select_be(batch, replace=False, skip=set(batch.held))
@@ -165,17 +165,17 @@ class BROSScheduler(PulledQueues):
         self.slo_risk = batch.risk
         return batch.out
 
-    def _select_rt(self, batch: Batch, skip: set[int] = frozenset(), cap: int | None = None) -> bool:
+    def _select_rt(self, batch: Batch, skip: set[int] = frozenset(), cap: int | None = None) -> None:
         """Alg. 1 lines 5-15, up to `cap` RT requests (the batch size less the seats the draft
-        gave BE requests). Returns whether an RT request was left out for lack of batch room."""
+        gave BE requests)."""
         cap = self.batch_size if cap is None else cap
         candidates = self._rt_candidates(lambda: batch.waiting_closed)
         try:
-            return self._pack_rt(batch, candidates, skip, cap)
+            self._pack_rt(batch, candidates, skip, cap)
         finally:
             candidates.close()  # puts back the waiting requests it pulled but did not admit
 
-    def _pack_rt(self, batch: Batch, candidates: Iterator[Request], skip: set[int], cap: int) -> bool:
+    def _pack_rt(self, batch: Batch, candidates: Iterator[Request], skip: set[int], cap: int) -> None:
         # Locals and inline arithmetic: this loop runs for every RT request in the batch, twice.
         chunk_cost, iteration, gone, held = self.cost_model.chunk_cost, self.cost_model.iteration, batch.gone, batch.held
         now, due, per_iteration, draft = batch.now, self._due, self.config.max_num_batched_tokens, batch.out is None
@@ -184,7 +184,7 @@ class BROSScheduler(PulledQueues):
             if id(request) in skip or id(request) in gone:
                 continue
             if len(held) >= cap:
-                return True
+                return
             computed = request.num_computed_tokens
             lacking = len(request.token_ids) - computed
             num_new = lacking if lacking < batch.tokens_left else batch.tokens_left
@@ -221,7 +221,6 @@ class BROSScheduler(PulledQueues):
                     batch.waiting_closed = True  # the RT chunks reserved before it took the last blocks
                 continue  # no seat or no KV for it (FindPreemptBlock found nothing)
             batch.add(request, num_new, cost, residual)
-        return False
 
     def _kv_within_reach(self, batch: Batch, request: Request, num_tokens: int) -> bool:
         """Whether the waiting RT `request` could hold `num_tokens` positions, allowing for the BE
@@ -292,21 +291,20 @@ class BROSScheduler(PulledQueues):
     # RT request never shortened another's chunk: BE work needs token budget left), BE decisions
     # once all but the last granted a whole chunk (the real batch, with fewer RT requests, has
     # at least as much room), and the BE order held (no RT growth checkpointed a BE slot).
-    def _replay_rt(self, batch: Batch, draft: Batch) -> bool | None:
-        """The draft's RT requests, for real; whether one was left out for lack of batch room, or
-        None if the replay stopped short."""
+    def _replay_rt(self, batch: Batch, draft: Batch) -> bool:
+        """The draft's RT requests, for real; False if the replay stopped short (or did not start)."""
         if draft.seatless:
-            return None
+            return False
         max_seqs = self.config.max_num_seqs
         for request, (num_new, cost, residual) in zip(draft.rt, draft.rt_chunks):
             seated = request.status is not WAITING or len(self.running) < max_seqs
             chunk = self.try_chunk(request, num_new) if seated else None
             if chunk is None:
-                return None
+                return False
             batch.add(request, num_new, cost, residual, chunk=chunk)
         batch.risk |= draft.rt_stop
         batch.stop = draft.rt_stop
-        return draft.capped
+        return True
 
     def _replay_be(self, batch: Batch, draft: Batch) -> bool:
         """The draft's BE requests, for real, if its decisions carry over; False where the

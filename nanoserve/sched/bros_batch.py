@@ -49,7 +49,7 @@ class Batch:
         self.risk = False  # SLO risk: reset the batch size
         self.stop = False  # lines 11-12's early return: no BE work this step
         # What the real pass needs to know to replay a draft (see BROSScheduler._replay_rt).
-        self.capped = self.rt_stop = False  # the RT packing's outcome
+        self.rt_stop = False  # the RT packing's outcome
         self.seatless = False  # an RT request was passed over for lack of a seat
         self.waiting_closed = False  # no block can take an RT page: waiting RT requests are not tried
         self.constrained = False  # the last BE decision gave less than a whole chunk
