@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="attention kernels (default: triton on CUDA, torch on CPU)")
     p.add_argument("--preempt-every-layers", type=int, default=8,
                    help="conserve: a pure-offline forward checks for an online arrival every k layers")
+    p.add_argument("--layerwise-kv-copies", action="store_true",
+                   help="stream each step's KV copies layer by layer; a forward waits per layer (BROS §4.1)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="shard the model over this many processes (under torchrun: the world size)")
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
         kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens, cost_model=args.cost_model,
-        preempt_every_layers=args.preempt_every_layers, tensor_parallel_size=args.tensor_parallel_size,
+        preempt_every_layers=args.preempt_every_layers, layerwise_kv_copies=args.layerwise_kv_copies,
+        tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         online_slo=SLO(ttft=args.online_ttft, tpot=args.online_tpot),
     ))

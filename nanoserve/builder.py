@@ -52,6 +52,9 @@ class EngineArgs:
     policy_options: dict | None = None  # knobs of the chosen policy (its Scheduler.OPTIONS)
     host_kv_tokens: int | None = None  # host KV store size; default: as many as the device holds
     preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
+    # Stream each step's KV copies layer by layer, so a forward waits per layer for what it reads
+    # (memory/host.py; BROS §4.1's max(T_exec, T_swap)). Off: a forward waits for whole copies.
+    layerwise_kv_copies: bool = False
     tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
     pipeline_parallel_size: int = 1  # stages of consecutive layers, one process (group) each
     pipeline_microbatches: int | None = None  # per pipelined step; None: twice the stages
@@ -167,7 +170,8 @@ def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup, stage: 
     host_store = None
     if plan.host_blocks is not None:
         host_store = HostKVStore(plan.host_blocks, args.block_size, cfg.num_layers,
-                                 local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype)
+                                 local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype,
+                                 layerwise=args.layerwise_kv_copies)
     return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),
                        args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp,
                        stage_layers=None if layout is None else layout.layers)

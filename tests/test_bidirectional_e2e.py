@@ -55,17 +55,17 @@ def reference(llama_dir, prompts):
     return llm.generate(prompts, PARAMS, use_tqdm=False)
 
 
-def run_bidirectional(llama_dir, prompts, backend: str, host_kv_tokens: int):
+def run_bidirectional(llama_dir, prompts, backend: str, host_kv_tokens: int, layerwise: bool = False):
     # 16 blocks of 4: the three offline requests alone need 21 pages by their end.
     llm = LLM(llama_dir, device="cpu", dtype="float32", kv_manager="bidirectional", kv_cache_tokens=64,
-              host_kv_tokens=host_kv_tokens, block_size=B, attention_backend=backend)
+              host_kv_tokens=host_kv_tokens, block_size=B, attention_backend=backend, layerwise_kv_copies=layerwise)
     outputs = llm.generate(prompts, PARAMS, priority=PRIORITIES, use_tqdm=False)
     return llm.engine, outputs
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_rt_overwrites_and_be_restores_keep_greedy_output(llama_dir, prompts, reference, backend):
-    engine, outputs = run_bidirectional(llama_dir, prompts, backend, host_kv_tokens=64)
+@pytest.mark.parametrize("backend, layerwise", [("torch", False), ("triton", False), ("torch", True)])
+def test_rt_overwrites_and_be_restores_keep_greedy_output(llama_dir, prompts, reference, backend, layerwise):
+    engine, outputs = run_bidirectional(llama_dir, prompts, backend, host_kv_tokens=64, layerwise=layerwise)
     for ref, out, priority in zip(reference, outputs, PRIORITIES):
         assert_close_greedy(ref, out, f"{backend} {priority} {out.request_id}", max_tokens=MAX_TOKENS)
     events = engine.kv.events

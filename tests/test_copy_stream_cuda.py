@@ -80,6 +80,29 @@ def test_a_prefetch_for_another_request_is_not_waited_for():
     store.synchronize()
 
 
+def test_layer_by_layer_a_forward_reads_each_layer_once_its_part_has_landed():
+    """HostKVStore(layerwise=True): one event per layer; wait_for waits for layer 0's part only,
+    and each wait_layer(l) orders the compute stream after layer l's part of the load."""
+    store = HostKVStore(256, B, LAYERS, HEADS, DIM, torch.bfloat16, layerwise=True)
+    kv = caches()
+    blocks = random.Random(2).sample(range(BLOCKS), 200)
+    host = store.allocate("r", 200)
+    expected = [(k[blocks].clone(), v[blocks].clone()) for k, v in kv]
+    store.execute_step([[KVCopy("save", slots(blocks), slots(host))]], kv)
+    store.synchronize()
+    assert len(store.inflight.poll()) == 1
+    for k, v in kv:
+        k.fill_(float("nan")), v.fill_(float("nan"))
+    targets = random.Random(3).sample(range(BLOCKS), 200)
+    store.execute_step([[KVCopy("load", slots(host), slots(targets), reader="r")]], kv)
+    store.wait_for({"r"})
+    assert store.has_layer_waits  # layers 1.. are still to be waited for, as the forward reaches them
+    for layer, ((k, v), (ek, ev)) in enumerate(zip(kv, expected)):
+        store.wait_layer(layer)
+        assert torch.equal(k[targets], ek) and torch.equal(v[targets], ev)  # read on the compute stream
+    assert not store.has_layer_waits
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-cuda-copies")
@@ -88,7 +111,8 @@ def llama_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kv_manager, options", [("swap", None), ("checkpoint", {"threshold": 0.25})])
-def test_greedy_output_survives_overlapped_copies_on_the_gpu(llama_dir, kv_manager, options):
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_greedy_output_survives_overlapped_copies_on_the_gpu(llama_dir, kv_manager, options, layerwise):
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (5, 17, 9, 13, 7, 19, 11, 6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
@@ -96,7 +120,7 @@ def test_greedy_output_survives_overlapped_copies_on_the_gpu(llama_dir, kv_manag
     reference = LLM(llama_dir, device="cuda", dtype="float32", kv_cache_tokens=4096, block_size=4).generate(
         prompts, params, use_tqdm=False, priority=priority)
     llm = LLM(llama_dir, device="cuda", dtype="float32", kv_cache_tokens=64, block_size=4, kv_manager=kv_manager,
-              kv_manager_options=options, host_kv_tokens=2048)
+              kv_manager_options=options, host_kv_tokens=2048, layerwise_kv_copies=layerwise)
     outputs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
     for ref, out in zip(reference, outputs):
         assert_close_greedy(ref, out, f"{kv_manager} on cuda", max_tokens=24)

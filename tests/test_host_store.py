@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -203,3 +203,53 @@ def test_a_cpu_store_lands_copies_when_they_are_issued():
     assert store.inflight.poll() == [copy]
     store.wait_for({"anyone"})  # nothing to wait for on a CPU
     store.retire([copy.ticket])
+
+
+# -- layer by layer (HostKVStore(layerwise=True)) ---------------------------------------------
+
+def _fresh(layerwise: bool) -> tuple[HostKVStore, list[tuple[torch.Tensor, torch.Tensor]]]:
+    store = HostKVStore(HOST_BLOCKS, BLOCK, LAYERS, 1, 2, torch.float32, pin_memory=False, layerwise=layerwise)
+    g = torch.Generator().manual_seed(0)
+    store.k.copy_(torch.randn(store.k.shape, generator=g))
+    store.v.copy_(torch.randn(store.v.shape, generator=g))
+    caches = [(torch.randn(DEVICE_BLOCKS, BLOCK, 1, 2, generator=g), torch.randn(DEVICE_BLOCKS, BLOCK, 1, 2, generator=g))
+              for _ in range(LAYERS)]
+    return store, caches
+
+
+@st.composite
+def copy_groups(draw) -> list[list[KVCopy]]:
+    """1-3 groups of saves, moves and loads over the same few slots, so later copies read what
+    earlier ones wrote (a save then a load of one host slot, a move then a save of its target)."""
+    device, host = st.integers(0, 7), st.integers(0, 7)
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        group = []
+        for kind in draw(st.lists(st.sampled_from(["save", "move", "load"]), min_size=1, max_size=4)):
+            n = draw(st.integers(1, 3))
+            dst = draw(st.lists(host if kind == "save" else device, min_size=n, max_size=n, unique=True))
+            src = draw(st.lists(device if kind != "load" else host, min_size=n, max_size=n, unique=True))
+            group.append(KVCopy(kind, tuple(src), tuple(dst)))
+        # One destination slot per kind in a group, as the managers plan them: no write races.
+        seen: dict[str, set[int]] = {}
+        group = [c for c in group if not seen.setdefault(c.kind, set()) & set(c.dst) and not seen[c.kind].update(c.dst)]
+        groups.append(group)
+    return groups
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups=copy_groups())
+def test_layer_by_layer_leaves_device_and_host_exactly_as_group_after_group(groups):
+    """Layer-major issue (every group's layer-0 part, then layer 1's, ...) keeps each layer's
+    order of saves, moves and loads group after group, so the caches end bit-identical."""
+    whole, whole_kv = _fresh(False)
+    streamed, streamed_kv = _fresh(True)
+    whole.execute_step(groups, whole_kv)
+    streamed.execute_step(groups, streamed_kv)
+    assert torch.equal(whole.k, streamed.k) and torch.equal(whole.v, streamed.v)
+    for (k1, v1), (k2, v2) in zip(whole_kv, streamed_kv):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    issued = [c for g in groups for c in g]
+    assert streamed.inflight.poll() == issued  # on a CPU every copy has landed, in issue order
+    streamed.wait_for({"anyone"})  # no CUDA events: nothing to wait for, per layer or whole
+    assert not streamed.has_layer_waits

@@ -13,7 +13,7 @@ from nanoserve.sim.simulation import SimConfig, kv_blocks, simulate
 from nanoserve.sim.workloads import ClosedLoopBatches, TraceRequest
 
 PUBLISHED_PARAMS = {"Llama-2-7B": 6.74e9, "Qwen2.5-14B": 14.7e9, "Qwen2.5-72B": 72.7e9, "OPT-13B": 12.9e9,
-                    "OPT-175B": 175e9}
+                    "OPT-30B": 30.0e9, "Llama-3-70B": 70.6e9, "OPT-175B": 175e9}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -235,3 +235,66 @@ def test_a_policy_stuck_with_nothing_in_flight_and_nothing_arriving_is_an_error(
     scripted(monkeypatch, iter(lambda: SchedulerOutput(kv_copies=[[copy("save", 0)]]), None))
     with pytest.raises(RuntimeError, match="no KV copy in flight"):
         simulate(SimConfig(policy="fcfs"), [TraceRequest(0.0, 100, 2)])
+
+
+# -- layer by layer (SimExecutor(layerwise_copies=True), BROS §4.1's max(T_exec, T_swap)) ---------
+
+@pytest.fixture
+def layerwise(store) -> SimExecutor:
+    lens = {f"r{i}": 100 for i in range(10)}
+    return SimExecutor(VirtualClock(T0), ROOFLINE, lens, host_store=store, layerwise_copies=True)
+
+
+def test_layerwise_a_step_takes_about_the_longer_of_its_forward_and_its_copies(executor, layerwise):
+    """The same step (a restore its request reads, beside a big batch) waits for the whole load
+    before its forward with whole copies, and only per layer when they stream layer by layer:
+    max(forward, copy) plus at most one layer's share of the copy, never the sum."""
+    rows = [request(f"r{i}", prompt=2000) for i in range(8)]
+    for tokens in (SMALL, BIG):  # a copy shorter and one longer than the forward
+        whole = SimExecutor(VirtualClock(T0), ROOFLINE, {r.request_id: 100 for r in rows})
+        streamed = SimExecutor(VirtualClock(T0), ROOFLINE, {r.request_id: 100 for r in rows}, layerwise_copies=True)
+        batch = decode(*rows, copies=[[copy("load", tokens, reader="r0")]])
+        forward, load, layers = whole.forward_seconds(batch), pcie(tokens), ROOFLINE.num_layers
+        whole.execute(batch)
+        streamed.execute(batch)
+        assert whole.clock.now == pytest.approx(T0 + load + forward, rel=1e-9)
+        took = streamed.clock.now - T0
+        assert max(forward, load) <= took + 1e-12
+        assert took <= max(forward, load) + load / layers + forward / layers + 1e-12
+        assert streamed.stats.forward_stall_seconds == pytest.approx(took - forward, abs=1e-12)
+        assert streamed.stats.link_busy_seconds == whole.stats.link_busy_seconds
+
+
+def test_layerwise_a_step_runs_as_one_layer_major_run_landing_together(layerwise, store):
+    slots = layerwise.issue_copies([[copy("save", SMALL, blocking=True)], [copy("load", BIG, reader="r1")]])
+    total = pcie(SMALL) + pcie(BIG)
+    assert [s.layer_major for s in slots] == [True, True]
+    assert len({(s.start, s.end) for s in slots}) == 1  # one run: the same span for both
+    assert slots[0].start == T0 and slots[0].end == pytest.approx(T0 + total, rel=1e-12)
+    assert slots[0].layer_landed(0, 32) == pytest.approx(T0 + total / 32, rel=1e-12)
+    assert layerwise.stats.link_busy_seconds == pytest.approx(total, rel=1e-12)
+    # Neither copy lands in the ledger before the run's end, even though the clock is past layer 0's part.
+    layerwise.clock.advance_to(T0 + total / 2)
+    assert store.inflight.poll() == []
+    layerwise.clock.advance_to(T0 + total)
+    assert len(store.inflight.poll()) == 2
+
+
+def test_layerwise_copies_nobody_reads_still_delay_nothing(layerwise):
+    r1 = request("r1")
+    batch = decode(r1, copies=[[copy("save", BIG)], [copy("load", BIG, reader="r9")]])
+    forward = layerwise.forward_seconds(batch)
+    layerwise.execute(batch)
+    assert layerwise.clock.now == T0 + forward and layerwise.stats.forward_stall_seconds == 0
+
+
+def test_layerwise_a_stopped_forward_reaches_its_safe_point_no_earlier_than_its_layers_copies(layerwise):
+    """A pure-offline forward reading a long restore reaches its first safe point (after 8 of
+    32 layers) only once the restore's first quarter has landed."""
+    r1 = request("r1", priority="offline")
+    batch = decode(r1, copies=[[copy("load", BIG, reader="r1")]])
+    layerwise.request_preemption()
+    out = layerwise.execute(batch)
+    assert out.preempted
+    assert layerwise.clock.now >= T0 + pcie(BIG) * 8 / ROOFLINE.num_layers
+    assert layerwise.clock.now < T0 + pcie(BIG)  # the rest of the restore is still on the link

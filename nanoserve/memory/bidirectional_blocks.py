@@ -248,6 +248,7 @@ class BidirectionalBlocks:
 
     def check_invariants(self) -> None:
         B, used, slot_owner, host_owned = self.block_size, set(), {}, defaultdict(list)
+        shared = {b for b, (rt, be) in enumerate(zip(self._rt, self._be)) if rt is not None and be is not None}
         for sides, best_effort in ((self._rt, False), (self._be, True)):
             for block, (seq_id, page) in ((b, o) for b, o in enumerate(sides) if o is not None):
                 state = self._seqs.get(seq_id)
@@ -261,11 +262,15 @@ class BidirectionalBlocks:
                     continue
                 assert (self._be if state.best_effort else self._rt)[block] == (seq_id, page), f"{seq_id!r} page {page}"
                 used.add(block)
+                if block not in shared:
+                    # One side taken: the block holds this page alone (each side has one owner,
+                    # checked just above), so none of its slots can be anyone else's.
+                    continue
                 for position in self._resident(seq_id, page):
                     slot = self._slot_in(block, state.best_effort, position)
                     assert slot not in slot_owner, f"slot {slot}: {slot_owner.get(slot)} and {seq_id!r}"
                     slot_owner[slot] = (seq_id, position)
-        for block in range(self.num_blocks):
+        for block in shared:  # only a block with both sides taken can have RT meet BE
             assert not self._be_positions_under(block, NOBODY, 0, self._rt_fill(block)), f"block {block}: RT meets BE"
         free = sum(rt is None and be is None for rt, be in zip(self._rt, self._be))
         assert free == self.num_free_blocks and free + len(used) == self.num_blocks, "blocks lost or invented"
@@ -273,8 +278,11 @@ class BidirectionalBlocks:
         assert all(k == self._key(b) or (b in self._stale and FREE not in (k, self._key(b)))
                    for b, k in enumerate(index.key)), "index key out of date"
         assert +index.sizes == +Counter(index.key), "index sizes out of date"
+        blocks_by_key: dict = defaultdict(set)
+        for b, k in enumerate(index.key):
+            blocks_by_key[k].add(b)
         for key, heap in index.heaps.items():
-            assert {b for b, k in enumerate(index.key) if k == key} <= set(heap), f"{key}: heap lost a block"
+            assert blocks_by_key.get(key, set()) <= set(heap), f"{key}: heap lost a block"
         for (seq_id, page), entry in self.preemption_table.items():
             state, slots = self._seqs[seq_id], list(entry.host_slots.values())
             positions = set(range(page * B, page * B + self._fill(seq_id, page)))

@@ -17,7 +17,21 @@ and files each in `inflight`, the ledger the manager polls. Before its forward t
     copy stream:                    └─ saves, moves, loads of step n ─┘ (the rest runs on)
 
 On CUDA the host tensors are pinned, copies run `non_blocking` on a dedicated stream, and one
-event per group tells when they landed. On a CPU there is no second engine: the same code runs
+event per group tells when they landed.
+
+Layer by layer (`layerwise=True`; ours, for BROS's "the memory swapping time overlaps with the
+model execution time, and the iteration time can be computed as max(T_exec, T_swap)", bros.txt
+§4.1). `execute_step` issues a whole step's groups layer-major, every group's layer-0 part, then
+every group's layer-1 part, and so on, with an event after each layer; `wait_for` makes the
+compute stream wait for layer 0's part only, and the runner calls `wait_layer(l)` as the forward
+reaches layer l. A forward that reads a restore then runs while the rest of the restore is on
+the link:
+
+    copy stream:     [L0 ][L1 ][L2 ][L3 ]
+    compute stream:       ├L0─┤├L1─┤├L2─┤├L3─┤head┤      (whole copies: ....wait....├L0─┤├L1─ ...)
+
+Per layer, the order is still saves, moves, loads, group after group, and a layer's copies touch
+only that layer's tensors, so the caches end exactly as with whole copies. On a CPU there is no second engine: the same code runs
 the copies in order, at once, and they land immediately, with exactly the same bookkeeping.
 
 Host space is handed out in whole host blocks of B slots, owned by an owner id (a request id,
@@ -32,6 +46,7 @@ Invariants (checked by `check_invariants`):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Sequence
 
 import torch
@@ -39,12 +54,25 @@ import torch
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.copies import ISSUE_ORDER, LANDED_NOW, InflightCopies, KVCopy
 
-__all__ = ["HostKVStore", "KVCopy"]
+__all__ = ["HostKVStore", "KVCopy", "LayerEvents"]
+
+
+@dataclass
+class LayerEvents:
+    """The wait handle of a step's copies issued layer by layer: one CUDA event per layer this
+    rank holds, recorded after that layer's part. The last one marks the whole step's copies."""
+
+    per_layer: dict[int, Any] = field(default_factory=dict)  # layer -> event, in layer order
+
+    @property
+    def last(self) -> Any:
+        return self.per_layer[max(self.per_layer)]
 
 
 class HostKVStore:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, pin_memory: bool | None = None):
+                 dtype: torch.dtype, pin_memory: bool | None = None, layerwise: bool = False):
+        """`layerwise`: issue a step's copies layer by layer, so a forward waits per layer (above)."""
         if num_blocks < 0 or block_size < 1:
             raise ValueError("num_blocks must be >= 0 and block_size >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -56,6 +84,8 @@ class HostKVStore:
         self._owned: dict[Hashable, list[int]] = {}
         self.inflight = InflightCopies()  # issued copies the manager has not yet seen land
         self._stream: torch.cuda.Stream | None = None
+        self.layerwise = layerwise
+        self._layer_waits: dict[int, list[Any]] = {}  # layer -> events the forward still waits for there
 
     # -- host block allocation ------------------------------------------------------------
     @property
@@ -118,6 +148,41 @@ class HostKVStore:
         for copy in copies:
             self.inflight.issue(copy, event.query, event)
 
+    def execute_step(self, groups: Sequence[Sequence[KVCopy]],
+                     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Issue one step's copy groups in order: group after group (`execute`), or layer-major
+        when `layerwise` (one event per layer; every copy of the step lands with the last)."""
+        groups = [list(g) for g in groups if g]
+        if not self.layerwise:
+            for group in groups:
+                self.execute(group, kv_caches)
+            return
+        if not groups:
+            return
+        held = [layer for layer, c in enumerate(kv_caches) if c is not None]
+        device = kv_caches[held[0]][0].device
+        if device.type != "cuda":
+            for layer in held:
+                for group in groups:
+                    self._copy(group, kv_caches, non_blocking=False, layers=(layer,))
+            for group in groups:
+                for copy in group:
+                    self.inflight.issue(copy, LANDED_NOW)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        events = LayerEvents()
+        with torch.cuda.stream(self._stream):
+            for layer in held:
+                for group in groups:
+                    self._copy(group, kv_caches, non_blocking=True, layers=(layer,))
+                events.per_layer[layer] = torch.cuda.Event()
+                events.per_layer[layer].record(self._stream)
+        for group in groups:
+            for copy in group:
+                self.inflight.issue(copy, events.last.query, events)
+
     def copy_now(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Move the data of one group synchronously, in `execute`'s order, without filing it in
         the ledger: what `execute` does on a CPU, and what a test's stand-in copy stream runs
@@ -135,7 +200,26 @@ class HostKVStore:
         (`KVCopy.needed_by`): this step's blocking copies and the loads its requests read. Saves
         and prefetches for other requests keep running under the forward. No-op on a CPU."""
         readers = set(readers)
-        self._wait(self.inflight.handles(lambda copy: copy.needed_by(readers)))
+        handles = self.inflight.handles(lambda copy: copy.needed_by(readers))
+        if not self.layerwise:
+            self._wait(handles)
+            return
+        self._layer_waits = {}
+        for handle in handles:
+            for layer, event in handle.per_layer.items():
+                self._layer_waits.setdefault(layer, []).append(event)
+        if self._layer_waits:  # the first layer this rank holds waits now; the rest, as reached
+            self.wait_layer(min(self._layer_waits))
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the compute stream wait for the part of the needed copies that touches `layer`
+        (layer-by-layer mode; the runner calls it as the forward reaches each layer)."""
+        self._wait(self._layer_waits.pop(layer, []))
+
+    @property
+    def has_layer_waits(self) -> bool:
+        """Does the coming forward still wait for copies at some layer (see `wait_layer`)?"""
+        return bool(self._layer_waits)
 
     def retire(self, tickets: Iterable[int]) -> None:
         """The manager (in the scheduling process) saw `tickets` land and may now reuse what they
@@ -145,17 +229,20 @@ class HostKVStore:
         self._wait(handles)
         if handles and self._stream is not None:
             for event in handles:
-                self._stream.wait_event(event)
+                self._stream.wait_event(event.last if isinstance(event, LayerEvents) else event)
 
     @staticmethod
     def _wait(events: list[Any]) -> None:
         if events:
             stream = torch.cuda.current_stream()
             for event in events:
-                stream.wait_event(event)
+                stream.wait_event(event.last if isinstance(event, LayerEvents) else event)
 
     def _copy(self, copies: Sequence[KVCopy], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
-              non_blocking: bool) -> None:
+              non_blocking: bool, layers: Sequence[int] | None = None) -> None:
+        """`layers`: copy only those layers' K/V (default: every layer this rank holds)."""
+        if layers is not None:
+            kv_caches = [c if i in layers else None for i, c in enumerate(kv_caches)]
         device = next(c for c in kv_caches if c is not None)[0].device
         for kind in ISSUE_ORDER:
             group = [c for c in copies if c.kind == kind]

@@ -146,6 +146,7 @@ class ModelRunner:
             self.preemption.agree = tp.any
         self._safe_point_hosts = [m for m in model.modules() if hasattr(type(m), "safe_point")]
         self.host_store = host_store  # where the memory manager's KV copies go to and come from
+        self._preemptible = False  # whether the forward in flight has ConServe's safe points armed
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
@@ -243,8 +244,9 @@ class ModelRunner:
                 raise RuntimeError("the batch carries KV copies but the runner has no host store")
             return
         store.retire(landed)
-        for group in groups:  # in order: a later group may save what an earlier one filled
-            store.execute(group, self.kv_caches)
+        # In order (a later group may save what an earlier one filled); layer-major if the store
+        # streams copies layer by layer, in which case the forward waits per layer (run_model).
+        store.execute_step(groups, self.kv_caches)
         store.wait_for(readers)
 
     def request_preemption(self) -> None:
@@ -258,9 +260,12 @@ class ModelRunner:
         """Hidden states for every token of the batch (and K/V written to the cache). With
         `preemptible` the safe points are armed and the forward may raise `ForwardPreempted`.
         A later pipeline stage passes the previous stage's `hidden` instead of token ids."""
-        hosts = self._safe_point_hosts if preemptible else []
+        store = self.host_store
+        layer_waits = store is not None and store.has_layer_waits
+        hosts = self._safe_point_hosts if preemptible or layer_waits else []
         for host in hosts:
-            host.safe_point = self.preemption.safe_point
+            host.safe_point = self._after_layer if layer_waits else self.preemption.safe_point
+        self._preemptible = preemptible
         try:
             return self.model(None if hidden is not None else prepared.input_ids, prepared.positions, prepared.ctx,
                               hidden)
@@ -268,6 +273,13 @@ class ModelRunner:
             for host in hosts:
                 host.safe_point = None
             self.preemption.requested = False  # not consumed by this forward: the next schedule serves it
+
+    def _after_layer(self, layers_done: int) -> None:
+        """Between layers when copies stream layer by layer: the next layer waits for its part of
+        the copies it reads (HostKVStore.wait_layer), then ConServe's safe point, if armed."""
+        self.host_store.wait_layer(layers_done)
+        if self._preemptible:
+            self.preemption.safe_point(layers_done)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:

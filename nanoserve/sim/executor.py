@@ -31,7 +31,17 @@ does; c, and d (whose reader r9 is not in batch n+1), run under the forwards. Fo
 wait for what is left of d only if r9 were in its batch.
 
 So a step takes its forward time plus the unfinished part of the copies it needs
-(`SimStats.forward_stall_seconds`); the link's own total is `link_busy_seconds`. Each copy is
+(`SimStats.forward_stall_seconds`); the link's own total is `link_busy_seconds`.
+
+Layer by layer (`layerwise_copies`, the real `HostKVStore(layerwise=True)`; BROS §4.1's
+"iteration time can be computed as max(T_exec, T_swap)"): a step's copies go on the link as one
+layer-major run, its layer l part landing (l + 1) / L of the way through, and each layer of the
+forward starts when the previous layer is done and its own part of the needed runs has landed:
+
+    link:     [L0 ][L1 ][L2 ][L3 ]
+    compute:   ovh├L0─┤├L1─┤├L2─┤├L3─┤head┤
+
+so a step takes about max(forward, copies) plus one layer's share, not their sum. Each copy is
 filed in the host store's ledger (`InflightCopies`) with a probe that says it landed once the
 virtual clock reaches its end, so the KV manager's poll at the next step's start learns what
 landed exactly as it does with the runner's CUDA events, and holds on to blocks until then.
@@ -107,17 +117,26 @@ class SimStats:
 
 @dataclass(frozen=True)
 class LinkSlot:
-    """One copy's time on the link."""
+    """One copy's time on the link. A layer-major slot is its step's whole run: every copy of
+    the step has the run's span, and its layer l part lands (l + 1) / L of the way through."""
 
     copy: KVCopy
     start: float
     end: float
+    layer_major: bool = False
+
+    def layer_landed(self, layer: int, num_layers: int) -> float:
+        """When the part of this copy that layer `layer` reads has landed."""
+        if not self.layer_major:
+            return self.end
+        return self.start + (layer + 1) / num_layers * (self.end - self.start)
 
 
 class SimExecutor:
     def __init__(self, clock: VirtualClock, cost: Roofline | CostModel, output_lens: Mapping[str, int],
                  copy_cost: Roofline | None = None, preempt_every_layers: int = 8,
-                 record_online_gaps: bool = False, host_store: HostKVStore | None = None):
+                 record_online_gaps: bool = False, host_store: HostKVStore | None = None,
+                 layerwise_copies: bool = False):
         """`output_lens`: request id -> the output length its workload gave it. `copy_cost`
         prices KV copies when `cost` is a fitted CostModel (defaults to `cost` if a Roofline).
         `preempt_every_layers`: the safe-point spacing (the real engine's
@@ -125,7 +144,9 @@ class SimExecutor:
         keep every online inter-token gap in `online_gaps` (ConServe's per-token TPOT, §2.2).
         `host_store`: the KV manager's (bookkeeping only): every copy is filed in its ledger,
         landing when the virtual clock passes its end. Without one the copies are only priced
-        (nobody polls for them)."""
+        (nobody polls for them). `layerwise_copies`: a step's copies stream layer by layer and a
+        forward waits per layer (above); a pipeline stage, or a fitted profile with no model to
+        name its layers, waits for whole copies."""
         self.clock, self.cost = clock, cost
         self.output_lens = output_lens
         self.host_store = host_store
@@ -143,6 +164,7 @@ class SimExecutor:
         self.preemption = PreemptionFlag(preempt_every_layers, shape.num_layers if shape is not None else 0)
         # As the runner, a pipeline stage is never preemptible: no barrier aligns the stages.
         self._stoppable = shape is not None and shape.layers is None
+        self.layerwise = layerwise_copies and self._stoppable
 
     def forward_seconds(self, batch: SchedulerOutput) -> float:
         chunks = batch_of(batch)
@@ -165,17 +187,25 @@ class SimExecutor:
         (groups in order; within a group saves, then moves, then loads), and file each in the
         host store's ledger."""
         slots = []
-        for group in groups:
-            group = list(group)
-            for copy in sorted(group, key=lambda c: ISSUE_ORDER.index(c.kind)):  # stable: issue order within a kind
+        ordered = [copy for group in groups  # stable: issue order within a kind
+                   for copy in sorted(group, key=lambda c: ISSUE_ORDER.index(c.kind))]
+        if self.layerwise and ordered:  # one layer-major run: every copy lands with its last layer
+            start = max(self.clock.now, self.link_free)
+            end = start + sum(self.copy_duration(copy) for copy in ordered)
+            slots = [LinkSlot(copy, start, end, layer_major=True) for copy in ordered]
+            self.link_free = end
+            self.stats.link_busy_seconds += end - start
+        else:
+            for copy in ordered:
                 start = max(self.clock.now, self.link_free)
                 slot = LinkSlot(copy, start, start + self.copy_duration(copy))
                 self.link_free = slot.end
                 self.stats.link_busy_seconds += slot.end - slot.start
-                self._on_link.append(slot)
                 slots.append(slot)
-                if self.host_store is not None:
-                    self.host_store.inflight.issue(copy, lambda end=slot.end: self._landed(end))
+        for slot in slots:
+            self._on_link.append(slot)
+            if self.host_store is not None:
+                self.host_store.inflight.issue(slot.copy, lambda end=slot.end: self._landed(end))
         return slots
 
     def on_link(self) -> list[LinkSlot]:
@@ -189,11 +219,15 @@ class SimExecutor:
         slots = self.on_link()
         return slots[0].end if slots else None
 
+    def needed(self, readers: Iterable[Hashable]) -> list[LinkSlot]:
+        """The copies still on the link that a forward over `readers` needs."""
+        readers = set(readers)
+        return [s for s in self.on_link() if s.copy.needed_by(readers)]
+
     def needed_until(self, readers: Iterable[Hashable]) -> float:
         """When the last copy a forward over `readers` needs has landed (the clock's time if none
-        is still on the link): a forward starting now starts then."""
-        readers = set(readers)
-        return max((s.end for s in self.on_link() if s.copy.needed_by(readers)), default=self.clock.now)
+        is still on the link): a forward waiting for whole copies starts then."""
+        return max((s.end for s in self.needed(readers)), default=self.clock.now)
 
     # -- the forward ---------------------------------------------------------------------------
     def request_preemption(self) -> None:
@@ -209,14 +243,28 @@ class SimExecutor:
             return self.cost.gpu.efficiency.iteration_overhead_s, self.cost.layer_seconds(batch_of(batch))
         return self.cost.iteration, (forward_s - self.cost.iteration) / self.preemption.num_layers
 
-    def _stopped_after(self, batch: SchedulerOutput, forward_start: float, forward_s: float) -> float | None:
-        """Walk the safe points of the forward starting at `forward_start`; the seconds it ran if
-        a safe point stopped it, None if it runs to the end."""
-        flag = self.preemption
+    def layer_ends(self, batch: SchedulerOutput, forward_start: float, forward_s: float,
+                   waits: list[LinkSlot] = ()) -> list[float]:
+        """When each decoder layer of the forward starting at `forward_start` is done; with
+        `waits` (layer-major copies it reads), layer l starts no earlier than its part lands."""
         before, per_layer = self.layer_timing(batch, forward_s)
+        num_layers = self.preemption.num_layers
+        if not waits:  # a product, not a running sum: the safe points' exact times
+            return [forward_start + before + layers * per_layer for layers in range(1, num_layers + 1)]
+        ends, done = [], forward_start + before
+        for layer in range(num_layers):
+            ready = max((s.layer_landed(layer, num_layers) for s in waits), default=done)
+            done = max(done, ready) + per_layer
+            ends.append(done)
+        return ends
+
+    def _stopped_after(self, layer_ends: list[float], forward_start: float) -> float | None:
+        """Walk the safe points of the forward starting at `forward_start` whose layers end at
+        `layer_ends`; the seconds it ran if a safe point stopped it, None if it runs to the end."""
+        flag = self.preemption
         try:
             for layers_done in range(flag.every, flag.num_layers, flag.every):
-                self.clock.advance_to(forward_start + before + layers_done * per_layer)
+                self.clock.advance_to(layer_ends[layers_done - 1])
                 flag.safe_point(layers_done)
         except ForwardPreempted:
             return self.clock.now - forward_start
@@ -230,15 +278,22 @@ class SimExecutor:
         if not batch.chunks:  # copies only: no forward, and the runner leaves the flag alone
             return ExecutorOutput()
         stats.forwards += 1
-        # The forward waits for the copies it needs, and only for those (the runner's wait_for).
-        forward_start = self.needed_until(c.request.request_id for c in batch.chunks)
-        stats.forward_stall_seconds += forward_start - start
+        # The forward waits for the copies it needs, and only for those (the runner's wait_for):
+        # for whole copies before it starts, for layer-major ones layer by layer.
+        needed = self.needed(c.request.request_id for c in batch.chunks)
+        layer_waits = needed if self.layerwise else []
+        forward_start = start if layer_waits else max((s.end for s in needed), default=start)
         self.clock.advance_to(forward_start)
         forward_s = self.forward_seconds(batch)  # priced from the forward's start (a pipeline's stages)
+        stoppable = ((flag.on_safe_point is not None or flag.requested) and self._stoppable
+                     and all(c.request.priority == "offline" for c in batch.chunks))
+        layer_ends = self.layer_ends(batch, forward_start, forward_s, layer_waits) if layer_waits or stoppable else []
+        # How much later than forward_s its last layer ends, waiting for its layers' copies.
+        layer_stall = layer_ends[-1] - self.layer_ends(batch, forward_start, forward_s)[-1] if layer_waits else 0.0
+        stats.forward_stall_seconds += forward_start - start + layer_stall
         # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3).
-        if ((flag.on_safe_point is not None or flag.requested) and self._stoppable
-                and all(c.request.priority == "offline" for c in batch.chunks)):
-            ran = self._stopped_after(batch, forward_start, forward_s)
+        if stoppable:
+            ran = self._stopped_after(layer_ends, forward_start)
             if ran is not None:
                 flag.requested = False  # the clock stays at the safe point; unneeded copies run on
                 stats.busy_seconds += ran
@@ -246,7 +301,7 @@ class SimExecutor:
                 return ExecutorOutput(preempted=True)
         flag.requested = False  # not consumed by this forward: the next schedule serves it
         # One sum from the forward's start, so unstopped runs keep their exact times.
-        self.clock.advance_to(forward_start + forward_s)
+        self.clock.advance_to(forward_start + forward_s + layer_stall)
         stats.busy_seconds += forward_s
         out = ExecutorOutput()
         gaps, now = self.online_gaps, self.clock.now

@@ -6,6 +6,8 @@ simulator charges: weight bytes per layer and KV bytes per token.
     Qwen2.5-14B   48 layers, hidden 5120, 40 heads,  8 KV heads, MLP 13824 (SwiGLU), vocab 152064
     Qwen2.5-72B   80 layers, hidden 8192, 64 heads,  8 KV heads, MLP 29568 (SwiGLU), vocab 152064
     OPT-13B       40 layers, hidden 5120, 40 heads, 40 KV heads, FFN 20480 (ReLU),  vocab 50272
+    OPT-30B       48 layers, hidden 7168, 56 heads, 56 KV heads, FFN 28672 (ReLU),  vocab 50272
+    Llama-3-70B   80 layers, hidden 8192, 64 heads,  8 KV heads, MLP 28672 (SwiGLU), vocab 128256
     OPT-175B      96 layers, hidden 12288, 96 heads, 96 KV heads, FFN 49152 (ReLU), vocab 50272
 
 Weights are bf16/fp16 (2 bytes), as the papers serve them.
@@ -31,6 +33,8 @@ MODELS: dict[str, ModelConfig] = {
     "Qwen2.5-14B": _config("qwen2", 48, 5120, 40, 8, 13824, 152064, 32768, qkv_bias=True),
     "Qwen2.5-72B": _config("qwen2", 80, 8192, 64, 8, 29568, 152064, 32768, qkv_bias=True),
     "OPT-13B": _config("opt", 40, 5120, 40, 40, 20480, 50272, 2048, tied=True),
+    "OPT-30B": _config("opt", 48, 7168, 56, 56, 28672, 50272, 2048, tied=True),
+    "Llama-3-70B": _config("llama", 80, 8192, 64, 8, 28672, 128256, 8192),
     "OPT-175B": _config("opt", 96, 12288, 96, 96, 49152, 50272, 2048, tied=True),
 }
 

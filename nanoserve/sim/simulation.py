@@ -88,6 +88,7 @@ class SimConfig:
     offline_slo: SLO = DEFAULT_SLOS["offline"]
     fitted_policy_model: bool = True  # policies budget with a profile of the simulated GPU
     preempt_every_layers: int = 8  # ConServe §4.3's safe-point spacing (EngineArgs' default)
+    layerwise_copies: bool = False  # EngineArgs.layerwise_kv_copies: copies stream layer by layer
     # Scale the policy's cost model by the measured (virtual) step times, as the real engine does.
     # NANOSERVE_SIM_CALIBRATE=0 turns it off for a whole experiment (an ablation switch).
     calibrate_cost_model: bool = field(default_factory=lambda: os.environ.get("NANOSERVE_SIM_CALIBRATE") != "0")
@@ -195,7 +196,8 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
     policy_model = fitted_cost_model(roofline, max_len) if config.fitted_policy_model else None
     executor = SimExecutor(clock, executor_cost or roofline, output_lens, copy_cost=roofline,
                            preempt_every_layers=config.preempt_every_layers,
-                           record_online_gaps=config.record_online_token_gaps, host_store=host)
+                           record_online_gaps=config.record_online_token_gaps, host_store=host,
+                           layerwise_copies=config.layerwise_copies)
     engine = Engine(make_scheduler(sched_config, kv, policy_model, clock=clock), executor, None,
                     frozenset({EOS_TOKEN}), model_name=config.model,
                     calibrate_cost_model=config.calibrate_cost_model, stream_outputs=False)

@@ -11,12 +11,18 @@ The paper, on ShareGPT RT requests: "reductions of 74.20% and 54.31% in average 
 latency, as compared to vLLM and RR at various request rates", with "only an 11.29% reduction
 [of BE throughput] compared to vLLM and an 8.80% reduction compared to RR".
 
+The paper's averages are over Fig. 10(a)-(c), one panel per model, so the experiment runs all
+three (`PANELS`) and compares the mean over every panel and rate with the paper's figure; each
+panel's own mean is shown beside it, with no paper number (the text gives none).
+
 The workload, fixed here before any policy runs, from §7.1:
-- OPT-13B at tensor parallelism 2 on A100-SXM4-40GB GPUs (the paper's OPT testbed); KV capacity
-  is what the weights leave (§7.1 profiles "the maximum available GPU memory"); block size 16.
+- Panel (a) OPT-13B at tensor parallelism 2 and (b) OPT-30B at 4, on A100-SXM4-40GB GPUs; (c)
+  Llama-3-70B at 8 on A100 80GB. KV capacity is what the weights leave (§7.1 profiles "the
+  maximum available GPU memory"); block size 16.
 - SLOs: TTFT 0.4 s, TPOT 0.2 s (§7.1).
-- RT: Poisson arrivals at each rate of `Setup.rates` (Fig. 10 sweeps 5-15 req/s; we stop at 10) for 600 s ("we
-  evaluate the systems with 10-minute traces"), ShareGPT-like lengths with Table 2's moments
+- RT: Poisson arrivals at each rate of `Setup.rates` (assumption: the axes are lost; (c) reaches
+  15 req/s, the text's "extremely high request rate", and (a), (b) 10, §7.4.1's rate) for 600 s
+  ("we evaluate the systems with 10-minute traces"), ShareGPT-like lengths with Table 2's moments
   (prompt 222.76 +- 256.36, output 234.51 +- 268.50: a lognormal of sigma 0.92), each side capped
   at 1,024 tokens to fit OPT's 2,048-token context.
 - BE: prompts U(512, 1024), outputs U(32, 128) (§7.1, after FlexGen), "periodically submitted in
@@ -28,6 +34,10 @@ The workload, fixed here before any policy runs, from §7.1:
 - The same seeded RT trace per rate, and the same sequence of BE batches, for every policy
   (when each batch goes in depends on the policy).
 
+The ablation (`ablation_variants`, BROS alone at panel (a)'s top rate) changes one thing at a
+time: B0 in {8, 32, 256} and growth in {+1, x2} (§4.2 lost both symbols), whole-prompt prefill
+(the paper's; ours chunks by default), and copies waited for whole instead of layer by layer.
+
 BE throughput is the closed-loop quantity the paper measures: BE requests finished per second of
 time during which BE work was in the system (the union over BE requests of [arrival, finish]).
 """
@@ -35,7 +45,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
 from nanoserve.sim.experiments.baselines import FASTGEN, ROUND_ROBIN, VLLM_2023, VLLM_2023_RECOMPUTE, Baseline
@@ -47,13 +58,13 @@ from nanoserve.slo import SLO
 
 @dataclass(frozen=True)
 class Setup:
+    panel: str = "Fig. 10(a)"
     gpu: str = "A100-40G"  # §7.1: A100-SXM4-40GB
     model: str = "OPT-13B"
     tp: int = 2  # §7.1: OPT-13B at tensor-parallel degree 2
     slo: SLO = SLO(ttft=0.4, tpot=0.2)  # §7.1
-    # RT req/s. Fig. 10 sweeps 5-15; past 10 this deployment is far over capacity in our cost
-    # model (vLLM meets TTFT for 4% at 12.5), and BROS, which keeps passing over thousands of
-    # waiting requests the memory cannot take, needs hours of wall time per run there.
+    # RT req/s. assumption: the figure's axes are lost in the text; it names 15 req/s for the
+    # 70B panel (c) only, and §7.4.1 runs OPT-30B at 10, so (a) and (b) sweep 5-10 and (c) 5-15.
     rates: tuple[float, ...] = (5.0, 7.5, 10.0)
     duration: float = 600.0  # seconds of RT arrivals: "10-minute traces"
     be_batch: int = 32  # BE requests per closed-loop batch (ours; the paper gives none)
@@ -62,8 +73,19 @@ class Setup:
     horizon: float = 900.0
 
 
-# ci: the same setup on ~300 RT requests at the middle rate, beside closed-loop BE batches for 30 s.
-SETUPS = {"paper": Setup(), "ci": Setup(rates=(10.0,), duration=30.0, horizon=90.0)}
+# Fig. 10(a)-(c), ShareGPT RT requests: the three models of §7.1 on their testbeds ("OPT-13B,
+# OPT-30B, and Llama-70B being 2, 4, and 8" GPUs; OPT on A100-SXM4-40GB, Llama on A100 80GB).
+PANELS = {
+    "a": Setup(),
+    "b": Setup(panel="Fig. 10(b)", model="OPT-30B", tp=4),
+    "c": Setup(panel="Fig. 10(c)", gpu="A100-80G", model="Llama-3-70B", tp=8, rates=(5.0, 10.0, 15.0)),
+}
+# ci: panel (a) on ~300 RT requests at 10 req/s, beside closed-loop BE batches for 30 s.
+SETUPS = {"paper": PANELS["a"], "ci": Setup(rates=(10.0,), duration=30.0, horizon=90.0)}
+# The ablation: BROS alone at panel (a)'s top rate, one knob changed at a time from the default.
+# §4.2's lost symbols: "start with a conservative batch size, e.g., ." (B0) and the increment.
+ABLATION_B0 = (8, 32, 256)
+ABLATION_GROWTH = ("+1", "x2")
 # Table 2, ShareGPT: sigma = sqrt(ln(1 + (std / mean)^2)) = 0.918 (prompt), 0.916 (output).
 RT_LENGTHS = LengthDist("ShareGPT-like (BROS Table 2)", 222.76, 234.51, min_prompt=4, max_prompt=1024,
                         max_output=1024, sigma=0.92)
@@ -144,10 +166,15 @@ def be_batch_alone_seconds(setup: Setup, seed: int) -> float:
     return simulate(FASTGEN.sim_config(_config(setup)), batch).duration
 
 
-def _config(setup: Setup, system: str = BROS) -> SimConfig:
+def _config(setup: Setup, system: str = BROS, **bros_changes) -> SimConfig:
+    """The run's SimConfig: a baseline's policy and memory, or BROS with its copies streamed
+    layer by layer ("the memory swapping time overlaps with the model execution time, and the
+    iteration time can be computed as max(T_exec, T_swap)", §4.1); `bros_changes` for the ablation."""
     base = SimConfig(policy="bros", gpu=setup.gpu, model=setup.model, tp=setup.tp, online_slo=setup.slo,
                      horizon=setup.horizon)
-    return BASELINE_OF[system].sim_config(base) if system in BASELINE_OF else base
+    if system in BASELINE_OF:
+        return BASELINE_OF[system].sim_config(base)
+    return replace(base, **{"layerwise_copies": True, **bros_changes})
 
 
 def _reduction_ratio(cuts: list[float]) -> float:
@@ -156,105 +183,164 @@ def _reduction_ratio(cuts: list[float]) -> float:
     return 1 / (1 - mean) if mean < 1 else math.inf
 
 
-def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
+def ablation_variants() -> dict[str, dict]:
+    """BROS's variants, each one change from the default (B0 = 8, x2, chunked prefill, copies
+    layer by layer): every B0 / growth pair of §4.2's lost symbols, whole-prompt prefill (the
+    paper's), and copies waited for whole (ours before this step)."""
+    variants = {f"B0={b0}, {growth}": {"policy_options": {"initial_batch_size": b0, "batch_growth": growth}}
+                for b0 in ABLATION_B0 for growth in ABLATION_GROWTH}
+    variants["prefill whole (the paper's)"] = {"policy_options": {"prefill": "whole"}}
+    variants["copies waited for whole"] = {"layerwise_copies": False}
+    return variants
+
+
+def run(scale: str = "paper", seed: int = 0, panels: Sequence[str] | None = None,
+        ablation: bool = True) -> ExperimentResult:
+    """Every panel of Fig. 10(a)-(c) (paper scale; `panels` picks some, e.g. ("a",)), or the ci
+    setup; then, with `ablation`, BROS's variants on the first setup at its top rate."""
     check_scale(scale)
-    setup = SETUPS[scale]
-    be = be_batches(setup, seed + 2)
+    setups = [SETUPS["ci"]] if scale == "ci" else [PANELS[p] for p in (panels or PANELS)]
     runs: dict[str, SimResult] = {}
     sweep: list[dict[str, float | str]] = []
     comparisons: list[Comparison] = []
-    latency_cuts: dict[str, list[float]] = {base: [] for base in BASELINES}
-    throughput_ratios: dict[str, list[float]] = {base: [] for base in BASELINES}
-    for rate in setup.rates:
-        trace = rt_trace(setup, rate, seed)
-        stats = {}
-        for label in POLICIES:
-            result = simulate(_config(setup, label), trace, closed_loop=be)
-            runs[f"{label} @ {rate:g} req/s"] = result
-            stats[label] = rt_stats(result, setup.slo)
-            sweep.append({"system": label, "rate": rate, **stats[label]})
-        ours = stats[BROS]
+    all_cuts: dict[str, list[float]] = {base: [] for base in BASELINES}
+    all_ratios: dict[str, list[float]] = {base: [] for base in BASELINES}
+    for setup in setups:
+        be = be_batches(setup, seed + 2)
+        latency_cuts: dict[str, list[float]] = {base: [] for base in BASELINES}
+        throughput_ratios: dict[str, list[float]] = {base: [] for base in BASELINES}
+        for rate in setup.rates:
+            trace = rt_trace(setup, rate, seed)
+            stats = {}
+            for label in POLICIES:
+                result = simulate(_config(setup, label), trace, closed_loop=be)
+                runs[f"{setup.panel} {label} @ {rate:g} req/s"] = result
+                stats[label] = rt_stats(result, setup.slo)
+                sweep.append({"panel": setup.panel, "system": label, "rate": rate, **stats[label]})
+            ours = stats[BROS]
+            for base in BASELINES:
+                latency_cuts[base].append(1 - ours["rt_norm_latency"] / stats[base]["rt_norm_latency"])
+                throughput_ratios[base].append(ours["be_throughput_req_s"] / stats[base]["be_throughput_req_s"])
+        where = f"{setup.panel}, {setup.model} TP={setup.tp}, {'-'.join(f'{r:g}' for r in setup.rates)} req/s"
         for base in BASELINES:
-            latency = stats[base]["rt_norm_latency"] / ours["rt_norm_latency"]
-            throughput = ours["be_throughput_req_s"] / stats[base]["be_throughput_req_s"]
-            latency_cuts[base].append(1 - 1 / latency)
-            throughput_ratios[base].append(throughput)
+            all_cuts[base] += latency_cuts[base]
+            all_ratios[base] += throughput_ratios[base]
+            if len(setups) == 1:
+                continue  # the mean over everything below is this panel's
             ran = base in PAPER_LATENCY_CUT
+            per_panel = "no per-panel figure in the text" if ran else "(not run by the paper)"
             comparisons += [
-                Comparison(f"RT normalized latency: {base} / BROS at {rate:g} req/s", latency,
-                           f"{PAPER_LATENCY_CUT[base]:.2%} lower on average over rates (no per-rate figure)"
-                           if ran else "(not run by the paper)", None, PAPER_BASELINE.get(base, "none")),
-                Comparison(f"BE throughput: BROS / {base} at {rate:g} req/s (below 1 expected)", throughput,
-                           f"{PAPER_THROUGHPUT_CUT[base]:.2%} lower on average over rates (no per-rate figure)"
-                           if ran else "(not run by the paper)", None, PAPER_BASELINE.get(base, "none")),
+                Comparison(f"RT normalized latency: {base} / BROS, mean reduction over rates, {where}",
+                           _reduction_ratio(latency_cuts[base]), per_panel, None, PAPER_BASELINE.get(base, "none")),
+                Comparison(f"BE throughput: BROS / {base}, mean over rates, {where} (below 1 expected)",
+                           sum(throughput_ratios[base]) / len(throughput_ratios[base]), per_panel, None,
+                           PAPER_BASELINE.get(base, "none")),
             ]
+    # The paper's numbers average over Fig. 10(a)-(c) and their rates: only a run of all three
+    # panels is held to them; a run of fewer shows the paper's figure beside it, as direction only.
+    full = scale == "paper" and {s.panel for s in setups} == {s.panel for s in PANELS.values()}
+    over = ("every panel and rate" if full else
+            f"rates, {', '.join(s.panel for s in setups)} only{' (ci)' if scale == 'ci' else ''}")
     for base in BASELINES:
         ran = base in PAPER_LATENCY_CUT
         comparisons += [
-            Comparison(f"RT normalized latency: {base} / BROS, mean reduction over rates",
-                       _reduction_ratio(latency_cuts[base]),
-                       f"{PAPER_LATENCY_CUT[base]:.2%} lower (§7.2.1)" if ran else "(not run by the paper)",
-                       1 / (1 - PAPER_LATENCY_CUT[base]) if ran else None, PAPER_BASELINE.get(base, "none")),
-            Comparison(f"BE throughput: BROS / {base}, mean over rates (below 1 expected; >= paper: as good or better)",
-                       sum(throughput_ratios[base]) / len(throughput_ratios[base]),
-                       f"{PAPER_THROUGHPUT_CUT[base]:.2%} lower (§7.2.1)" if ran else "(not run by the paper)",
-                       1 - PAPER_THROUGHPUT_CUT[base] if ran else None, PAPER_BASELINE.get(base, "none")),
+            Comparison(f"RT normalized latency: {base} / BROS, mean reduction over {over}",
+                       _reduction_ratio(all_cuts[base]),
+                       f"{PAPER_LATENCY_CUT[base]:.2%} lower (§7.2.1, over Fig. 10(a)-(c))" if ran
+                       else "(not run by the paper)",
+                       1 / (1 - PAPER_LATENCY_CUT[base]) if ran and full else None, PAPER_BASELINE.get(base, "none")),
+            Comparison(f"BE throughput: BROS / {base}, mean over {over} (below 1 expected; >= paper: as good "
+                       "or better)", sum(all_ratios[base]) / len(all_ratios[base]),
+                       f"{PAPER_THROUGHPUT_CUT[base]:.2%} lower (§7.2.1, over Fig. 10(a)-(c))" if ran
+                       else "(not run by the paper)",
+                       1 - PAPER_THROUGHPUT_CUT[base] if ran and full else None, PAPER_BASELINE.get(base, "none")),
         ]
-    alone = be_batch_alone_seconds(setup, seed + 2)
+    ablation_rows = run_ablation(setups[0], seed) if ablation else []
+    alone = be_batch_alone_seconds(setups[0], seed + 2)
+    title_setups = "; ".join(f"{s.panel}: {s.model} TP={s.tp} on {s.gpu}, RT Poisson "
+                             f"{', '.join(f'{r:g}' for r in s.rates)} req/s" for s in setups)
+    setup = setups[0]
     return ExperimentResult(
         name="bros",
-        title=(f"BROS vs vLLM (2023), RR and two stronger baselines (bros.txt §7.2.1): {setup.model} at TP={setup.tp} on "
-               f"{setup.gpu}, RT Poisson {', '.join(f'{r:g}' for r in setup.rates)} req/s for {setup.duration:g} s "
-               f"plus closed-loop batches of {setup.be_batch} BE requests; SLO TTFT "
-               f"{setup.slo.ttft * 1e3:g} ms / TPOT {setup.slo.tpot * 1e3:g} ms"),
+        title=(f"BROS vs vLLM (2023), RR and two stronger baselines (bros.txt §7.2.1): {title_setups}; "
+               f"{setup.duration:g} s of RT arrivals plus closed-loop batches of {setup.be_batch} BE requests; "
+               f"SLO TTFT {setup.slo.ttft * 1e3:g} ms / TPOT {setup.slo.tpot * 1e3:g} ms"),
         workload=f"RT: {RT_LENGTHS.label}; BE: {BE_LENGTHS.label}",
-        runs=runs, comparisons=comparisons, notes=notes(sweep, setup, alone),
-        extra={"sweep": sweep, "be_batch_alone_s": alone},
+        runs=runs, comparisons=comparisons, notes=notes(sweep, setups, alone, ablation_rows),
+        extra={"sweep": sweep, "ablation": ablation_rows, "be_batch_alone_s": alone},
     )
 
 
-def notes(sweep: list[dict[str, float | str]], setup: Setup, alone: float) -> list[str]:
-    def column(system: str, key: str) -> list[float]:
-        return [float(row[key]) for row in sweep if row["system"] == system]
+def run_ablation(setup: Setup, seed: int) -> list[dict[str, float | str]]:
+    """BROS's variants (`ablation_variants`) at `setup`'s top rate, on the same RT trace and BE
+    batches as the main runs."""
+    rate = setup.rates[-1]
+    trace, be = rt_trace(setup, rate, seed), be_batches(setup, seed + 2)
+    rows = []
+    for name, changes in ablation_variants().items():
+        stats = rt_stats(simulate(_config(setup, BROS, **changes), trace, closed_loop=be), setup.slo)
+        rows.append({"panel": setup.panel, "variant": name, "rate": rate,
+                     **{k: stats[k] for k in ("rt_norm_latency", "rt_ttft_attainment", "rt_tpot_attainment",
+                                               "rt_unfinished", "be_throughput_req_s", "be_unfinished",
+                                               "overwrites", "forward_stall_s", "link_busy_s")}})
+    return rows
+
+
+def notes(sweep: list[dict[str, float | str]], setups: list[Setup], alone: float,
+          ablation_rows: list[dict[str, float | str]]) -> list[str]:
+    def column(system: str, key: str, panel: str) -> list[float]:
+        return [float(row[key]) for row in sweep if row["system"] == system and row["panel"] == panel]
 
     def span(values: list[float], scale: float = 1.0, fmt: str = ".2f") -> str:
         lo, hi = min(values) * scale, max(values) * scale
         return f"{lo:{fmt}}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}-{hi:{fmt}}"
 
-    attainment = "; ".join(
-        f"{system}: TTFT {span(column(system, 'rt_ttft_attainment'), 100, '.0f')}%, "
-        f"TPOT {span(column(system, 'rt_tpot_attainment'), 100, '.0f')}%" for system in POLICIES)
-    return [
-        "The paper states its reductions as averages over its rates and gives no per-rate number in the text, "
-        "so only the mean over rates carries the paper's figure as its low end; a mean reduction r is shown as "
-        "the ratio 1 / (1 - r) (74.20% -> 3.88x). BE throughput ratios are BROS / baseline: the paper expects "
-        "BROS to lose some (0.89x vs vLLM, 0.91x vs RR), so a ratio below 1 is the expected direction, and "
-        "one at or above the paper's figure means BROS lost no more than the paper says.",
-        f"SLO attainment over rates ({attainment}). The paper's averages: vLLM TTFT 1.28%, RR TTFT 10.55%, "
-        "TPOT RR 47.34% and BROS 65.49%.",
-        f"One BE batch alone keeps the GPUs busy for {alone:.1f} s. BE busy time (BE work in the system) per "
-        f"system, over rates: " + "; ".join(
-            f"{s} {span(column(s, 'be_busy_s'), 1 / (setup.duration + 1e-9) * 100, '.0f')}% of the trace"
-            for s in POLICIES) + ".",
+    def counts(system: str, key: str, panel: str) -> str:
+        return ", ".join(str(int(v)) for v in column(system, key, panel))
+
+    lines = [
+        "The paper states its reductions as averages over Fig. 10(a)-(c), three models, and their rates, and "
+        "gives no per-panel or per-rate number in the text: only the mean over every panel and rate carries its "
+        "figure as the low end. A mean reduction r is shown as the ratio 1 / (1 - r) (74.20% -> 3.88x). BE "
+        "throughput ratios are BROS / baseline: the paper expects BROS to lose some (0.89x vs vLLM, 0.91x vs RR), "
+        "so a ratio at or above the paper's figure means BROS lost no more than the paper says.",
         "The paper's vLLM (2024) prefilled whole prompts in steps of their own and swapped under memory "
         f"pressure: {VLLM} stands for it (sim/experiments/baselines.py). {FCFS} is nanoserve's fcfs, vLLM v1's "
         "scheduler with chunked prefill, which never stalls running decodes behind a prompt; it and "
-        f"{VLLM_V0} are ours, stronger, with no paper number. Swap-outs per rate, vLLM (2023): "
-        f"{', '.join(str(int(v)) for v in column(VLLM, 'swap_outs'))}.",
-        f"Runs stop {setup.horizon:g} s after the first arrival; requests still in the system then miss both "
-        "SLOs and count with the time they had waited. Unfinished RT requests per rate: " + "; ".join(
-            f"{s} {', '.join(str(int(v)) for v in column(s, 'rt_unfinished'))}" for s in POLICIES) + ".",
-        "BROS's KV copies (lazy checkpoints of overwritten BE slots, restores) run on the PCIe link beside the "
-        f"forwards, as the paper overlaps them: the link was busy {span(column(BROS, 'link_busy_s'), fmt='.1f')} s "
-        f"per run, and forwards waited {span(column(BROS, 'forward_stall_s'), fmt='.2f')} s for the copies they "
-        "read (a checkpoint of slots the step overwrites blocks it; a restore blocks the step that reads it).",
-        "BROS's bidirectional memory (§5) per rate: overwrites (RT pages over BE slots) "
-        f"{', '.join(str(int(v)) for v in column(BROS, 'overwrites'))}; checkpointed BE slots "
-        f"{', '.join(str(int(v)) for v in column(BROS, 'checkpointed_slots'))}; restored pages "
-        f"{', '.join(str(int(v)) for v in column(BROS, 'restored_pages'))}.",
-        "Both length distributions are synthetic (sim/workloads.py).",
+        f"{VLLM_V0} are ours, stronger, with no paper number.",
+        "BROS's KV copies (lazy checkpoints of overwritten BE slots, restores) stream layer by layer beside the "
+        "forwards (SimConfig.layerwise_copies; the real HostKVStore(layerwise=True)): a step takes about "
+        "max(T_exec, T_swap), as §4.1 prices it. The baselines wait for whole copies, as vLLM's swap-in does.",
     ]
+    for setup in setups:
+        panel = setup.panel
+        attainment = "; ".join(
+            f"{system}: TTFT {span(column(system, 'rt_ttft_attainment', panel), 100, '.0f')}%, "
+            f"TPOT {span(column(system, 'rt_tpot_attainment', panel), 100, '.0f')}%" for system in POLICIES)
+        lines += [
+            f"{panel} ({setup.model} TP={setup.tp} on {setup.gpu}), per rate {', '.join(f'{r:g}' for r in setup.rates)}"
+            f" req/s. SLO attainment ({attainment}). Unfinished RT requests at the {setup.horizon:g} s horizon: "
+            + "; ".join(f"{s} {counts(s, 'rt_unfinished', panel)}" for s in POLICIES)
+            + f". Swap-outs, vLLM (2023): {counts(VLLM, 'swap_outs', panel)}. BROS's bidirectional memory (§5): "
+            f"overwrites {counts(BROS, 'overwrites', panel)}; checkpointed BE slots "
+            f"{counts(BROS, 'checkpointed_slots', panel)}; restored pages {counts(BROS, 'restored_pages', panel)}; "
+            f"link busy {span(column(BROS, 'link_busy_s', panel), fmt='.1f')} s, forwards waited "
+            f"{span(column(BROS, 'forward_stall_s', panel), fmt='.2f')} s for copies. BE busy time: " + "; ".join(
+                f"{s} {span(column(s, 'be_busy_s', panel), 1 / (setup.duration + 1e-9) * 100, '.0f')}% of the trace"
+                for s in POLICIES) + ".",
+        ]
+    lines.append(f"One BE batch alone keeps {setups[0].panel}'s GPUs busy for {alone:.1f} s. Requests still in the "
+                 "system at the horizon miss both SLOs and count with the time they had waited.")
+    if ablation_rows:
+        lines.append(f"Ablation ({ablation_rows[0]['panel']}, BROS alone at {ablation_rows[0]['rate']:g} req/s, one "
+                     "knob changed from the default B0 = 8, x2, chunked prefill, layer-by-layer copies; B0 and its "
+                     "increment are assumptions: §4.2 lost them): " + "; ".join(
+                         f"{r['variant']}: RT norm. latency {float(r['rt_norm_latency']):.3f} s/token, TTFT "
+                         f"{float(r['rt_ttft_attainment']) * 100:.0f}%, BE {float(r['be_throughput_req_s']):.2f} req/s, "
+                         f"{int(r['rt_unfinished'])} RT unfinished" for r in ablation_rows) + ".")
+    lines.append("Both length distributions are synthetic (sim/workloads.py).")
+    return lines
 
 
-__all__ = ["BE_LENGTHS", "BROS", "be_batches", "FCFS", "POLICIES", "RR", "RT_LENGTHS", "SETUPS", "Setup", "VLLM", "VLLM_V0",
-           "be_busy_seconds", "run"]
+__all__ = ["ABLATION_B0", "ABLATION_GROWTH", "BE_LENGTHS", "BROS", "be_batches", "FCFS", "PANELS", "POLICIES", "RR",
+           "RT_LENGTHS", "SETUPS", "Setup", "VLLM", "VLLM_V0", "ablation_variants", "be_busy_seconds", "run"]

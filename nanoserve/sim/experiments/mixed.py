@@ -64,8 +64,11 @@ def workload(scale: str, seed: int) -> tuple[list[TraceRequest], float, int]:
 
 
 def config(policy: str, scale: str = "paper") -> SimConfig:
+    """The policy with its paper's memory; BROS also streams its copies layer by layer, as its §4.1
+    prices a step at max(T_exec, T_swap) (the other papers state no such overlap)."""
     options = {"predicted_len": BucketQuantilePredictor()} if policy == "ecoserve" else None
-    return SimConfig(**{**BASE.__dict__, "policy": policy, "kv_manager_options": options, "horizon": HORIZON[scale]})
+    return SimConfig(**{**BASE.__dict__, "policy": policy, "kv_manager_options": options, "horizon": HORIZON[scale],
+                        "layerwise_copies": policy == "bros"})
 
 
 def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:

@@ -20,7 +20,7 @@ COLUMNS = ("label", "class", "count", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_
            "slo_attainment", "throughput_tok_s", "preemptions")
 
 
-TABLES = ("sweep", "policies")  # extra[...] lists of rows an experiment may add
+TABLES = ("sweep", "ablation", "policies")  # extra[...] lists of rows an experiment may add
 
 
 def _verdict(c: Comparison) -> str:
