@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve.sim.experiments import ExperimentResult
-from nanoserve.sim.experiments.bros import (BROS, FCFS, POLICIES, RR, SETUPS, VLLM, VLLM_V0, ablation_variants,
+from nanoserve.sim.experiments.bros import (BROS, FCFS, POLICIES, RR, SETUPS, VLLM_V0, ablation_variants,
                                             be_busy_seconds, run)
 
 

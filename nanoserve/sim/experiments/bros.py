@@ -194,6 +194,56 @@ def ablation_variants() -> dict[str, dict]:
     return variants
 
 
+def compare(sweep: list[dict[str, float | str]], setups: Sequence[Setup], full: bool) -> list[Comparison]:
+    """BROS against each baseline from the sweep's rows: per panel (when there are several) and
+    over every panel and rate. Only `full` (all of Fig. 10(a)-(c) at paper scale) is held to the
+    paper's figures, which average over the three panels; otherwise they stand beside it as
+    direction only."""
+    stats = {(row["panel"], row["rate"], row["system"]): row for row in sweep}
+    cuts: dict[tuple[str, str], list[float]] = {}  # (panel, baseline) -> per-rate latency reductions
+    ratios: dict[tuple[str, str], list[float]] = {}  # (panel, baseline) -> per-rate BE throughput ratios
+    for setup in setups:
+        for rate in setup.rates:
+            ours = stats[(setup.panel, rate, BROS)]
+            for base in BASELINES:
+                theirs = stats[(setup.panel, rate, base)]
+                cuts.setdefault((setup.panel, base), []).append(
+                    1 - float(ours["rt_norm_latency"]) / float(theirs["rt_norm_latency"]))
+                ratios.setdefault((setup.panel, base), []).append(
+                    float(ours["be_throughput_req_s"]) / float(theirs["be_throughput_req_s"]))
+    comparisons = []
+    if len(setups) > 1:
+        for setup in setups:
+            where = f"{setup.panel}, {setup.model} TP={setup.tp}, {'-'.join(f'{r:g}' for r in setup.rates)} req/s"
+            for base in BASELINES:
+                per_panel = "no per-panel figure in the text" if base in PAPER_LATENCY_CUT else "(not run by the paper)"
+                comparisons += [
+                    Comparison(f"RT normalized latency: {base} / BROS, mean reduction over rates, {where}",
+                               _reduction_ratio(cuts[(setup.panel, base)]), per_panel, None,
+                               PAPER_BASELINE.get(base, "none")),
+                    Comparison(f"BE throughput: BROS / {base}, mean over rates, {where} (below 1 expected)",
+                               statistics.fmean(ratios[(setup.panel, base)]), per_panel, None,
+                               PAPER_BASELINE.get(base, "none")),
+                ]
+    over = "every panel and rate" if full else f"rates, {', '.join(s.panel for s in setups)} only"
+    for base in BASELINES:
+        ran = base in PAPER_LATENCY_CUT
+        all_cuts = [c for setup in setups for c in cuts[(setup.panel, base)]]
+        all_ratios = [r for setup in setups for r in ratios[(setup.panel, base)]]
+        comparisons += [
+            Comparison(f"RT normalized latency: {base} / BROS, mean reduction over {over}", _reduction_ratio(all_cuts),
+                       f"{PAPER_LATENCY_CUT[base]:.2%} lower (§7.2.1, over Fig. 10(a)-(c))" if ran
+                       else "(not run by the paper)",
+                       1 / (1 - PAPER_LATENCY_CUT[base]) if ran and full else None, PAPER_BASELINE.get(base, "none")),
+            Comparison(f"BE throughput: BROS / {base}, mean over {over} (below 1 expected; >= paper: as good "
+                       "or better)", statistics.fmean(all_ratios),
+                       f"{PAPER_THROUGHPUT_CUT[base]:.2%} lower (§7.2.1, over Fig. 10(a)-(c))" if ran
+                       else "(not run by the paper)",
+                       1 - PAPER_THROUGHPUT_CUT[base] if ran and full else None, PAPER_BASELINE.get(base, "none")),
+        ]
+    return comparisons
+
+
 def run(scale: str = "paper", seed: int = 0, panels: Sequence[str] | None = None,
         ablation: bool = True) -> ExperimentResult:
     """Every panel of Fig. 10(a)-(c) (paper scale; `panels` picks some, e.g. ("a",)), or the ci
@@ -202,59 +252,15 @@ def run(scale: str = "paper", seed: int = 0, panels: Sequence[str] | None = None
     setups = [SETUPS["ci"]] if scale == "ci" else [PANELS[p] for p in (panels or PANELS)]
     runs: dict[str, SimResult] = {}
     sweep: list[dict[str, float | str]] = []
-    comparisons: list[Comparison] = []
-    all_cuts: dict[str, list[float]] = {base: [] for base in BASELINES}
-    all_ratios: dict[str, list[float]] = {base: [] for base in BASELINES}
     for setup in setups:
         be = be_batches(setup, seed + 2)
-        latency_cuts: dict[str, list[float]] = {base: [] for base in BASELINES}
-        throughput_ratios: dict[str, list[float]] = {base: [] for base in BASELINES}
         for rate in setup.rates:
             trace = rt_trace(setup, rate, seed)
-            stats = {}
             for label in POLICIES:
                 result = simulate(_config(setup, label), trace, closed_loop=be)
                 runs[f"{setup.panel} {label} @ {rate:g} req/s"] = result
-                stats[label] = rt_stats(result, setup.slo)
-                sweep.append({"panel": setup.panel, "system": label, "rate": rate, **stats[label]})
-            ours = stats[BROS]
-            for base in BASELINES:
-                latency_cuts[base].append(1 - ours["rt_norm_latency"] / stats[base]["rt_norm_latency"])
-                throughput_ratios[base].append(ours["be_throughput_req_s"] / stats[base]["be_throughput_req_s"])
-        where = f"{setup.panel}, {setup.model} TP={setup.tp}, {'-'.join(f'{r:g}' for r in setup.rates)} req/s"
-        for base in BASELINES:
-            all_cuts[base] += latency_cuts[base]
-            all_ratios[base] += throughput_ratios[base]
-            if len(setups) == 1:
-                continue  # the mean over everything below is this panel's
-            ran = base in PAPER_LATENCY_CUT
-            per_panel = "no per-panel figure in the text" if ran else "(not run by the paper)"
-            comparisons += [
-                Comparison(f"RT normalized latency: {base} / BROS, mean reduction over rates, {where}",
-                           _reduction_ratio(latency_cuts[base]), per_panel, None, PAPER_BASELINE.get(base, "none")),
-                Comparison(f"BE throughput: BROS / {base}, mean over rates, {where} (below 1 expected)",
-                           sum(throughput_ratios[base]) / len(throughput_ratios[base]), per_panel, None,
-                           PAPER_BASELINE.get(base, "none")),
-            ]
-    # The paper's numbers average over Fig. 10(a)-(c) and their rates: only a run of all three
-    # panels is held to them; a run of fewer shows the paper's figure beside it, as direction only.
-    full = scale == "paper" and {s.panel for s in setups} == {s.panel for s in PANELS.values()}
-    over = ("every panel and rate" if full else
-            f"rates, {', '.join(s.panel for s in setups)} only{' (ci)' if scale == 'ci' else ''}")
-    for base in BASELINES:
-        ran = base in PAPER_LATENCY_CUT
-        comparisons += [
-            Comparison(f"RT normalized latency: {base} / BROS, mean reduction over {over}",
-                       _reduction_ratio(all_cuts[base]),
-                       f"{PAPER_LATENCY_CUT[base]:.2%} lower (§7.2.1, over Fig. 10(a)-(c))" if ran
-                       else "(not run by the paper)",
-                       1 / (1 - PAPER_LATENCY_CUT[base]) if ran and full else None, PAPER_BASELINE.get(base, "none")),
-            Comparison(f"BE throughput: BROS / {base}, mean over {over} (below 1 expected; >= paper: as good "
-                       "or better)", sum(all_ratios[base]) / len(all_ratios[base]),
-                       f"{PAPER_THROUGHPUT_CUT[base]:.2%} lower (§7.2.1, over Fig. 10(a)-(c))" if ran
-                       else "(not run by the paper)",
-                       1 - PAPER_THROUGHPUT_CUT[base] if ran and full else None, PAPER_BASELINE.get(base, "none")),
-        ]
+                sweep.append({"panel": setup.panel, "system": label, "rate": rate, **rt_stats(result, setup.slo)})
+    comparisons = compare(sweep, setups, full=scale == "paper" and len(setups) == len(PANELS))
     ablation_rows = run_ablation(setups[0], seed) if ablation else []
     alone = be_batch_alone_seconds(setups[0], seed + 2)
     title_setups = "; ".join(f"{s.panel}: {s.model} TP={s.tp} on {s.gpu}, RT Poisson "
@@ -343,4 +349,4 @@ def notes(sweep: list[dict[str, float | str]], setups: list[Setup], alone: float
 
 
 __all__ = ["ABLATION_B0", "ABLATION_GROWTH", "BE_LENGTHS", "BROS", "be_batches", "FCFS", "PANELS", "POLICIES", "RR",
-           "RT_LENGTHS", "SETUPS", "Setup", "VLLM", "VLLM_V0", "ablation_variants", "be_busy_seconds", "run"]
+           "RT_LENGTHS", "SETUPS", "Setup", "VLLM", "VLLM_V0", "ablation_variants", "be_busy_seconds", "compare", "run"]
