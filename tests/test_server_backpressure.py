@@ -91,7 +91,7 @@ def test_request_past_its_timeout_gets_408_and_is_aborted(live: LiveServer):
 
 def test_streaming_request_past_its_timeout_ends_with_an_error_event(live: LiveServer):
     with httpx.stream("POST", live.url + "/v1/completions", json={
-            "prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True, "timeout": 0.5,
+            "prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True, "timeout": 2.0,
             "stream": True}, timeout=120) as reply:
         events = [line.removeprefix("data: ") for line in reply.iter_lines() if line]
     assert reply.status_code == 200 and events[-1] == "[DONE]"
@@ -101,7 +101,9 @@ def test_streaming_request_past_its_timeout_ends_with_an_error_event(live: LiveS
 
 
 def test_server_wide_request_timeout():
-    with live_server({"request_timeout": 0.3}) as server:
+    # Timeouts of seconds, not tenths: on a loaded 2-core CI machine a 2-token reply can take
+    # 0.3 s, while 1,500 tokens always take far longer than 3 s.
+    with live_server({"request_timeout": 3.0}) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         reply = client.completions.create(model=server.model, prompt="Hi", max_tokens=2)  # well within it
         assert reply.usage.completion_tokens == 2
