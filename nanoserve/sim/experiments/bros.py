@@ -194,11 +194,12 @@ def ablation_variants() -> dict[str, dict]:
     return variants
 
 
-def compare(sweep: list[dict[str, float | str]], setups: Sequence[Setup], full: bool) -> list[Comparison]:
+def compare(sweep: list[dict[str, float | str]], setups: Sequence[Setup], scale: str) -> list[Comparison]:
     """BROS against each baseline from the sweep's rows: per panel (when there are several) and
-    over every panel and rate. Only `full` (all of Fig. 10(a)-(c) at paper scale) is held to the
-    paper's figures, which average over the three panels; otherwise they stand beside it as
-    direction only."""
+    over every panel and rate. Only a run of all of Fig. 10(a)-(c) at paper scale is held to the
+    paper's figures, which average over the three panels; a run of fewer shows them beside it,
+    as direction only."""
+    full = scale == "paper" and {s.panel for s in setups} == {s.panel for s in PANELS.values()}
     stats = {(row["panel"], row["rate"], row["system"]): row for row in sweep}
     cuts: dict[tuple[str, str], list[float]] = {}  # (panel, baseline) -> per-rate latency reductions
     ratios: dict[tuple[str, str], list[float]] = {}  # (panel, baseline) -> per-rate BE throughput ratios
@@ -225,7 +226,8 @@ def compare(sweep: list[dict[str, float | str]], setups: Sequence[Setup], full: 
                                statistics.fmean(ratios[(setup.panel, base)]), per_panel, None,
                                PAPER_BASELINE.get(base, "none")),
                 ]
-    over = "every panel and rate" if full else f"rates, {', '.join(s.panel for s in setups)} only"
+    over = ("every panel and rate" if full else
+            f"rates, {', '.join(s.panel for s in setups)} only{' (ci)' if scale == 'ci' else ''}")
     for base in BASELINES:
         ran = base in PAPER_LATENCY_CUT
         all_cuts = [c for setup in setups for c in cuts[(setup.panel, base)]]
@@ -260,7 +262,7 @@ def run(scale: str = "paper", seed: int = 0, panels: Sequence[str] | None = None
                 result = simulate(_config(setup, label), trace, closed_loop=be)
                 runs[f"{setup.panel} {label} @ {rate:g} req/s"] = result
                 sweep.append({"panel": setup.panel, "system": label, "rate": rate, **rt_stats(result, setup.slo)})
-    comparisons = compare(sweep, setups, full=scale == "paper" and len(setups) == len(PANELS))
+    comparisons = compare(sweep, setups, scale)
     ablation_rows = run_ablation(setups[0], seed) if ablation else []
     alone = be_batch_alone_seconds(setups[0], seed + 2)
     title_setups = "; ".join(f"{s.panel}: {s.model} TP={s.tp} on {s.gpu}, RT Poisson "
