@@ -185,6 +185,24 @@ def test_all_workload_is_fixed_and_priority_protects_online_work():
     assert runs["priority"]["all"].count == len(trace)
 
 
+def test_all_runs_on_conserves_setup_host_memory_included():
+    """`all` declares ConServe's setup: the same GPU and model, and the same host memory for
+    swapped-out and checkpointed KV (left out, the policies with a host store got one the size
+    of the device's KV, which BROS filled; RESULTS.md, issue 20)."""
+    from nanoserve.sim.experiments import conserve, mixed
+    from nanoserve.sim.roofline import Roofline
+    from nanoserve.sim.hardware import gpu
+    from nanoserve.sim.models import model
+    from nanoserve.sim.simulation import kv_blocks
+    setup = conserve.SETUPS["paper"]
+    assert (mixed.BASE.gpu, mixed.BASE.model) == (setup.gpu, setup.model)
+    for policy in ("bros", "ecoserve", "conserve", "priority-nonselective"):
+        assert mixed.config(policy, "ci").host_kv_tokens == setup.host_kv_tokens()
+    device_tokens = kv_blocks(mixed.BASE, Roofline(gpu(setup.gpu), model(setup.model))) * mixed.BASE.block_size
+    # 256 GB against ~17 GB of device KV at Llama-2-7B's 0.5 MB per token (32 layers x K, V x 4096 x fp16).
+    assert setup.host_kv_tokens() == int(256e9 / (32 * 2 * 4096 * 2)) > 10 * device_tokens
+
+
 def test_every_baseline_names_its_paper_sentence_and_a_registered_policy_and_manager():
     from nanoserve.memory import KV_MANAGER_NAMES
     from nanoserve.sched import SCHEDULERS

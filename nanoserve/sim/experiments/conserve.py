@@ -86,6 +86,11 @@ class Setup:
     offline_max_output: int = 512  # LongBench's generation cap for summarization
     host_kv_bytes: float = 256e9  # assumption: of the server's 320 GB host memory (§6.1)
 
+    def host_kv_tokens(self) -> int:
+        """How many tokens' KV (all layers) `host_kv_bytes` holds for this model."""
+        roofline = Roofline(gpu(self.gpu), model(self.model))
+        return int(self.host_kv_bytes / (roofline.cost.kv_bytes_per_token_per_layer * roofline.num_layers))
+
 
 # ci: the same setup on ~180 online and ~140 offline requests, one CV per part.
 SETUPS = {"paper": Setup(),
@@ -219,10 +224,8 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
     check_scale(scale)
     setup = SETUPS[scale]
     pool = offline_pool(setup, seed + 2)
-    roofline = Roofline(gpu(setup.gpu), model(setup.model))
-    host_tokens = int(setup.host_kv_bytes / (roofline.cost.kv_bytes_per_token_per_layer * roofline.num_layers))
     base = SimConfig(gpu=setup.gpu, model=setup.model, online_slo=setup.slo, record_online_token_gaps=True,
-                     host_kv_tokens=host_tokens)
+                     host_kv_tokens=setup.host_kv_tokens())
     configs = {**{b.label: b.sim_config(base) for b in BASELINES}, CONSERVE: replace(base, policy="conserve")}
     runs: dict[str, SimResult] = {}
     table: dict[str, dict[str, float]] = {}

@@ -5,7 +5,12 @@ lengths are unknown up front (EcoServe), best-effort work shares the GPU with re
 (ConServe).
 
 The workload, fixed here before any policy runs and the same for all of them:
-- Llama-2-7B on one A100-40G (ConServe's setup: after the weights, ~17 GB of KV).
+- Llama-2-7B on one A100-40G with 256 GB of host memory for swapped-out and checkpointed KV
+  (ConServe's setup, `conserve.Setup`: after the weights, ~17 GB of KV on the device, ~490k
+  tokens' worth on the host). Until 2026-11-25 the host part was left out, and the policies with
+  a host store got the simulator's default, a store the size of the device's KV (~39k tokens):
+  BROS filled it with swapped-out BE requests, which Alg. 1 line 17 serves last, and every
+  later preemption recomputed (RESULTS.md, "BROS's copies overlapped ...").
 - Online: ShareGPT-like lengths (synthetic, EcoServe's statistics), BurstGPT-like arrivals
   (the rate steps x2-3 for 15 s, about once a minute). The base rate is 60% of what the GPU
   can serve, after KunServe's rule for its traces (kunserve.txt §5: "the average memory demand
@@ -29,12 +34,13 @@ from __future__ import annotations
 
 from nanoserve.sched import SCHEDULERS
 from nanoserve.sched.predictor import BucketQuantilePredictor
-from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
+from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale, conserve
 from nanoserve.sim.metrics import kv_usage_summary, summarize
 from nanoserve.sim.simulation import SimConfig, SimResult, simulate
 from nanoserve.sim.workloads import LENGTHS, LengthDist, TraceRequest, bursty_arrivals, make_trace, merge_traces
 
-BASE = SimConfig(model="Llama-2-7B", gpu="A100-40G")
+SETUP = conserve.SETUPS["paper"]  # its GPU, model and host memory; its own SLO and workload aside
+BASE = SimConfig(model=SETUP.model, gpu=SETUP.gpu, host_kv_tokens=SETUP.host_kv_tokens())
 ONLINE, OFFLINE = LENGTHS["sharegpt-ecoserve"], LENGTHS["bros-be"]
 TARGET_LOAD = 0.6  # KunServe §5
 PROBE_REQUESTS = 400
