@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -413,3 +413,38 @@ class BidirectionalMachine(RuleBasedStateMachine):
 
 TestBidirectionalMachine = BidirectionalMachine.TestCase
 TestBidirectionalMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["get", "read", "set", "setdefault", "pop", "contains"]),
+                          st.integers(0, 5), st.integers(0, 99)), max_size=30))
+def test_what_if_table_acts_as_a_deep_copy_and_leaves_the_real_one_alone(ops):
+    """`CopyOnRead`, the what-if twin's overlay, answers every question as a deep copy of the
+    real table would, and never changes the real table or its records."""
+    import copy
+
+    from nanoserve.memory.bidirectional_index import CopyOnRead
+
+    real = {k: [k] for k in range(0, 6, 2)}  # mutable records, as SeqState and PreemptedPage are
+    before = copy.deepcopy(real)
+    model, twin = copy.deepcopy(real), CopyOnRead(real, lambda record: list(record))
+    for op, key, value in ops:
+        if op == "get":
+            assert twin.get(key, "none") == model.get(key, "none")
+        elif op == "read":
+            if key in model:
+                twin[key].append(value)  # a trial mutates the record it read
+                model[key].append(value)
+            else:
+                with pytest.raises(KeyError):
+                    twin[key]
+        elif op == "set":
+            twin[key] = model[key] = [value]
+        elif op == "setdefault":
+            assert twin.setdefault(key, [value]) == model.setdefault(key, [value])
+        elif op == "pop":
+            assert twin.pop(key, None) == model.pop(key, None)
+        else:
+            assert (key in twin) == (key in model)
+        assert dict(twin.items()) == model and len(twin) == len(model) and sorted(twin) == sorted(model)
+    assert real == before

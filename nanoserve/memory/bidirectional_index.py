@@ -50,42 +50,89 @@ def clone_state(state: SeqState) -> SeqState:
     return SeqState(state.best_effort, state.num_tokens, list(state.pages), set(state.host_pages))
 
 
-class CopyOnRead(dict):
-    """A what-if twin's view of a table of mutable records (`BidirectionalBlocks.what_if`): it
-    shares the real records until one is read by key, and from then on holds its own copy, so a
-    trial mutates only copies. A trial reads a handful of records; copying all of them cost BROS
-    several ms a question with thousands of checkpointed pages. Iteration (`items`, `values`)
-    sees the shared records: only the read-only checks use it."""
+_MISSING = object()  # a CopyOnRead key the twin popped: hidden from it, still in the real table
+
+
+class CopyOnRead:
+    """A what-if twin's view of a table of mutable records (`BidirectionalBlocks.what_if`): an
+    overlay on the real table, which it never changes. A record is cloned into the overlay the
+    first time the twin reads it by key, so a trial mutates only copies; keys the twin sets or
+    pops live in the overlay too. A trial reads a handful of records, so neither copying every
+    record (`copy.deepcopy` cost BROS ~60 ms a question at a few hundred sequences) nor even the
+    table itself (a dict copy per question was 30% of a BROS simulation once a large host store
+    held thousands of swapped-out pages) is paid. The real table must not change while the twin
+    is in use (`can_grow` makes one, asks, and drops it)."""
+
+    __slots__ = ("_base", "_clone", "_own")
 
     def __init__(self, table: dict, clone):
-        super().__init__(table)
-        self._clone, self._own = clone, set()
+        self._base, self._clone, self._own = table, clone, {}
 
-    def _owned(self, key):
-        if key not in self._own:
-            self._own.add(key)
-            if dict.__contains__(self, key):
-                dict.__setitem__(self, key, self._clone(dict.__getitem__(self, key)))
+    def _read(self, key):
+        """The twin's record under `key` (cloned on first read), or _MISSING."""
+        own = self._own
+        if key in own:
+            return own[key]
+        if key in self._base:
+            value = own[key] = self._clone(self._base[key])
+            return value
+        return _MISSING
 
     def __getitem__(self, key):
-        self._owned(key)
-        return dict.__getitem__(self, key)
+        value = self._read(key)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value
 
     def __setitem__(self, key, value) -> None:
-        self._own.add(key)
-        dict.__setitem__(self, key, value)
+        self._own[key] = value
+
+    def __contains__(self, key) -> bool:
+        own = self._own
+        return own[key] is not _MISSING if key in own else key in self._base
 
     def get(self, key, default=None):
-        self._owned(key)
-        return dict.get(self, key, default)
+        value = self._read(key)
+        return default if value is _MISSING else value
 
     def setdefault(self, key, default=None):
-        self._owned(key)
-        return dict.setdefault(self, key, default)
+        value = self._read(key)
+        if value is _MISSING:
+            value = self._own[key] = default
+        return value
 
     def pop(self, key, *default):
-        self._owned(key)
-        return dict.pop(self, key, *default)
+        value = self._read(key)
+        if value is _MISSING:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        self._own[key] = _MISSING
+        return value
+
+    def items(self):
+        """The twin's view (no cloning: read-only checks iterate)."""
+        own = self._own
+        for key, value in self._base.items():
+            if key not in own:
+                yield key, value
+        for key, value in own.items():
+            if value is not _MISSING:
+                yield key, value
+
+    def keys(self):
+        return (key for key, _ in self.items())
+
+    def values(self):
+        return (value for _, value in self.items())
+
+    def __iter__(self):
+        return self.keys()
+
+    def __len__(self) -> int:
+        own = self._own
+        return (len(self._base) - sum(1 for key in own if key in self._base)
+                + sum(1 for value in own.values() if value is not _MISSING))
 
 
 class HostLedger:
