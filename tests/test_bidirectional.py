@@ -198,6 +198,28 @@ def test_last_resort_drops_be_first_when_the_host_cannot_take_a_checkpoint():
     m.check_invariants()
 
 
+def test_a_be_request_swapped_out_whole_restores_exactly_when_enough_blocks_have_a_free_be_side():
+    """`can_grow`'s count before its what-if (`_be_restore_out_of_reach`): each page swapped out
+    whole needs a block whose BE side is unused, a free one or an RT-only one with room. At
+    exactly as many such blocks as pages it must say yes, and the restore succeed."""
+    h = Harness(num_blocks=4, host_blocks=4)
+    m = h.manager
+    h.grow("be", 6, best_effort=True)  # pages of 4 and 2 positions
+    h.run(m.drop("be").copies)  # swapped out whole
+    h.grow("other", 4, best_effort=True)
+    h.grow("x", 1, best_effort=True)
+    h.grow("rt", 1, best_effort=False)  # an RT-only block: room for be's 2-position page
+    assert m.num_free_blocks == 1 and m.missing_positions("be") == list(range(6))
+    assert m.can_grow("be", 6, best_effort=True)  # page 0 to the free block, page 1 beside rt
+    h.grow("y", 1, best_effort=True)  # the free block: one block short
+    assert not m.can_grow("be", 6, best_effort=True)
+    m.free("y")
+    h.run(m.grow("be", 6, best_effort=True))  # restores both pages, in one execute
+    assert m.missing_positions("be") == []
+    h.check_values("be")
+    m.check_invariants()
+
+
 def test_drop_reports_recompute_when_host_is_full():
     h = Harness(num_blocks=2, host_blocks=0)
     m = h.manager

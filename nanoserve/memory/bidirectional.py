@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from nanoserve.memory.bidirectional_growth import FastGrowth
-from nanoserve.memory.bidirectional_index import (NOBODY, DropResult, HostLedger, PageKey, PreemptedPage, SeqId,
+from nanoserve.memory.bidirectional_index import (FREE, NOBODY, DropResult, HostLedger, PageKey, PreemptedPage, SeqId,
                                                   SeqState)
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.host import KVCopy
@@ -66,6 +66,8 @@ class BidirectionalBlockManager(FastGrowth):
             if not (fits or best_effort):
                 self._note_rt_miss(seq_id, num_tokens)
             return fits
+        if best_effort and self._be_restore_out_of_reach(seq_id):
+            return False
         # Growth after a restore depends on where the restore puts the pages and which host
         # blocks it frees: run both on a throwaway copy rather than predict them.
         trial = self.what_if(HostLedger(self.host.num_free_blocks, self.block_size, self.host.num_blocks))
@@ -74,6 +76,19 @@ class BidirectionalBlockManager(FastGrowth):
         except (NoFreeBlocksError, ValueError):
             return False
         return True
+
+    def _be_restore_out_of_reach(self, seq_id: SeqId) -> bool:
+        """A count that settles most refusals before the what-if below (BROS asks it for every
+        swapped-out BE request it passes over, each step): a BE page swapped out whole needs a
+        block of its own whose BE side is unused (`_be_targets`: a free block or an RT-only one),
+        so more such pages than such blocks cannot be restored. Necessary, not sufficient."""
+        state = self._seqs[seq_id]
+        whole = sum(1 for page in state.host_pages if state.pages[page] is None)
+        if not whole:
+            return False
+        self._refresh()  # the counts below must be current
+        sizes = self._index.sizes
+        return whole > sizes[FREE] + sum(sizes[("rt", fill)] for fill in range(self.block_size))
 
     def can_place_rt_page(self) -> bool:
         """Whether any block could take a new RT page now (FindPreemptBlock finds one whose BE
