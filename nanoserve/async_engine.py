@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable
 from nanoserve.engine import Engine, EngineStats
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
-from nanoserve.slo import SLO
+from nanoserve.slo import SLO, RequestClass
 
 log = logging.getLogger("nanoserve.engine")
 
@@ -43,8 +43,12 @@ class _Add:
     params: SamplingParams
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    priority: str = "online"
+    priority: RequestClass = RequestClass.ONLINE
     slo: SLO | None = None
+
+    def __post_init__(self) -> None:
+        # "online"/"offline" too; a bad value raises here, in the caller, before anything is queued.
+        object.__setattr__(self, "priority", RequestClass(self.priority))
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
 
-    def default_slo(self, priority: str) -> SLO:
+    def default_slo(self, priority: RequestClass | str) -> SLO:
         """The latency targets of a request class (the config is immutable: safe from any thread)."""
         return self.engine.config.slo_for(priority)
 
@@ -118,7 +122,7 @@ class AsyncEngine:
         return token_ids
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: str = "online",
+                       request_id: str | None = None, priority: RequestClass | str = RequestClass.ONLINE,
                        slo: SLO | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Raises ValueError before streaming
         for a request that can never be served, EngineError if the engine fails mid-way."""

@@ -23,7 +23,7 @@ from nanoserve.model.loader import load_config, load_model, resolve_model_path
 from nanoserve.model.runner import Executor, ModelRunner
 from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
 from nanoserve.sched.cost_model import CostModel
-from nanoserve.slo import DEFAULT_SLOS, SLO
+from nanoserve.slo import DEFAULT_SLOS, SLO, RequestClass
 from nanoserve.tokenizer import Tokenizer
 
 CPU_KV_BYTES = 2 << 30  # default KV budget on a CPU
@@ -135,7 +135,8 @@ def build_engine(args: EngineArgs) -> Engine:
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, policy=args.policy,
-        online_slo=args.online_slo or DEFAULT_SLOS["online"], offline_slo=args.offline_slo or DEFAULT_SLOS["offline"],
+        online_slo=args.online_slo or DEFAULT_SLOS[RequestClass.ONLINE],
+        offline_slo=args.offline_slo or DEFAULT_SLOS[RequestClass.OFFLINE],
         pipeline_microbatches=microbatches, policy_options=dict(args.policy_options or {}),
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())

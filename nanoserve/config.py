@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.slo import DEFAULT_SLOS, SLO
+from nanoserve.slo import DEFAULT_SLOS, SLO, RequestClass
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"
     # Latency targets by request class (see nanoserve/slo.py); a request may override them.
-    online_slo: SLO = DEFAULT_SLOS["online"]
-    offline_slo: SLO = DEFAULT_SLOS["offline"]
+    online_slo: SLO = DEFAULT_SLOS[RequestClass.ONLINE]
+    offline_slo: SLO = DEFAULT_SLOS[RequestClass.OFFLINE]
     # Micro-batches a pipelined step runs (nanoserve/dist/pipeline.py; 1: no pipeline). A policy
     # that cuts its own (KunServe) gives each step up to this many.
     pipeline_microbatches: int = 1
@@ -84,8 +84,9 @@ class SchedulerConfig:
         if self.pipeline_microbatches < 1:
             raise ValueError("pipeline_microbatches must be >= 1")
 
-    def slo_for(self, priority: str) -> SLO:
-        return self.online_slo if priority == "online" else self.offline_slo
+    def slo_for(self, priority: RequestClass | str) -> SLO:
+        # ==, not is: the engine asks before the Request it builds has coerced a raw string.
+        return self.online_slo if priority == RequestClass.ONLINE else self.offline_slo
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -21,7 +21,7 @@ from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import Scheduler, SchedulerOutput
-from nanoserve.slo import PRIORITIES, SLO, ClassMetrics
+from nanoserve.slo import PRIORITIES, SLO, ClassMetrics, RequestClass
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -36,8 +36,9 @@ class EngineStats:
     generation_tokens_total: int
     requests_finished_total: int
     kv_events: dict[str, int] = field(default_factory=dict)  # the memory manager's mechanism counters
-    # Per request class ("online", "offline"): finished, SLO attainment, TTFT/TPOT p50/p99, tok/s.
-    per_class: dict[str, dict] = field(default_factory=dict)
+    # Per request class (keyed by RequestClass; "online"/"offline" look up the same entries):
+    # finished, SLO attainment, TTFT/TPOT p50/p99, tok/s.
+    per_class: dict[RequestClass, dict] = field(default_factory=dict)
     # Wall-clock seconds of the steps that ran a batch, and what the policy's cost model predicted
     # for them: the SLO-budgeting policies are only as good as this ratio is close to 1.
     step_seconds_total: float = 0.0
@@ -117,9 +118,10 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, prompt_text: str | None = None,
-                    priority: str = "online", slo: SLO | None = None) -> Request:
+                    priority: RequestClass | str = RequestClass.ONLINE, slo: SLO | None = None) -> Request:
         """Queue a request. `prompt_text` names the text behind pre-tokenized prompts;
-        `priority` is "online" or "offline"; `slo` overrides the class's latency targets."""
+        `priority` is a RequestClass or its value ("online" or "offline"); `slo` overrides the
+        class's latency targets."""
         token_ids = self.tokenize(prompt)
         self.validate(len(token_ids), params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"

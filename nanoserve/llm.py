@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from nanoserve.builder import EngineArgs, build_engine
 from nanoserve.engine import Engine
 from nanoserve.outputs import RequestOutput
-from nanoserve.slo import PRIORITIES, SLO
+from nanoserve.slo import SLO, RequestClass
 from nanoserve.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -45,11 +45,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True, priority: str | Sequence[str] = "online",
+                 *, use_tqdm: bool = True,
+                 priority: RequestClass | str | Sequence[RequestClass | str] = RequestClass.ONLINE,
                  slo: SLO | Sequence[SLO | None] | None = None) -> list[RequestOutput]:
         """Complete each prompt (a string or a list of token ids); outputs come in input order.
-        `priority` ("online" or "offline") and `slo` (latency targets; default: the class's)
-        apply to every prompt, or give one per prompt."""
+        `priority` (a RequestClass, or "online" / "offline") and `slo` (latency targets; default:
+        the class's) apply to every prompt, or give one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -62,8 +63,8 @@ class LLM:
         priorities = [priority] * len(prompts) if isinstance(priority, str) else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        if not set(priorities) <= set(PRIORITIES):
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
+        # Every class is checked before any work: "priority must be one of online, offline, got ...".
+        priorities = [RequestClass(p) for p in priorities]
         slos = [slo] * len(prompts) if slo is None or isinstance(slo, SLO) else list(slo)
         if len(slos) != len(prompts):
             raise ValueError(f"got {len(slos)} SLOs for {len(prompts)} prompts")
@@ -79,7 +80,7 @@ class LLM:
                                          add_special_tokens=False) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[str],
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[RequestClass],
              slos: list[SLO | None], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         token_ids = [engine.tokenize(p) for p in prompts]

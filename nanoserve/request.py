@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.sampling import SamplingParams
-from nanoserve.slo import PRIORITIES, SLO
+from nanoserve.slo import SLO, RequestClass
 
 
 class RequestStatus(enum.Enum):
@@ -44,9 +44,10 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    # "online" (latency-critical: BROS's real-time, ConServe's online) or "offline" (BROS's
+    # ONLINE (latency-critical: BROS's real-time, ConServe's online) or OFFLINE (BROS's
     # best-effort, batch work). Policies and memory managers read it; nothing else does.
-    priority: str = "online"
+    # "online"/"offline" strings are accepted and coerced to the member.
+    priority: RequestClass = RequestClass.ONLINE
     slo: SLO = field(default_factory=SLO)  # latency targets; the engine fills in the class default
 
     status: RequestStatus = RequestStatus.WAITING
@@ -64,8 +65,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
-        if self.priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
+        self.priority = RequestClass(self.priority)  # a bad value: "priority must be one of online, offline, ..."
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []

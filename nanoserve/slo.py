@@ -1,9 +1,9 @@
 """Request classes, their latency targets, and per-class service metrics.
 
 Every request is "online" (latency-critical: BROS's real-time, ConServe's online) or "offline"
-(throughput work: BROS's best-effort, ConServe's offline, batch jobs). Each has a TTFT target
-(arrival to first token) and a TPOT target (mean gap between later tokens), defaulted per
-class by `SchedulerConfig` and overridable per request. A request *attains* its SLO when
+(throughput work: BROS's best-effort, ConServe's offline, batch jobs): a `RequestClass`. Each
+has a TTFT target (arrival to first token) and a TPOT target (mean gap between later tokens),
+defaulted per class by `SchedulerConfig` and overridable per request. A request *attains* its SLO when
 every target it has is met; an offline request has no targets by default, so it always does.
 
 Defaults follow the papers: BROS evaluates RT requests at TTFT 0.4 s / TPOT 0.2 s (bros.txt
@@ -16,11 +16,34 @@ span from the class's first arrival to its last finish).
 """
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
-PRIORITIES = ("online", "offline")
+
+class RequestClass(enum.StrEnum):
+    """A request's class, which policies and memory managers schedule by.
+
+    ONLINE: latency-critical (BROS's real-time, ConServe's online); held to a TTFT and TPOT target.
+    OFFLINE: throughput work (BROS's best-effort, ConServe's offline, batch jobs); no targets by default.
+
+    A StrEnum: members equal and hash as their values ("online", "offline"), so lookups with
+    strings, JSON, CSV and f-strings see the plain words. Code compares members by identity
+    (`request.priority is RequestClass.OFFLINE`), which holds once a value is coerced with
+    `RequestClass(value)`, as the dataclasses that store a class do.
+    """
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+    @classmethod
+    def _missing_(cls, value: object) -> RequestClass:
+        # `RequestClass(value)` for a value that is no class: the message every boundary gives.
+        raise ValueError(f"priority must be one of {', '.join(cls)}, got {value!r}")
+
+
+PRIORITIES = tuple(RequestClass)  # every class, online first
 
 
 @dataclass(frozen=True)
@@ -41,7 +64,7 @@ class SLO:
                 and (self.tpot is None or tpot is None or tpot <= self.tpot))
 
 
-DEFAULT_SLOS = {"online": SLO(ttft=1.0, tpot=0.1), "offline": SLO()}
+DEFAULT_SLOS = {RequestClass.ONLINE: SLO(ttft=1.0, tpot=0.1), RequestClass.OFFLINE: SLO()}
 
 
 def percentile(values: list[float], q: float) -> float | None:

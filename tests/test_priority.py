@@ -1,9 +1,15 @@
 """Request classes: every request is "online" or "offline", set per prompt through the API."""
 from __future__ import annotations
 
+import json
+import pickle
+
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.request import Request
+from nanoserve.sim.workloads import TraceRequest
+from nanoserve.slo import DEFAULT_SLOS, PRIORITIES, RequestClass
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +52,30 @@ def test_engine_refuses_an_unknown_class(llm):
     with pytest.raises(ValueError, match="priority must be one of online, offline"):
         llm.engine.add_request([1, 2], SamplingParams(max_tokens=2), priority="batch")
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_request_class_is_a_member_coerced_from_its_string():
+    params = SamplingParams(max_tokens=2)
+    assert Request("a", [1, 2], params, priority="offline").priority is RequestClass.OFFLINE
+    assert Request("b", [1, 2], params).priority is RequestClass.ONLINE
+    assert TraceRequest(0.0, 5, 5, "offline").priority is RequestClass.OFFLINE
+    assert PRIORITIES == (RequestClass.ONLINE, RequestClass.OFFLINE)
+    with pytest.raises(ValueError, match=r"^priority must be one of online, offline, got 'batch'$"):
+        Request("c", [1, 2], params, priority="batch")
+    with pytest.raises(ValueError, match=r"^priority must be one of online, offline, got 'Online'$"):
+        RequestClass("Online")
+
+
+def test_a_request_class_reads_as_its_string():
+    assert RequestClass.ONLINE == "online" and RequestClass.OFFLINE != "online"
+    assert f"{RequestClass.OFFLINE}" == "offline" and str(RequestClass.ONLINE) == "online"
+    assert DEFAULT_SLOS["online"] is DEFAULT_SLOS[RequestClass.ONLINE]  # string lookups still work
+    assert pickle.loads(pickle.dumps(RequestClass.OFFLINE)) is RequestClass.OFFLINE  # across processes
+    assert json.dumps({RequestClass.ONLINE: RequestClass.OFFLINE}) == '{"online": "offline"}'
+
+
+def test_engine_stats_are_keyed_by_members_and_dump_as_strings(llm):
+    per_class = llm.engine.stats().per_class
+    assert [type(k) for k in per_class] == [RequestClass, RequestClass]
+    assert list(json.loads(json.dumps(per_class))) == ["online", "offline"]
+    assert per_class["offline"] is per_class[RequestClass.OFFLINE]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from nanoserve.dist.regroup import Regrouper
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
+from nanoserve.slo import RequestClass
 
 if TYPE_CHECKING:
     from nanoserve.builder import EngineArgs
@@ -163,7 +164,7 @@ class Cluster:
         return replies
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    priority: str = "online") -> int:
+                    priority: RequestClass | str = RequestClass.ONLINE) -> int:
         """Route the request; returns the instance it went to."""
         blocks = -(-len(token_ids) // self.args.block_size)
         instance = self.dispatcher.pick(list(self.loads.values()), blocks)

@@ -28,6 +28,7 @@ from nanoserve.dist.pipeline import PipelineStage, split_microbatches
 from nanoserve.memory.host import KVCopy
 from nanoserve.model.runner import ExecutorOutput, ModelRunner
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.slo import RequestClass
 
 
 class WorkerFailure(RuntimeError):
@@ -42,7 +43,10 @@ class ChunkMessage:
     block_table: tuple[int, ...]
     right_to_left: bool
     samples: bool
-    priority: str
+    priority: RequestClass
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "priority", RequestClass(self.priority))
 
 
 def _chunk_message(c: ScheduledChunk) -> ChunkMessage:
@@ -94,7 +98,7 @@ class StepRequest:
 
     message: ChunkMessage
     request_id: str = field(init=False)
-    priority: str = field(init=False)
+    priority: RequestClass = field(init=False)
     token_ids: Any = field(init=False)
     num_tokens: int = field(init=False)
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Iterable
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.memory.manager import KVManager
+from nanoserve.slo import RequestClass
 
 if TYPE_CHECKING:
     from nanoserve.request import Request
@@ -60,12 +61,12 @@ class BidirectionalKV(KVManager):
     # The per-chunk calls below test `priority` inline: BROS makes them for every request it
     # schedules, a thousand a step.
     def right_to_left(self, request: Request) -> bool:
-        return request.priority == "offline"
+        return request.priority is RequestClass.OFFLINE
 
     def order(self, running: list[Request]) -> list[Request]:
         # Stable: RT, then BE, each in FCFS order (two filters beat a keyed sort).
-        rt = [r for r in running if r.priority != "offline"]
-        return rt if len(rt) == len(running) else rt + [r for r in running if r.priority == "offline"]
+        rt = [r for r in running if r.priority is not RequestClass.OFFLINE]
+        return rt if len(rt) == len(running) else rt + [r for r in running if r.priority is RequestClass.OFFLINE]
 
     def step_copies(self, running: list[Request], window: float | None = None) -> list[KVCopy]:
         # A new step: last step's forward is done, so no sequence's slots are in use any more.
@@ -73,15 +74,18 @@ class BidirectionalKV(KVManager):
         return []
 
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
-        return self.blocks.can_grow(request.request_id, num_tokens, best_effort=request.priority == "offline")
+        return self.blocks.can_grow(request.request_id, num_tokens,
+                                    best_effort=request.priority is RequestClass.OFFLINE)
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
-        copies = self.blocks.grow(request.request_id, num_tokens, best_effort=request.priority == "offline")
+        copies = self.blocks.grow(request.request_id, num_tokens,
+                                  best_effort=request.priority is RequestClass.OFFLINE)
         self.blocks.pinned.add(request.request_id)  # its chunk's forward reads these slots
         return copies
 
     def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
-        copies = self.blocks.try_grow(request.request_id, num_tokens, best_effort=request.priority == "offline")
+        copies = self.blocks.try_grow(request.request_id, num_tokens,
+                                      best_effort=request.priority is RequestClass.OFFLINE)
         if copies is not None:
             self.blocks.pinned.add(request.request_id)
         return copies
@@ -94,7 +98,7 @@ class BidirectionalKV(KVManager):
         targets, free or BE-only: their BE slots are checkpointed, or their owners dropped, as
         the last resort of §5.2); evicting BE requests adds none, since an RT page never shares a
         block with another RT page. BE requests: the default."""
-        if request.priority == "offline":
+        if request.priority is RequestClass.OFFLINE:
             return super().fits_after_preempting(request, num_tokens, victims)
         # The count first: a scheduler asks this after `can_reserve` said no (BROS does), so the
         # exact test, a search, runs only where the count cannot settle it.

@@ -49,6 +49,7 @@ from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.memory.manager import KVManager, PagedKV
+from nanoserve.slo import RequestClass
 
 if TYPE_CHECKING:
     from nanoserve.request import Request
@@ -96,7 +97,7 @@ class CheckpointKV(PagedKV):
             return ckpt.saved_blocks(rid) == 0, -(computed[rid] // size - ckpt.saved_blocks(rid))
 
         paused = sorted(self._paused, key=rank)
-        offline = sorted((r.request_id for r in running if r.priority == "offline"), key=rank)
+        offline = sorted((r.request_id for r in running if r.priority is RequestClass.OFFLINE), key=rank)
         copies = ckpt.plan_step(computed, order=paused + offline, max_blocks=self._link_blocks)
         self._spend(copies)
         return copies

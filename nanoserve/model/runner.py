@@ -38,6 +38,7 @@ from nanoserve.model.attention import AttentionBackend, ForwardContext
 from nanoserve.model.layer_peer import LayerPeer
 from nanoserve.sampling import sample
 from nanoserve.sched.base import SchedulerOutput
+from nanoserve.slo import RequestClass
 
 
 @dataclass
@@ -290,7 +291,8 @@ class ModelRunner:
         try:
             # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
             # not as a pipeline stage: the stages run different layers, so no barrier aligns them.
-            preemptible = self.stage_layers is None and all(c.request.priority == "offline" for c in batch.chunks)
+            preemptible = self.stage_layers is None and all(c.request.priority is RequestClass.OFFLINE
+                                                          for c in batch.chunks)
             hidden = self.run_model(prepared, preemptible=preemptible)
         except ForwardPreempted:
             return ExecutorOutput(preempted=True)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.slo import RequestClass
 
 if TYPE_CHECKING:
     from nanoserve.sched.bros import BROSScheduler
@@ -20,7 +21,7 @@ RUNNING, WAITING = RequestStatus.RUNNING, RequestStatus.WAITING
 
 
 def is_rt(request: Request) -> bool:
-    return request.priority == "online"
+    return request.priority is RequestClass.ONLINE
 
 
 class Batch:
@@ -96,7 +97,7 @@ class Batch:
     @cached_property
     def evictable(self) -> int:
         """Running BE requests: an RT request may evict one for a seat (counted only if asked)."""
-        return sum(r.priority != "online" for r in self.scheduler.running)
+        return sum(r.priority is not RequestClass.ONLINE for r in self.scheduler.running)
 
     def has_seat(self, request: Request) -> bool:
         """Room under max_num_seqs: a waiting RT request may evict a running BE one for it."""

@@ -66,6 +66,7 @@ from typing import Literal
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.priority import PriorityScheduler
+from nanoserve.slo import RequestClass
 
 
 class ConServeScheduler(PriorityScheduler):
@@ -140,7 +141,7 @@ class ConServeScheduler(PriorityScheduler):
         want = super()._allowance(request)
         if want <= 0:
             return 0
-        if request.priority == "online":
+        if request.priority is RequestClass.ONLINE:
             if want == 1 or self._tpot_target is None:
                 return want
             return max(self._fit(request.num_computed_tokens, want, self._tpot_target),
@@ -165,15 +166,15 @@ class ConServeScheduler(PriorityScheduler):
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def _after_running(self, cls: str, out: SchedulerOutput) -> None:
+    def _after_running(self, cls: RequestClass, out: SchedulerOutput) -> None:
         """PREEMPTOVERBUDGETOFFLINE (Alg. 1 lines 16, 26-34): running offline requests the
         budget left out, newest first, are preempted; "checkpointing keeps KV caches in GPU
         memory until incoming online requests are scheduled" (§4.4), so each is paused with its
         blocks (`KVManager.pause`) and `_make_room` drops them only for a request that needs the
         memory."""
-        if cls != "offline" or self._target is None:
+        if cls is not RequestClass.OFFLINE or self._target is None:
             return
-        for request in reversed([r for r in self.running if r.priority == "offline"]):
+        for request in reversed([r for r in self.running if r.priority is RequestClass.OFFLINE]):
             if request.request_id not in self._served:
                 if self._evict(request, out, keep_resident=True):
                     self._parked[request.request_id] = request
@@ -190,7 +191,7 @@ class ConServeScheduler(PriorityScheduler):
         themselves while paused ones held the memory (8% of preempted tokens kept, ci scale).
         Admitting new offline work never drops a parked request."""
         parked = request.request_id in self._parked
-        if request.priority == "online" or request.status == RequestStatus.RUNNING or parked:
+        if request.priority is RequestClass.ONLINE or request.status == RequestStatus.RUNNING or parked:
             while not self.can_chunk(request, num_new):
                 others = [r for r in reversed(self._parked.values()) if r is not request]
                 if not others:
@@ -217,15 +218,15 @@ class ConServeScheduler(PriorityScheduler):
     def _give_up(self, request: Request, out: SchedulerOutput) -> None:
         """An offline request that cannot grow is paused, not dropped: its K/V stays until
         someone needs the memory (§4.4)."""
-        if request.priority != "offline":
+        if request.priority is not RequestClass.OFFLINE:
             return super()._give_up(request, out)
         if self._evict(request, out, keep_resident=True):
             self._parked[request.request_id] = request
 
-    def _victim(self, request: Request, cls: str) -> Request | None:
+    def _victim(self, request: Request, cls: RequestClass) -> Request | None:
         """§4.4: ConServe "can selectively preempt offline requests that have been
         checkpointed": an offline victim is the one with least to recompute, then the newest."""
-        if cls != "offline":
+        if cls is not RequestClass.OFFLINE:
             return super()._victim(request, cls)
         return min(self._unserved(request, cls), key=self.kv.preemption_loss, default=None)
 
@@ -240,7 +241,7 @@ class ConServeScheduler(PriorityScheduler):
         would: new work admitted past it would take the memory it waits for and, once paused or
         preempted in turn, the host memory too (ours: measured, letting new work pass starved
         preempted requests until the host store filled and checkpoints stopped)."""
-        if request.priority != "offline" or self.kv.blocks_to_restore(request) == 0:
+        if request.priority is not RequestClass.OFFLINE or self.kv.blocks_to_restore(request) == 0:
             return "admit"
         copies = self.kv.prefetch(request)
         if copies is not None:
@@ -279,7 +280,7 @@ class ConServeScheduler(PriorityScheduler):
             counter[old[1]] -= 1
             if not counter[old[1]]:
                 del counter[old[1]]
-        target = None if phase is None or request.priority != "online" else getattr(request.slo, phase)
+        target = None if phase is None or request.priority is not RequestClass.ONLINE else getattr(request.slo, phase)
         if target is not None:
             self._phase[request.request_id] = (phase, target)
             self._targets[phase][target] += 1
@@ -293,7 +294,7 @@ class ConServeScheduler(PriorityScheduler):
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         self._track(request, "tpot" if request.num_output_tokens else "ttft")
-        if request.priority == "online" and self.should_preempt_running_batch(request):
+        if request.priority is RequestClass.ONLINE and self.should_preempt_running_batch(request):
             self.preempt_running_batch = True
             self.num_running_batch_preemptions += 1
 
@@ -306,11 +307,11 @@ class ConServeScheduler(PriorityScheduler):
         if self._in_flight is None or request.slo.ttft is None:
             return False
         batch, t_sched = self._in_flight
-        if any(c.request.priority == "online" for c in batch.chunks):
+        if any(c.request.priority is RequestClass.ONLINE for c in batch.chunks):
             return False  # co-serving mode: the budget already bounds the step (§4.3)
         now = self.clock()
         t_remain = max(0.0, self.cost_model.predict_output(batch) - (now - t_sched))
         online = [(r.num_computed_tokens, min(r.num_tokens - r.num_computed_tokens, self.config.max_num_batched_tokens))
-                  for r in self.waiting if r.priority == "online"]
+                  for r in self.waiting if r.priority is RequestClass.ONLINE]
         t_exec = self.cost_model.predict(online + [(c.start, c.num_tokens) for c in batch.chunks])
         return t_remain + t_exec > request.arrival_time + request.slo.ttft - now

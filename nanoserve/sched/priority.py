@@ -22,12 +22,13 @@ from typing import Iterator, Literal
 
 from nanoserve.request import Request
 from nanoserve.sched.base import ScheduledChunk, Scheduler, SchedulerOutput
+from nanoserve.slo import RequestClass
 
-CLASSES = ("online", "offline")
+CLASSES = (RequestClass.ONLINE, RequestClass.OFFLINE)  # served in this order
 
 
 def _online_first(requests) -> list[Request]:
-    return sorted(requests, key=lambda r: r.priority != "online")  # stable: FCFS within a class
+    return sorted(requests, key=lambda r: r.priority is not RequestClass.ONLINE)  # stable: FCFS within a class
 
 
 class PriorityScheduler(Scheduler):
@@ -40,13 +41,13 @@ class PriorityScheduler(Scheduler):
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)
-        self._waiting_sorted &= request.priority == "offline"
+        self._waiting_sorted &= request.priority is RequestClass.OFFLINE
 
     def plan(self) -> SchedulerOutput:
         self._start_step()
         out = SchedulerOutput()
         for cls in CLASSES:
-            self._serve_all_running([r for r in self.running if r.priority == cls], out)
+            self._serve_all_running([r for r in self.running if r.priority is cls], out)
             self._after_running(cls, out)
             self._admit_waiting(cls, out)
         return out
@@ -71,13 +72,13 @@ class PriorityScheduler(Scheduler):
         """How many tokens `request` may take now: what it lacks, within the token budget."""
         return min(request.num_tokens - request.num_computed_tokens, self._budget)
 
-    def _after_running(self, cls: str, out: SchedulerOutput) -> None:
+    def _after_running(self, cls: RequestClass, out: SchedulerOutput) -> None:
         """Called once a class's running requests are served, before its waiting ones are."""
 
     def _may_make_room(self, request: Request) -> bool:
         """May the waiting `request` preempt others to be admitted? Only an online arrival, and
         only where preemption is selective."""
-        return request.priority == "online" and self.selective_preemption
+        return request.priority is RequestClass.ONLINE and self.selective_preemption
 
     def _give_up(self, request: Request, out: SchedulerOutput) -> None:
         """A running request cannot grow and nobody is left to preempt: it preempts itself."""
@@ -102,10 +103,11 @@ class PriorityScheduler(Scheduler):
         else:
             self._schedule(request, chunk, out)
 
-    def _admit_waiting(self, cls: str, out: SchedulerOutput) -> None:
+    def _admit_waiting(self, cls: RequestClass, out: SchedulerOutput) -> None:
         deferred: list[Request] = []
-        while (self.waiting and self.waiting[0].priority == cls and self._budget > 0
-               and len(self.running) < self.config.max_num_seqs and not (cls == "offline" and out.preempted)):
+        while (self.waiting and self.waiting[0].priority is cls and self._budget > 0
+               and len(self.running) < self.config.max_num_seqs
+               and not (cls is RequestClass.OFFLINE and out.preempted)):
             request = self.waiting[0]
             # A victim of this step sits at the head of the queue: taking it back would thrash.
             if request.request_id in self._preempted:
@@ -136,21 +138,21 @@ class PriorityScheduler(Scheduler):
         request not served this step, else (if allowed) the newest such online one. A request
         with its chunk for this step is never preempted in it. False if no victim is left."""
         while not self.can_chunk(request, num_new):
-            victim = self._victim(request, "offline")
+            victim = self._victim(request, RequestClass.OFFLINE)
             if victim is None and online_victims:
-                victim = self._victim(request, "online")
+                victim = self._victim(request, RequestClass.ONLINE)
             if victim is None:
                 return False
             self._evict(victim, out)
         return True
 
-    def _victim(self, request: Request, cls: str) -> Request | None:
+    def _victim(self, request: Request, cls: RequestClass) -> Request | None:
         """Whom `request` preempts among running `cls` requests: the newest not served this step."""
         return next(self._unserved(request, cls), None)
 
-    def _unserved(self, request: Request, cls: str) -> Iterator[Request]:
+    def _unserved(self, request: Request, cls: RequestClass) -> Iterator[Request]:
         """Running `cls` requests other than `request` not served this step, newest first."""
-        return (r for r in reversed(self.running) if r.priority == cls and r is not request
+        return (r for r in reversed(self.running) if r.priority is cls and r is not request
                 and r.request_id not in self._served)
 
     def _evict(self, request: Request, out: SchedulerOutput, keep_resident: bool = False) -> bool:

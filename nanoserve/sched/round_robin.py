@@ -26,9 +26,10 @@ from collections import deque
 
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.slo import RequestClass
 
-CLASSES = ("online", "offline")  # RT, BE
-_OTHER = {"online": "offline", "offline": "online"}
+CLASSES = (RequestClass.ONLINE, RequestClass.OFFLINE)  # RT, BE
+_OTHER = {RequestClass.ONLINE: RequestClass.OFFLINE, RequestClass.OFFLINE: RequestClass.ONLINE}
 
 
 class RoundRobinScheduler(Scheduler):
@@ -37,9 +38,9 @@ class RoundRobinScheduler(Scheduler):
         # The two FCFS queues. `self.waiting` (which the engine and the cluster read) keeps every
         # waiting request; these index it by class, so that a class's head is found without
         # walking past the other class's backlog.
-        self.queues: dict[str, deque[Request]] = {cls: deque() for cls in CLASSES}
-        self.turn = "online"  # the class the next iteration serves
-        self.served_class: str | None = None  # the class the last plan served (tests, stats)
+        self.queues: dict[RequestClass, deque[Request]] = {cls: deque() for cls in CLASSES}
+        self.turn = RequestClass.ONLINE  # the class the next iteration serves
+        self.served_class: RequestClass | None = None  # the class the last plan served (tests, stats)
 
     # -- the two queues ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -59,7 +60,7 @@ class RoundRobinScheduler(Scheduler):
     def _sync_queues(self) -> None:
         """Rebuild the class queues if `waiting` was changed behind the scheduler's back."""
         if sum(map(len, self.queues.values())) != len(self.waiting):
-            self.queues = {cls: deque(r for r in self.waiting if r.priority == cls) for cls in CLASSES}
+            self.queues = {cls: deque(r for r in self.waiting if r.priority is cls) for cls in CLASSES}
 
     # -- the plan ----------------------------------------------------------------------------
     def plan(self) -> SchedulerOutput:
@@ -72,11 +73,11 @@ class RoundRobinScheduler(Scheduler):
                 break
         return out
 
-    def _serve(self, cls: str, out: SchedulerOutput) -> bool:
+    def _serve(self, cls: RequestClass, out: SchedulerOutput) -> bool:
         """Add one class's batch to `out` (fcfs within the class); whether it got any chunk."""
         budget = self.config.max_num_batched_tokens
         scheduled = len(out.chunks)
-        for request in [r for r in self.running if r.priority == cls]:  # oldest first
+        for request in [r for r in self.running if r.priority is cls]:  # oldest first
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:

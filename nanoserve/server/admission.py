@@ -24,6 +24,7 @@ import time
 from collections import deque
 
 from nanoserve.server.errors import APIError
+from nanoserve.slo import PRIORITIES, RequestClass
 
 RATE_WINDOW_S = 30.0  # how far back "lately" looks for the start rate
 MAX_RETRY_AFTER_S = 60
@@ -35,31 +36,32 @@ class Admission:
             raise ValueError("max_queued must be >= 0")
         self.max_queued = max_queued
         self.draining = False  # set at the start of a graceful shutdown
-        self.queued = {"online": 0, "offline": 0}  # admitted, no first token yet
+        self.queued = {cls: 0 for cls in PRIORITIES}  # admitted, no first token yet
         self.rejected = 0
         self._starts: deque[float] = deque()  # when recent requests got their first token
 
     # -- the gate ------------------------------------------------------------------------
-    def check(self, priority: str, count: int) -> None:
+    def check(self, priority: RequestClass, count: int) -> None:
         """Raise the error that turns away `count` new requests of `priority`, if any."""
         if self.draining:
             self.rejected += count
             raise APIError("The server is shutting down; retry against another replica or later.", 503,
                            code="server_unavailable", headers={"Retry-After": str(self.retry_after())})
-        if priority != "online" or self.max_queued is None:
+        if priority is not RequestClass.ONLINE or self.max_queued is None:
             return
-        if self.queued["online"] + count > self.max_queued:
+        online = self.queued[RequestClass.ONLINE]
+        if online + count > self.max_queued:
             self.rejected += count
-            raise APIError(f"Too many requests queued ({self.queued['online']} online requests waiting to start, "
+            raise APIError(f"Too many requests queued ({online} online requests waiting to start, "
                            f"limit {self.max_queued}); retry after the Retry-After seconds.", 429,
                            code="rate_limit_exceeded", type="rate_limit_exceeded",
                            headers={"Retry-After": str(self.retry_after())})
 
     # -- the counts, kept by the request's own task -------------------------------------------
-    def entered(self, priority: str) -> None:
+    def entered(self, priority: RequestClass) -> None:
         self.queued[priority] = self.queued.get(priority, 0) + 1
 
-    def left(self, priority: str, started: bool) -> None:
+    def left(self, priority: RequestClass, started: bool) -> None:
         """The request got its first token (`started`), or ended without one."""
         self.queued[priority] -= 1
         if started:
@@ -75,4 +77,4 @@ class Admission:
         if not recent:
             return 1
         rate = len(recent) / max(1.0, now - recent[0])
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.queued["online"] / rate)))
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self.queued[RequestClass.ONLINE] / rate)))

@@ -38,6 +38,8 @@ from nanoserve.server.errors import APIError, install_error_handlers, model_not_
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
 from nanoserve.server.running import Choice, Launch
 from nanoserve.server.streaming import EventStream, unless_disconnected
+from nanoserve.slo import RequestClass
+
 
 class OpenAIServer:
     """The routes' logic, kept off the FastAPI objects so it reads top to bottom."""
@@ -183,7 +185,7 @@ class OpenAIServer:
             raise validation_error(list(exc.errors())) from exc
         if req.stream:
             raise APIError("stream is not allowed in a batch request.", param="stream")
-        req.priority = "offline"
+        req.priority = RequestClass.OFFLINE
         return await handler(req, None)
 
     # -- the rest ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Iterable
 
 from nanoserve.engine import EngineStats
 from nanoserve.outputs import RequestOutput
+from nanoserve.slo import PRIORITIES, RequestClass
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 request_log = logging.getLogger("nanoserve.requests")
@@ -97,7 +98,7 @@ class ServerMetrics:
     """Request-level metrics the server observes; rendered together with the engine's stats."""
 
     def __init__(self) -> None:
-        self.by_class = {"online": ClassLatencies(), "offline": ClassLatencies()}
+        self.by_class = {cls: ClassLatencies() for cls in PRIORITIES}
         self.prompt_len = Histogram(TOKEN_BUCKETS)
         self.output_len = Histogram(TOKEN_BUCKETS)
         self.finished: dict[str, int] = {}  # by finish reason
@@ -114,7 +115,7 @@ class ServerMetrics:
         with self._step_lock:
             return self._step_seconds.copy()
 
-    def observe_finished(self, output: RequestOutput, priority: str = "online") -> None:
+    def observe_finished(self, output: RequestOutput, priority: RequestClass = RequestClass.ONLINE) -> None:
         m, latencies = output.metrics, self.by_class.setdefault(priority, ClassLatencies())
         reason = output.finish_reason or "unknown"
         self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -207,7 +208,7 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
     return "\n".join(lines) + "\n"
 
 
-def log_request(request_id: str, priority: str, prompt_tokens: int, last: RequestOutput | None,
+def log_request(request_id: str, priority: RequestClass, prompt_tokens: int, last: RequestOutput | None,
                 cut_short: str | None) -> None:
     """One JSON line per request, when it ends: `finish_reason` is the engine's (stop, length),
     or `cut_short` (abort: the client left, a sibling choice failed, a deadline passed)."""

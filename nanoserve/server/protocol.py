@@ -12,12 +12,13 @@ quietly producing output the client did not ask for. Unknown fields are ignored,
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.errors import APIError
+from nanoserve.slo import RequestClass
 
 MAX_N = 16  # choices per prompt; each is its own engine request
 MAX_CHOICES = 64  # prompts x n per call, so one call cannot flood the queue
@@ -64,7 +65,9 @@ class _SamplingRequest(BaseModel):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    priority: Literal["online", "offline"] = "online"  # nanoserve's request class (vLLM takes a priority too)
+    # nanoserve's request class (vLLM takes a priority too): clients send "online" or "offline",
+    # which pydantic turns into the member (anything else: "Input should be 'online' or 'offline'").
+    priority: RequestClass = RequestClass.ONLINE
     slo: SLOTargets | None = None
     timeout: Seconds | None = None  # nanoserve: seconds until the server cuts the request off (408)
     presence_penalty: Penalty | None = None

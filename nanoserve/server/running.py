@@ -21,7 +21,7 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.server.admission import Admission
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics, log_request
-from nanoserve.slo import SLO
+from nanoserve.slo import SLO, RequestClass
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,12 @@ class Choice:
     token_ids: list[int]
     params: SamplingParams
     request_id: str
-    priority: str = "online"
+    priority: RequestClass = RequestClass.ONLINE
     slo: SLO | None = None  # None: the class's targets
     deadline: float | None = None  # time.monotonic() by which it must finish, else it is cut off
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "priority", RequestClass(self.priority))  # "online"/"offline" too
 
 
 class Launch:

@@ -77,6 +77,7 @@ from nanoserve.model.runner import ExecutorOutput, ForwardPreempted, PreemptionF
 from nanoserve.sched.base import SchedulerOutput
 from nanoserve.sched.cost_model import CostModel, batch_of
 from nanoserve.sim.roofline import Roofline
+from nanoserve.slo import RequestClass
 
 EOS_TOKEN = 2
 FILLER_TOKEN = 7
@@ -286,7 +287,7 @@ class SimExecutor:
         self.clock.advance_to(forward_start)
         forward_s = self.forward_seconds(batch)  # priced from the forward's start (a pipeline's stages)
         stoppable = ((flag.on_safe_point is not None or flag.requested) and self._stoppable
-                     and all(c.request.priority == "offline" for c in batch.chunks))
+                     and all(c.request.priority is RequestClass.OFFLINE for c in batch.chunks))
         layer_ends = self.layer_ends(batch, forward_start, forward_s, layer_waits) if layer_waits or stoppable else []
         # How much later than forward_s its last layer ends, waiting for its layers' copies.
         layer_stall = layer_ends[-1] - self.layer_ends(batch, forward_start, forward_s)[-1] if layer_waits else 0.0
@@ -310,7 +311,7 @@ class SimExecutor:
                 request = chunk.request
                 done = request.num_output_tokens + 1 >= self.output_lens[request.request_id]
                 out.sampled[request.request_id] = EOS_TOKEN if done else FILLER_TOKEN
-                if request.priority == "online":
+                if request.priority is RequestClass.ONLINE:
                     stats.online_tokens += 1
                     if gaps is not None:
                         last = self._last_token.pop(request.request_id, None)

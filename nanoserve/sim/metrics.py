@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from nanoserve.sim.simulation import RequestRecord, SimResult
-from nanoserve.slo import PRIORITIES
+from nanoserve.slo import PRIORITIES, RequestClass
 
 MAX_KV_POINTS = 500  # kv_usage samples kept per run in the JSON (one per engine step otherwise)
 
@@ -32,7 +32,7 @@ class Summary:
     policy: str
     gpu: str
     model: str
-    request_class: str  # "all" | "online" | "offline"
+    request_class: str  # "all", or a RequestClass ("online" | "offline")
     count: int
     # Latencies in seconds. TPOT statistics are None when no request had a TPOT (1-token outputs).
     ttft_p50: float
@@ -76,7 +76,7 @@ def _maybe_percentile(values: list[float | None], q: float) -> float | None:
 
 def _summary(result: SimResult, request_class: str, records: list[RequestRecord]) -> Summary:
     config = result.config
-    slos = {"online": config.online_slo, "offline": config.offline_slo}
+    slos = {RequestClass.ONLINE: config.online_slo, RequestClass.OFFLINE: config.offline_slo}
     # A request the horizon cut off counts with the time it had waited (`SimResult.waited`).
     ttfts = [result.waited(r) if r.ttft is None and r.e2e is None else r.ttft for r in records]
     tpots = [r.tpot for r in records]
@@ -105,10 +105,11 @@ def _summary(result: SimResult, request_class: str, records: list[RequestRecord]
 
 
 def summarize(result: SimResult) -> dict[str, Summary]:
-    """Statistics over all requests and per class ("online", "offline"); empty classes are left out."""
-    groups = {"all": list(result.records)}
+    """Statistics over all requests ("all") and per class (keyed by RequestClass, so "online" and
+    "offline" find them too); empty classes are left out."""
+    groups: dict[str, list[RequestRecord]] = {"all": list(result.records)}
     for priority in PRIORITIES:
-        groups[priority] = [r for r in result.records if r.priority == priority]
+        groups[priority] = [r for r in result.records if r.priority is priority]
     return {name: _summary(result, name, records) for name, records in groups.items() if records}
 
 

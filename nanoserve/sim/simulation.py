@@ -60,7 +60,7 @@ from nanoserve.sim.hardware import gpu
 from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline, fitted_cost_model
 from nanoserve.sim.workloads import ClosedLoopBatches, TraceRequest
-from nanoserve.slo import DEFAULT_SLOS, SLO
+from nanoserve.slo import DEFAULT_SLOS, SLO, RequestClass
 
 ACTIVATION_RESERVE = 2e9  # bytes kept free for activations, as the real builder keeps 1 GiB
 # Copies-only steps in a row at one instant with nothing left on the link, before the simulation
@@ -84,8 +84,8 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # default: the model's
-    online_slo: SLO = DEFAULT_SLOS["online"]
-    offline_slo: SLO = DEFAULT_SLOS["offline"]
+    online_slo: SLO = DEFAULT_SLOS[RequestClass.ONLINE]
+    offline_slo: SLO = DEFAULT_SLOS[RequestClass.OFFLINE]
     fitted_policy_model: bool = True  # policies budget with a profile of the simulated GPU
     preempt_every_layers: int = 8  # ConServe §4.3's safe-point spacing (EngineArgs' default)
     layerwise_copies: bool = False  # EngineArgs.layerwise_kv_copies: copies stream layer by layer
@@ -106,7 +106,7 @@ class SimConfig:
 @dataclass(frozen=True)
 class RequestRecord:
     request_id: str
-    priority: str
+    priority: RequestClass
     arrival: float
     prompt_len: int
     output_len: int
@@ -115,6 +115,9 @@ class RequestRecord:
     e2e: float | None
     preemptions: int
     finish_reason: str | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "priority", RequestClass(self.priority))  # "online"/"offline" too
 
 
 @dataclass

@@ -22,7 +22,9 @@ from functools import lru_cache
 from itertools import count, takewhile
 from typing import Callable, Iterator
 
-from nanoserve.slo import PRIORITIES
+from nanoserve.slo import PRIORITIES, RequestClass
+
+_NAMES = tuple(c.value for c in PRIORITIES)  # ('online', 'offline'): how messages show the classes
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,13 @@ class TraceRequest:
     arrival: float  # seconds from the trace start
     prompt_len: int
     output_len: int
-    priority: str = "online"  # "online" | "offline"
+    priority: RequestClass = RequestClass.ONLINE  # "online"/"offline" are coerced to the member
 
     def __post_init__(self) -> None:
+        # Checked before the coercion, so that the message shows the value as given.
         if self.prompt_len < 1 or self.output_len < 1 or self.priority not in PRIORITIES:
-            raise ValueError(f"need positive lengths and a priority in {PRIORITIES}: {self}")
+            raise ValueError(f"need positive lengths and a priority in {_NAMES}: {self}")
+        object.__setattr__(self, "priority", RequestClass(self.priority))
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,7 @@ LENGTHS: dict[str, LengthDist] = {
 
 # ----------------------------------------------------------------------------- traces
 def make_trace(arrivals: list[float], lengths: LengthDist, *, seed: int = 0,
-               priority: str = "online") -> list[TraceRequest]:
+               priority: RequestClass | str = RequestClass.ONLINE) -> list[TraceRequest]:
     pairs = lengths.sample(len(arrivals), seed)
     return [TraceRequest(t, p, o, priority) for t, (p, o) in zip(arrivals, pairs)]
 
@@ -322,11 +326,11 @@ def replay_csv(path: str | os.PathLike[str]) -> list[TraceRequest]:
                 t, p, o = float(row["timestamp"]), int(row["prompt_len"]), int(row["output_len"])
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{line}: bad value ({e})") from None
-            prio = (row.get("priority") or "online").strip()
+            prio = (row.get("priority") or RequestClass.ONLINE).strip()
             if p < 1 or o < 1 or not math.isfinite(t) or prio not in PRIORITIES:
                 raise ValueError(f"{path}:{line}: need positive lengths, a finite timestamp and a "
-                                 f"priority in {PRIORITIES}; got {t}, {p}, {o}, {prio!r}")
-            rows.append((t, p, o, prio))
+                                 f"priority in {_NAMES}; got {t}, {p}, {o}, {prio!r}")
+            rows.append((t, p, o, RequestClass(prio)))
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0] if rows else 0.0
     return [TraceRequest(t - t0, p, o, prio) for t, p, o, prio in rows]

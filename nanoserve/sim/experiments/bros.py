@@ -53,7 +53,7 @@ from nanoserve.sim.experiments.baselines import FASTGEN, ROUND_ROBIN, VLLM_2023,
 from nanoserve.sim.simulation import SimConfig, SimResult, simulate
 from nanoserve.sim.workloads import (LENGTHS, ClosedLoopBatches, LengthDist, TraceRequest, make_trace,
                                      poisson_arrivals)
-from nanoserve.slo import SLO
+from nanoserve.slo import SLO, RequestClass
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ def be_batches(setup: Setup, seed: int) -> ClosedLoopBatches:
     policy can finish: a batch takes at least a step per output token (32-128 of them)."""
     count = math.ceil(setup.duration / 0.5)
     pairs = BE_LENGTHS.sample(count * setup.be_batch, seed)
-    batches = tuple(tuple(TraceRequest(0.0, *pairs[b * setup.be_batch + i], "offline") for i in range(setup.be_batch))
+    batches = tuple(tuple(TraceRequest(0.0, *pairs[b * setup.be_batch + i], RequestClass.OFFLINE)
+                          for i in range(setup.be_batch))
                     for b in range(count))
     return ClosedLoopBatches(batches, start=0.0, until=setup.duration)
 
@@ -121,7 +122,7 @@ def be_busy_seconds(result: SimResult) -> float:
     """Length of the union of BE requests' [arrival, finish] intervals (unfinished: to the end)."""
     end = result.end
     spans = sorted((r.arrival, r.arrival + r.e2e if r.e2e is not None else end)
-                   for r in result.records if r.priority == "offline" and r.arrival <= end)
+                   for r in result.records if r.priority is RequestClass.OFFLINE and r.arrival <= end)
     total, end = 0.0, -math.inf
     for start, finish in spans:
         if finish > end:
@@ -133,8 +134,8 @@ def be_busy_seconds(result: SimResult) -> float:
 def rt_stats(result: SimResult, slo: SLO) -> dict[str, float]:
     """Per-class numbers of one run. A request the horizon cut off misses both SLOs and counts
     in the normalized latency with the time it had waited so far (a lower bound)."""
-    rt = [r for r in result.records if r.priority == "online"]
-    be = [r for r in result.records if r.priority == "offline"]
+    rt = [r for r in result.records if r.priority is RequestClass.ONLINE]
+    be = [r for r in result.records if r.priority is RequestClass.OFFLINE]
     busy = be_busy_seconds(result)
     return {
         # §7.1: "the mean of each RT request's end-to-end latency divided by the number of its output tokens"

@@ -55,7 +55,7 @@ from nanoserve.sim.roofline import Roofline
 from nanoserve.sim.simulation import SimConfig, SimResult, kv_blocks, simulate
 from nanoserve.sim.workloads import (LENGTHS, LengthDist, TraceRequest, clipped_lognormal_mean, gamma_arrivals,
                                      make_trace, merge_traces, solve_mu)
-from nanoserve.slo import SLO
+from nanoserve.slo import PRIORITIES, SLO, RequestClass
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def offline_pool_size(setup: Setup) -> int:
 
 def offline_pool(setup: Setup, seed: int) -> list[TraceRequest]:
     pairs = OFFLINE_LENGTHS.sample(offline_pool_size(setup), seed)
-    return [TraceRequest(0.0, min(p, setup.offline_max_prompt), min(o, setup.offline_max_output), "offline")
+    return [TraceRequest(0.0, min(p, setup.offline_max_prompt), min(o, setup.offline_max_output), RequestClass.OFFLINE)
             for p, o in pairs]
 
 
@@ -142,15 +142,15 @@ def online_trace(setup: Setup, part: Part, cv: float, seed: int) -> list[TraceRe
 def window_stats(result: SimResult, window: float) -> dict[str, float]:
     """What a run did within the online window, its online latencies (seconds, tokens/s), and
     how its KV mechanisms ran (over the whole run)."""
-    online = summarize(result)["online"]
+    online = summarize(result)[RequestClass.ONLINE]
     output, online_output = result.tokens_by(window), result.tokens_by(window, online_only=True)
-    prefilled = {cls: sum(r.prompt_len for r in result.records if r.priority == cls and r.ttft is not None
-                          and r.arrival + r.ttft <= window) for cls in ("online", "offline")}
+    prefilled = {cls: sum(r.prompt_len for r in result.records if r.priority is cls and r.ttft is not None
+                          and r.arrival + r.ttft <= window) for cls in PRIORITIES}
     gaps, events = result.online_token_gaps, result.events
     return {
         "processed_tok_s": (output + sum(prefilled.values())) / window,
         "output_tok_s": output / window,
-        "offline_processed_tok_s": (output - online_output + prefilled["offline"]) / window,
+        "offline_processed_tok_s": (output - online_output + prefilled[RequestClass.OFFLINE]) / window,
         "offline_output_tok_s": (output - online_output) / window,
         "online_output_tok_s": online_output / window,
         "online_ttft_p99": online.ttft_p99,
@@ -167,7 +167,7 @@ def window_stats(result: SimResult, window: float) -> dict[str, float]:
         "blocks_loaded_on_resume": events.get("blocks_loaded_on_resume", 0),
         "link_busy_seconds": result.link_busy_seconds,
         "forward_stall_seconds": result.forward_stall_seconds,
-        "offline_left_at_window": sum(1 for r in result.records if r.priority == "offline"
+        "offline_left_at_window": sum(1 for r in result.records if r.priority is RequestClass.OFFLINE
                                       and r.arrival + r.e2e > window),
     }
 

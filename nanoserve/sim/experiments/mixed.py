@@ -38,6 +38,7 @@ from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale,
 from nanoserve.sim.metrics import kv_usage_summary, summarize
 from nanoserve.sim.simulation import SimConfig, SimResult, simulate
 from nanoserve.sim.workloads import LENGTHS, LengthDist, TraceRequest, bursty_arrivals, make_trace, merge_traces
+from nanoserve.slo import RequestClass
 
 SETUP = conserve.SETUPS["paper"]  # its GPU, model and host memory; its own SLO and workload aside
 BASE = SimConfig(model=SETUP.model, gpu=SETUP.gpu, host_kv_tokens=SETUP.host_kv_tokens())
@@ -65,7 +66,7 @@ def workload(scale: str, seed: int) -> tuple[list[TraceRequest], float, int]:
     online = make_trace(bursty_arrivals(rate, duration=DURATION[scale], seed=seed), ONLINE, seed=seed)
     batches = int(DURATION[scale] // BATCH_EVERY)
     offline_arrivals = [k * BATCH_EVERY for k in range(batches) for _ in range(batch)]
-    offline = make_trace(offline_arrivals, OFFLINE, seed=seed + 1, priority="offline")
+    offline = make_trace(offline_arrivals, OFFLINE, seed=seed + 1, priority=RequestClass.OFFLINE)
     return merge_traces(online, offline), rate, batch
 
 
@@ -84,7 +85,7 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
     rows = []
     for policy, result in runs.items():
         s = summarize(result)
-        online, offline = s["online"], s.get("offline")
+        online, offline = s[RequestClass.ONLINE], s.get(RequestClass.OFFLINE)
         rows.append({"system": policy, "online_ttft_p99": online.ttft_p99, "online_tpot_p99": online.tpot_p99,
                      "online_slo": online.slo_attainment,
                      "offline_tok_s": offline.throughput_tok_s if offline else 0.0,
