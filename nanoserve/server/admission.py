@@ -47,7 +47,7 @@ class Admission:
             self.rejected += count
             raise APIError("The server is shutting down; retry against another replica or later.", 503,
                            code="server_unavailable", headers={"Retry-After": str(self.retry_after())})
-        if priority is not RequestClass.ONLINE or self.max_queued is None:
+        if priority != RequestClass.ONLINE or self.max_queued is None:  # == : safe for a raw string too
             return
         online = self.queued[RequestClass.ONLINE]
         if online + count > self.max_queued:
