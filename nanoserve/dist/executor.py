@@ -43,10 +43,7 @@ class ChunkMessage:
     block_table: tuple[int, ...]
     right_to_left: bool
     samples: bool
-    priority: RequestClass
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "priority", RequestClass(self.priority))
+    priority: RequestClass  # from Request.priority, already a member (and pickled as one)
 
 
 def _chunk_message(c: ScheduledChunk) -> ChunkMessage:

@@ -50,7 +50,7 @@ from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
 from nanoserve.sim.experiments import baselines
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import percentile, summarize
-from nanoserve.sim.models import model
+from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline
 from nanoserve.sim.simulation import SimConfig, SimResult, kv_blocks, simulate
 from nanoserve.sim.workloads import (LENGTHS, LengthDist, TraceRequest, clipped_lognormal_mean, gamma_arrivals,
@@ -88,8 +88,7 @@ class Setup:
 
     def host_kv_tokens(self) -> int:
         """How many tokens' KV (all layers) `host_kv_bytes` holds for this model."""
-        roofline = Roofline(gpu(self.gpu), model(self.model))
-        return int(self.host_kv_bytes / (roofline.cost.kv_bytes_per_token_per_layer * roofline.num_layers))
+        return int(self.host_kv_bytes / ModelCost(model(self.model)).kv_bytes_per_token)
 
 
 # ci: the same setup on ~180 online and ~140 offline requests, one CV per part.
