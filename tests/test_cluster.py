@@ -1,5 +1,6 @@
 """KunServe's cluster (nanoserve/dist/cluster.py, instance.py): the dispatcher balances KV
-demand, the monitor reports throttling as blocks short, and a cluster of real instance
+demand (held plus the whole queue's, Llumnix's virtual usage), the monitor reports throttling
+(held plus the head of the queue, kunserve.txt §2.2) as blocks short, and a cluster of real instance
 processes serves greedy outputs identical to a single engine, throttled or not."""
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ from test_invariance import assert_close_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 
-loads_strategy = st.lists(st.tuples(st.integers(1, 64), st.integers(0, 64), st.integers(0, 16)),
+def queue_load(instance: int, total: int, used: int, queue: list[int], running: int = 0) -> InstanceLoad:
+    """An instance's load with `queue` the blocks each of its queued requests needs, head first."""
+    return InstanceLoad(instance, total, used, queue[0] if queue else 0, sum(queue), len(queue), running)
+
+
+loads_strategy = st.lists(st.tuples(st.integers(1, 64), st.integers(0, 64), st.lists(st.integers(1, 16), max_size=4)),
                           min_size=1, max_size=6).map(
-    lambda rows: [InstanceLoad(i, total, min(used, total), head, int(head > 0), 0)
-                  for i, (total, used, head) in enumerate(rows)])
+    lambda rows: [queue_load(i, total, min(used, total), queue) for i, (total, used, queue) in enumerate(rows)])
 
 
 @settings(max_examples=300, deadline=None)
@@ -27,16 +32,26 @@ def test_dispatcher_sends_each_request_where_kv_demand_stays_lowest(loads, reque
     dispatcher, booked = Dispatcher(), {load.instance: 0 for load in loads}
     for blocks in requests:
         chosen = dispatcher.pick(loads, blocks)
-        # An independent recount: the fill each instance would reach with this request on top.
-        fills = {load.instance: (load.used_blocks + load.head_blocks + booked[load.instance] + blocks)
+        # An independent recount: the fill each instance would reach with this request on top,
+        # every queued request counted (Llumnix's virtual usage).
+        fills = {load.instance: (load.used_blocks + load.queued_blocks + booked[load.instance] + blocks)
                  / load.total_blocks for load in loads}
         assert fills[chosen] == min(fills.values())
         assert chosen == min(i for i, f in fills.items() if f == fills[chosen])  # ties: lowest id
         booked[chosen] += blocks
 
 
+def test_an_instance_whose_queue_waits_for_compute_does_not_look_free():
+    # Instance 0 holds little and its head is small, but eight requests wait behind it (for
+    # compute, or max_num_seqs); instance 1 holds more and has no queue. Counting the head only,
+    # 0 looks emptier (12 of 64 against 20) and gets every new request while its queue grows.
+    loads = [queue_load(0, 64, 10, [2] * 9), queue_load(1, 64, 20, [])]
+    assert Dispatcher().pick(loads, 2) == 1
+    assert ThrottleMonitor().short_blocks(loads) == {}  # the monitor still reads the head only
+
+
 def test_a_burst_is_spread_until_the_next_report():
-    loads = [InstanceLoad(i, 64, 0, 0, 0, 0) for i in range(3)]
+    loads = [queue_load(i, 64, 0, []) for i in range(3)]
     dispatcher = Dispatcher()
     assert [dispatcher.pick(loads, 4) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
     dispatcher.reported(0)  # instance 0's next load report includes what it was given
@@ -45,8 +60,8 @@ def test_a_burst_is_spread_until_the_next_report():
 
 def test_throttling_is_demand_over_capacity():
     monitor = ThrottleMonitor()
-    loads = [InstanceLoad(0, 64, 60, 10, 1, 5), InstanceLoad(1, 64, 60, 4, 1, 5), InstanceLoad(2, 64, 64, 0, 0, 9)]
-    assert monitor.short_blocks(loads) == {0: 6}  # 60 held + 10 for the head > 64
+    loads = [queue_load(0, 64, 60, [10, 30], 5), queue_load(1, 64, 60, [4, 30], 5), queue_load(2, 64, 64, [], 9)]
+    assert monitor.short_blocks(loads) == {0: 6}  # 60 held + 10 for the head > 64; the rest of a queue waits
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import math
 
 import pytest
 
+from nanoserve import SamplingParams
+from nanoserve.dist.cluster import ThrottleMonitor
 from nanoserve.sim.cluster import ClusterConfig, SimCluster, simulate_cluster
 from nanoserve.sim.cluster_layout import StagePipeline
 from nanoserve.sim.experiments import run_experiment
@@ -15,7 +17,7 @@ from nanoserve.sim.metrics import summarize
 from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline
 from nanoserve.sim.simulation import ACTIVATION_RESERVE, SimConfig, simulate
-from nanoserve.sim.workloads import LENGTHS, make_trace, poisson_arrivals
+from nanoserve.sim.workloads import LENGTHS, TraceRequest, make_trace, poisson_arrivals
 
 GPU, MODEL = "A100-80G", "Qwen2.5-14B"
 COST = ModelCost(model(MODEL))
@@ -44,6 +46,24 @@ def test_one_instance_serves_exactly_as_simulate_does():
     cluster = simulate_cluster(cluster_config("fcfs", 1), requests)
     for a, b in zip(alone.records, cluster.records):
         assert b.ttft == pytest.approx(a.ttft, abs=1e-9) and b.e2e == pytest.approx(a.e2e, abs=1e-9)
+
+
+def test_the_dispatcher_counts_every_queued_request_as_of_each_instance_s_report():
+    # Eight 160-token requests queue on instance 0 (10 blocks each), one 480-token request on
+    # instance 1 (30 blocks); nothing has started. Counting the head only, 0 looks emptier
+    # (10 blocks against 30); counting the queue (Llumnix's virtual usage), 1 does (80 against 30).
+    requests = [TraceRequest(0.0, 160, 8)] * 8 + [TraceRequest(0.0, 480, 8), TraceRequest(0.0, 64, 8)]
+    cluster = SimCluster(cluster_config("fcfs", 2), requests)
+    for request_id, instance in zip(cluster.ids[:9], [0] * 8 + [1]):
+        spec = cluster.trace[request_id]
+        cluster.members[instance].engine.add_request([1] * spec.prompt_len, SamplingParams(max_tokens=8), request_id)
+    assert cluster.dispatch(cluster.ids[9], 0.0) == 0  # the loads reported at the start: both empty
+    cluster._report_all()
+    assert [(load.head_blocks, load.queued_blocks, load.num_waiting) for load in cluster.reported.values()] == [
+        (10, 80 + 4, 9), (30, 30, 1)]
+    assert ThrottleMonitor().short_blocks(list(cluster.reported.values())) == {}
+    cluster.trace["extra"] = TraceRequest(0.0, 64, 8)
+    assert cluster.dispatch("extra", 0.0) == 1
 
 
 def test_drop_grows_a_pair_by_the_dropped_layers_and_restore_gives_it_back():

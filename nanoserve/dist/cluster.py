@@ -5,9 +5,12 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
                      │    └─► instance 1 ...
                      └── ThrottleMonitor reads every instance's InstanceLoad after each step
 
-- `Dispatcher` (§3's global scheduler, balancing as Llumnix does): a new request goes to the
-  instance whose KV would be least full counting what it holds, what its queue's head needs, and
-  the new request itself; ties go to the lowest id.
+- `Dispatcher` (§3's global scheduler, "incorporates the load-balancing design from Llumnix"): a
+  new request goes to the instance whose KV would be least full counting what it holds, what
+  every request in its queue needs (Llumnix's virtual usage: its dispatch load is used blocks
+  plus `num_blocks_all_waiting_requests`, over the total), and the new request itself; ties go
+  to the lowest id. Counting only the queue's head would let an instance whose queue waits for
+  compute, not KV, look free while its queue grows.
 - `ThrottleMonitor` (§3, "memory throttling"): an instance is throttled when the KV its running
   requests hold plus what its head-of-line request needs exceeds its capacity: the head cannot
   run without a preemption. The monitor reports how many blocks each throttled instance is
@@ -47,6 +50,7 @@ class InstanceLoad:
     total_blocks: int
     used_blocks: int
     head_blocks: int  # what the request at the head of its queue needs to start (0: no queue)
+    queued_blocks: int  # what every queued request needs to start, the head's included
     num_waiting: int
     num_running: int
     replica_blocks: int = 0  # capacity with every layer held (before any drop)
@@ -54,11 +58,19 @@ class InstanceLoad:
 
     @property
     def demand_blocks(self) -> int:
+        """The monitor's demand (kunserve.txt §2.2): "a standard approach [41] that counts the
+        memory demands by considering both the in-processing requests and head-of-line queuing
+        requests". Over capacity means the head cannot start without a preemption."""
         return self.used_blocks + self.head_blocks
 
+    @property
+    def virtual_blocks(self) -> int:
+        """The dispatcher's demand (Llumnix's virtual usage): held plus the whole queue's."""
+        return self.used_blocks + self.queued_blocks
+
     def usage_with(self, blocks: int) -> float:
-        """The KV fill if `blocks` more were asked of it (queued demand included)."""
-        return (self.demand_blocks + blocks) / self.total_blocks
+        """The KV fill if `blocks` more were asked of it, every queued request included."""
+        return (self.virtual_blocks + blocks) / self.total_blocks
 
 
 class PeerLost(RuntimeError):
@@ -210,6 +222,7 @@ class Cluster:
     def _refresh_loads(self) -> None:
         for instance, reply in self.call_all({i: ("load",) for i in self.loads}).items():
             self.loads[instance] = _raise(reply)
+            self.dispatcher.reported(instance)  # the fresh load holds what was booked for it
 
     def _recover(self, gone: set[int], lost: set[int]) -> None:
         """§4.4: the dead leave, their groups' survivors reload from the host copy, and the dead

@@ -37,13 +37,14 @@ from nanoserve.engine import Engine
 
 
 def load_of(member: ClusterMember) -> InstanceLoad:
-    """What the dispatcher and the monitor read: blocks held, and the blocks the request at the
-    head of the queue needs (Llumnix's and KunServe's "head-of-line" demand)."""
+    """What the dispatcher and the monitor read: blocks held, the blocks the request at the head
+    of the queue needs (the monitor's "head-of-line" demand, kunserve.txt §2.2), and the blocks
+    every queued request needs (the dispatcher's, Llumnix's virtual usage)."""
     engine: Engine = member.engine
     kv, waiting = engine.kv, engine.scheduler.waiting
-    head = -(-waiting[0].num_tokens // kv.block_size) if waiting else 0
-    return InstanceLoad(member.id, kv.num_blocks, kv.num_used_blocks, head, len(waiting),
-                        engine.scheduler.num_running + len(member.stalled), member.replica_blocks,
+    needs = [-(-request.num_tokens // kv.block_size) for request in waiting]
+    return InstanceLoad(member.id, kv.num_blocks, kv.num_used_blocks, needs[0] if needs else 0, sum(needs),
+                        len(waiting), engine.scheduler.num_running + len(member.stalled), member.replica_blocks,
                         member.exchanging)
 
 

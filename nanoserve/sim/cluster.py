@@ -3,7 +3,8 @@ engine (the policy's scheduler, a paged KV manager) on its own virtual clock, be
 Llumnix-style dispatcher, with the throttling monitor, drop and restore of dist/ reused as
 they are:
 
-    dist.cluster.Dispatcher        least-loaded routing by KV demand (§3, Llumnix)
+    dist.cluster.Dispatcher        least-loaded routing by KV demand, held plus the whole
+                                   queue's (§3, Llumnix's virtual usage)
     dist.cluster.ThrottleMonitor   an instance is throttled when its head-of-line request
                                    cannot get KV: its blocks short are Fig. 6's R
     dist.regroup.Regrouper         drop (plan_drop, Fig. 6; split_pool), restore (demand at most
@@ -15,7 +16,8 @@ Discrete events. Each instance has its own clock. The loop always serves the ear
 the next arrival if no instance with work is behind it (the dispatcher routes it, an idle
 instance's clock jumps to it), else a step of the instance furthest behind. After every step
 the monitor reads every instance's load, as dist.cluster.Cluster does after a lockstep step;
-one layout change at a time.
+one layout change at a time. The dispatcher reads what the real one can: each instance's load
+as of its latest step (or layout change), plus what it booked against it since.
 
 Three configurations make the paper's comparison (§5.1 baselines):
 - vLLM: replicas, fcfs with recompute preemption (`drop=False`);
@@ -97,15 +99,16 @@ class SimCluster:
         self.placement: dict[str, int] = {}  # request id -> the instance serving it
         self.first_throttle = math.inf
         self.usage: list[tuple[float, float]] = []  # (time, blocks used / blocks), after each step
-        # (time, KV demand / blocks): blocks held plus every queued request's prompt blocks.
+        # (time, KV demand / blocks): blocks held plus every queued request's blocks.
         self.demand: list[tuple[float, float]] = []
-        self._queued_blocks = {i: 0 for i in self.members}  # each instance's, after its last step
         if config.static_pipeline_stages > 1:
             # Fig. 6 from replicas merges the two smallest groups first, so asking it to free
             # N - N/k copies of the layers pairs the instances up into N/k groups of k (k = 2^j).
             copies = config.num_instances - config.num_instances // config.static_pipeline_stages
             self._apply(self.regrouper.drop({0: -(-copies * cost.layer_bytes * roofline.model.num_layers
                                                   // self.block_bytes)}, self._loads(), self._call), start)
+        # What the dispatcher knows of each instance: its load at its latest report.
+        self.reported: dict[int, InstanceLoad] = self._loads()
 
     # -- the phases, as dist.cluster.Cluster.call_all sends them ----------------------------
     def _call(self, messages: Mapping[int, tuple]) -> dict[int, object]:
@@ -137,7 +140,7 @@ class SimCluster:
     def dispatch(self, request_id: str, now: float) -> int:
         spec = self.trace[request_id]
         blocks = -(-spec.prompt_len // self.config.instance.block_size)
-        member = self.members[self.dispatcher.pick(list(self._loads().values()), blocks)]
+        member = self.members[self.dispatcher.pick(list(self.reported.values()), blocks)]
         engine = member.engine
         if not engine.has_unfinished_requests():
             member.clock.advance_to(now)  # it idled (or only waited for K/V) until this request came
@@ -149,15 +152,24 @@ class SimCluster:
         self.placement[request_id] = member.id
         return member.id
 
+    def _report_all(self) -> None:
+        """Every instance reports its load now (dist.cluster.Cluster._refresh_loads)."""
+        for i, member in self.members.items():
+            self.reported[i] = load_of(member)
+            self.dispatcher.reported(i)
+
     def _redispatch(self, throttled: set[int], now: float) -> None:
+        fresh = []
         for i in sorted(throttled):
             engine = self.members[i].engine
-            fresh = [r.request_id for r in engine.scheduler.waiting
-                     if r.num_computed_tokens == 0 and r.num_output_tokens == 0]
-            for request_id in fresh:
-                engine.abort_request(request_id)  # it held no KV and produced nothing
-                self.dispatch(request_id, now)
-                self.events["requeued"] += 1
+            never_started = [r for r in engine.scheduler.waiting if r.num_computed_tokens == r.num_output_tokens == 0]
+            for request in never_started:
+                engine.abort_request(request.request_id)  # it held no KV and produced nothing
+                fresh.append(request.request_id)
+        self._report_all()  # the throttled instances' queues without them, the drop's pools
+        for request_id in fresh:
+            self.dispatch(request_id, now)
+            self.events["requeued"] += 1
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, max_steps: int = 10_000_000) -> None:
@@ -198,9 +210,8 @@ class SimCluster:
             if not later:
                 raise RuntimeError(f"instance {member.id} can schedule nothing and nothing will change")
             member.clock.advance_to(min(later))
+        self.reported[member.id] = load_of(member)
         self.dispatcher.reported(member.id)
-        block = self.config.instance.block_size
-        self._queued_blocks[member.id] = sum(-(-r.num_tokens // block) for r in engine.scheduler.waiting)
         self._monitor(member.clock.now)
 
     def _monitor(self, now: float) -> None:
@@ -209,8 +220,8 @@ class SimCluster:
         total, used = (sum(getattr(load, f) for load in loads.values()) for f in ("total_blocks", "used_blocks"))
         self.usage.append((now, used / total))
         # §2.2 counts the head-of-line request; a queue that waits for compute (or max_num_seqs),
-        # not for KV, would hide behind its head, so every queued prompt counts here.
-        self.demand.append((now, (used + sum(self._queued_blocks.values())) / total))
+        # not for KV, would hide behind its head, so every queued request counts here.
+        self.demand.append((now, sum(load.virtual_blocks for load in loads.values()) / total))
         short = self.monitor.short_blocks(list(loads.values()))
         if short:
             self.events["throttled_steps"] += 1
@@ -221,6 +232,7 @@ class SimCluster:
             involved = self._apply(self.regrouper.drop(short, loads, self._call), now)
             if involved:
                 self.events["drops"] += 1
+                self._report_all()
                 if self.config.redispatch_queued:
                     self._redispatch(set(short) - involved, now)
             return
@@ -228,6 +240,7 @@ class SimCluster:
         if groups:
             self._apply(self.regrouper.restore(groups, loads, self._call), now)
             self.events["restores"] += 1
+            self._report_all()
 
     # -- the result -------------------------------------------------------------------------
     def result(self) -> SimResult:

@@ -197,12 +197,12 @@ def _notes(setup: Scale, rate: float, num_probes: int, trace: list[TraceRequest]
         "KV, not compute: a pair's micro-batches each re-read a stage's weights and members' batches of unequal "
         "cost idle a stage, yet the dispatcher, which balances KV demand, sends each member more (its pool is "
         f"{growth:.2f}x a replica's), and the pair restores only once its demand is under 50%.",
-        "The slowest 1% sit mostly on one instance (" + ", ".join(
+        "The largest share of the slowest 1% on one instance: " + ", ".join(
             f"{k} {r.extra['tail_on_one_instance']:.0%}" for k, r in runs.items())
-        + f"; KunServe's was {'a dropped' if kun_run.extra['tail_instance'] in dropped else 'a never-dropped'} "
-        "instance): the dispatcher's load (KV held plus the head-of-line request, §2.2) does not see requests "
-        "queued behind the head for compute or max_num_seqs room, so one instance's queue can grow while it "
-        "looks free. The P99 ratio against vLLM swings with which instance that is.",
+        + f" (KunServe's was {'a dropped' if kun_run.extra['tail_instance'] in dropped else 'a never-dropped'} "
+        "instance). The dispatcher balances Llumnix's virtual usage (KV held plus every queued request's), so "
+        "a queue waiting for compute or max_num_seqs room counts against its instance; the monitor still "
+        "throttles on the head of the queue only (§2.2).",
         f"vLLM-PP: TPOT p50 {_ratio(pp.tpot_p50, vllm.tpot_p50):.1f}x vLLM's and P99 TTFT "
         f"{_ratio(pp.ttft_p99, vllm.ttft_p99):.1f}x: each member's batch is one micro-batch (vLLM's virtual "
         "engines), 2048-token chunked-prefill steps alternate with decode-only ones, and a stage idles while "
