@@ -18,7 +18,9 @@ The workload is fixed before any policy runs, and all three serve the same trace
 
 Besides the three runs, the vLLM cluster runs once more with ten times the KV (nothing ever
 throttles): the most any memory mechanism could take off vLLM's TTFT on this trace. The
-notes explain the gaps to the paper with the runs' own numbers.
+notes explain the gaps to the paper with the runs' own numbers, and with `kunserve_regime`'s
+arithmetic: what §2.2's numbers, and each of §5.1's datasets at the paper's KV demand, ask of
+our GPU's compute.
 
 `scale="ci"`: two instances, the trace up to 10 s after its second burst (about a thousand
 requests), the rate chosen by the same rule on that trace.
@@ -30,6 +32,7 @@ from functools import lru_cache
 
 from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
+from nanoserve.sim.experiments import kunserve_regime as regime
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import Summary, summarize
 from nanoserve.sim.models import model
@@ -40,6 +43,9 @@ from nanoserve.sim.workloads import (LENGTHS, BurstWindow, TraceRequest, burst_w
 
 GPU, MODEL = "A100-80G", "Qwen2.5-14B"
 LENGTH = LENGTHS["burstgpt"]
+# §5.1's three datasets, served over BurstGPT's arrivals.
+DATASETS = {"BurstGPT": LENGTHS["burstgpt"], "ShareGPT": LENGTHS["sharegpt-kunserve"],
+            "LongBench": LENGTHS["longbench"]}
 DEMAND_TARGET = 0.6  # §5.1: average memory demand lower than 60% of the total memory
 BISECTION_STEPS = 7
 PAPER_CLAIM = "12.7-72.2x lower"
@@ -103,6 +109,12 @@ def rate_for_demand(scale: Scale, seed: int,
     return lo, tuple(probes)
 
 
+def kv_tokens_per_gpu() -> int:
+    """One replica's KV, in tokens, as the simulator sizes it (what the weights leave)."""
+    config = SimConfig(policy="fcfs", gpu=GPU, model=MODEL)
+    return kv_blocks(config, Roofline(gpu(GPU), model(MODEL))) * config.block_size
+
+
 def _ratio(base: float | None, ours: float | None) -> float:
     return float("nan") if base is None or not ours else base / ours
 
@@ -155,7 +167,8 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
         workload=f"{LENGTH.label}, bursty Poisson (x2-3 bursts), {len(trace)} requests over "
                  f"{trace[-1].arrival:.0f} s",
         runs=runs, comparisons=comparisons,
-        notes=_notes(setup, rate, len(probes), trace, windows, runs, stats, free),
+        notes=_notes(setup, rate, len(probes), trace, windows, runs, stats, free)
+        + regime.lines(Roofline(gpu(GPU), model(MODEL)), f"{MODEL} on {GPU}", kv_tokens_per_gpu(), DATASETS, LENGTH),
         extra={"rate_per_instance": rate, "rate_probes": probes,
                "bursts": [(w.start, w.end, w.factor) for w in windows],
                "layout_changes": runs["KunServe"].extra["layout_changes"],
