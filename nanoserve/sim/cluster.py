@@ -43,9 +43,13 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sim.cluster_layout import PipelineExecutor, SimMember, StagePipeline
 from nanoserve.sim.executor import FILLER_TOKEN, VirtualClock
+from nanoserve.sim.metrics import downsample
 from nanoserve.sim.models import ModelCost
 from nanoserve.sim.simulation import RequestRecord, SimConfig, SimResult, build
 from nanoserve.sim.workloads import TraceRequest
+
+
+DEMAND_POINTS = 5000  # kv_demand_series samples kept per run
 
 
 @dataclass(frozen=True)
@@ -270,6 +274,8 @@ class SimCluster:
             "weight_pull_bytes": sum(m.pulled_bytes for m in members),
             # Over the arrivals' span: the drain after the last arrival is not the trace's load.
             "kv_demand_mean": time_average([(t, d) for t, d in self.demand if t <= last_arrival]),
+            # (time, KV demand / blocks) after each step, thinned for plots (Fig. 12's first column).
+            "kv_demand_series": downsample(sorted(self.demand), DEMAND_POINTS),
             # The longest K/V stall each layout change caused on each instance (§4.2's exchange).
             "kv_exchange_stall_seconds": sum(m.exchange_seconds for m in members),
         }

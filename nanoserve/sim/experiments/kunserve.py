@@ -1,11 +1,13 @@
-"""KunServe's headline (kunserve.txt §5.1-§5.2, Fig. 13): P99 TTFT under BurstGPT-like bursts,
+"""KunServe's headline (kunserve.txt §5.1-§5.2, Figs. 12-13): P99 TTFT under BurstGPT's bursts,
 KunServe (parameter drop + lookahead micro-batches) against vLLM (replicas, fcfs, recompute
 preemption) and vLLM (PP) (static two-stage pipelines), Qwen2.5-14B on 8 instances of one
 A100-80G each (the paper's cluster A: A800 80 GB, one GPU per server, 200 Gbps RDMA).
 The paper: "KunServe has 12.7-72.2x faster P99 TTFT than other baselines".
 
 The workload is fixed before any policy runs, and all three serve the same trace:
-- lengths: `LENGTHS["burstgpt"]`, synthetic, with BurstGPT's means (642 in, 262 out, §5.1);
+- lengths: §5.1's three datasets (`DATASETS`), synthetic, with their means: BurstGPT 642 in /
+  262 out, ShareGPT 1,660 / 373 (inputs up to 4K), LongBench 5.9K / 499; each is a run of
+  its own over the same arrivals' shape (the paper replays BurstGPT's arrivals with each);
 - arrivals: `bursty_arrivals`, Poisson with bursts of 2-3x the base rate (§2.2) at the
   workload module's default timing (15 s bursts, Exp(60 s) apart);
 - rate (§5.1): the paper scales the trace so that "the average memory demand is lower than 60%
@@ -22,24 +24,28 @@ notes explain the gaps to the paper with the runs' own numbers, and with `kunser
 arithmetic: what §2.2's numbers, and each of §5.1's datasets at the paper's KV demand, ask of
 our GPU's compute.
 
+Per dataset the result has the three runs, the ceiling run's share of vLLM's P99 that memory
+explains, and Fig. 12's time series (KV demand against capacity, mean TTFT per window) for
+`report.save_plots`.
+
 `scale="ci"`: two instances, the trace up to 10 s after its second burst (about a thousand
-requests), the rate chosen by the same rule on that trace.
+requests), the rate chosen by the same rule on that trace; BurstGPT only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 from functools import lru_cache
 
 from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
 from nanoserve.sim.experiments import kunserve_regime as regime
 from nanoserve.sim.hardware import gpu
-from nanoserve.sim.metrics import Summary, summarize
+from nanoserve.sim.metrics import downsample, summarize
 from nanoserve.sim.models import model
 from nanoserve.sim.roofline import Roofline
 from nanoserve.sim.simulation import SimConfig, SimResult, kv_blocks
-from nanoserve.sim.workloads import (LENGTHS, BurstWindow, TraceRequest, burst_windows, bursty_arrivals,
-                                     make_trace)
+from nanoserve.sim.workloads import LENGTHS, LengthDist, TraceRequest, burst_windows, bursty_arrivals, make_trace
 
 GPU, MODEL = "A100-80G", "Qwen2.5-14B"
 LENGTH = LENGTHS["burstgpt"]
@@ -59,6 +65,7 @@ class Scale:
 
 
 TAIL = 10.0
+CEILING_KV_FACTOR = 10  # the ceiling run's KV, in replicas' worth
 SCALES = {"paper": Scale(8, 240.0), "ci": Scale(2, 240.0, bursts=2)}
 
 
@@ -73,18 +80,18 @@ def configs(num_instances: int) -> dict[str, ClusterConfig]:
     }
 
 
-def workload(base_rate: float, scale: Scale, seed: int) -> list[TraceRequest]:
+def workload(base_rate: float, scale: Scale, seed: int, lengths: LengthDist = LENGTH) -> list[TraceRequest]:
     """The trace at `base_rate` requests/s outside bursts, as long as the scale serves it."""
     duration = scale.duration
     windows = burst_windows(scale.duration, seed=seed)
     if scale.bursts is not None and len(windows) >= scale.bursts:  # else the whole trace
         duration = min(duration, windows[scale.bursts - 1].end + TAIL)
-    return make_trace(bursty_arrivals(base_rate, duration=duration, seed=seed), LENGTH, seed=seed)
+    return make_trace(bursty_arrivals(base_rate, duration=duration, seed=seed), lengths, seed=seed)
 
 
-def kv_demand(rate_per_instance: float, scale: Scale, seed: int) -> float:
+def kv_demand(rate_per_instance: float, scale: Scale, seed: int, lengths: LengthDist = LENGTH) -> float:
     """Time-averaged KV demand of one vLLM instance serving its share of the trace."""
-    trace = workload(rate_per_instance, scale, seed)
+    trace = workload(rate_per_instance, scale, seed, lengths)
     if not trace:
         return 0.0
     one = ClusterConfig(SimConfig(policy="fcfs", gpu=GPU, model=MODEL), num_instances=1)
@@ -92,17 +99,17 @@ def kv_demand(rate_per_instance: float, scale: Scale, seed: int) -> float:
 
 
 @lru_cache(maxsize=None)
-def rate_for_demand(scale: Scale, seed: int,
-                    target: float = DEMAND_TARGET) -> tuple[float, tuple[tuple[float, float], ...]]:
+def rate_for_demand(scale: Scale, seed: int, target: float = DEMAND_TARGET,
+                    lengths: LengthDist = LENGTH) -> tuple[float, tuple[tuple[float, float], ...]]:
     """The base rate per instance whose average KV demand over the trace `scale` serves is
     `target` (bisection, keeping the highest rate probed at or under it), and the probes
     (rate, demand). The upper bracket is the rate at which prefills alone fill the GPU."""
     roofline = Roofline(gpu(GPU), model(MODEL))
-    lo, hi = 0.0, 1.0 / roofline.iteration_seconds([(0, round(LENGTH.mean_prompt))])
+    lo, hi = 0.0, 1.0 / regime.prefill_seconds(roofline, lengths)
     probes = []
     for _ in range(BISECTION_STEPS):
         mid = (lo + hi) / 2
-        probes.append((mid, kv_demand(mid, scale, seed)))
+        probes.append((mid, kv_demand(mid, scale, seed, lengths)))
         lo, hi = (mid, hi) if probes[-1][1] <= target else (lo, mid)
     if lo == 0.0:
         raise RuntimeError(f"no probed rate kept the KV demand under {target:.0%}: {probes}")
@@ -123,7 +130,7 @@ def unbounded_kv(config: ClusterConfig) -> ClusterConfig:
     """The same cluster with ten times the KV of a replica: nothing ever throttles, so its TTFT
     is what the same compute gives when memory never makes a request wait."""
     replica = kv_blocks(config.instance, Roofline(gpu(GPU), model(MODEL)))
-    return replace(config, instance=replace(config.instance, kv_blocks=10 * replica))
+    return replace(config, instance=replace(config.instance, kv_blocks=CEILING_KV_FACTOR * replica))
 
 
 def dropped_seconds(changes: list[dict], end: float) -> float:
@@ -132,54 +139,121 @@ def dropped_seconds(changes: list[dict], end: float) -> float:
     return sum(sum(len(g) for g in c["groups"]) * (t1 - c["time"]) for c, t1 in zip(changes, times[1:]))
 
 
-def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
-    check_scale(scale)
-    setup = SCALES[scale]
-    rate, probes = rate_for_demand(setup, seed)
-    trace = workload(rate * setup.num_instances, setup, seed)
+# §5.1: "vLLM (release v0.6.3) ... By default, vLLM uses recomputation": fcfs over paged KV here
+# (the FastGen-like baseline of sim/experiments/baselines.py); vLLM-PP the same over PP=2.
+PAPER_BASELINES = {"vLLM (fcfs)": "vLLM v0.6.3, recompute (Figs. 12-13; 12.7-72.2x is over vLLM, InferCept "
+                                  "and Llumnix together)",
+                   "vLLM-PP": "vLLM v0.6.3 with PP over two instances (Figs. 12-13)"}
+TTFT_WINDOW_S = 10.0  # Fig. 12's second column: mean TTFT "given a measured time window"
+TIMELINE_POINTS = 2000
+
+
+@dataclass(frozen=True)
+class DatasetRun:
+    """One dataset's part of the experiment."""
+    name: str
+    rate: float  # base rate per instance, by §5.1's rule
+    probes: tuple[tuple[float, float], ...]
+    trace: list[TraceRequest]
+    runs: dict[str, SimResult]
+    ceiling: SimResult  # vLLM with ten times the KV
+
+
+def run_dataset(name: str, setup: Scale, seed: int) -> DatasetRun:
+    lengths = DATASETS[name]
+    rate, probes = rate_for_demand(setup, seed, lengths=lengths)
+    trace = workload(rate * setup.num_instances, setup, seed, lengths)
     cluster = configs(setup.num_instances)
-    runs: dict[str, SimResult] = {label: simulate_cluster(config, trace) for label, config in cluster.items()}
-    bound = simulate_cluster(unbounded_kv(cluster["vLLM (fcfs)"]), trace)
-    stats = {label: summarize(result)["all"] for label, result in runs.items()}
-    kun = stats["KunServe"]
+    runs = {label: simulate_cluster(config, trace) for label, config in cluster.items()}
+    return DatasetRun(name, rate, probes, trace, runs, simulate_cluster(unbounded_kv(cluster["vLLM (fcfs)"]), trace))
+
+
+def memory_share(vllm_p99: float, ceiling_p99: float) -> float:
+    """The share of vLLM's P99 TTFT that memory explains: what the ceiling run takes off it."""
+    return 1.0 - ceiling_p99 / vllm_p99 if vllm_p99 > 0 else 0.0
+
+
+def _comparisons(part: DatasetRun) -> list[Comparison]:
+    stats = {label: summarize(result)["all"] for label, result in part.runs.items()}
+    kun, name = stats["KunServe"], part.name
     comparisons = []
-    # §5.1: "vLLM (release v0.6.3) ... By default, vLLM uses recomputation": fcfs over paged KV
-    # here (the FastGen-like baseline of sim/experiments/baselines.py); vLLM-PP the same over PP=2.
-    paper_baselines = {"vLLM (fcfs)": "vLLM v0.6.3, recompute (Figs. 12-13; 12.7-72.2x is over vLLM, InferCept "
-                                      "and Llumnix together)",
-                       "vLLM-PP": "vLLM v0.6.3 with PP over two instances (Figs. 12-13)"}
     for base in ("vLLM (fcfs)", "vLLM-PP"):
         b = stats[base]
         comparisons += [
-            Comparison(f"P99 TTFT: {base} / KunServe", _ratio(b.ttft_p99, kun.ttft_p99), PAPER_CLAIM, 12.7,
-                       paper_baselines[base]),
-            Comparison(f"P50 TTFT: {base} / KunServe", _ratio(b.ttft_p50, kun.ttft_p50),
-                       "about equal (a little lower on LongBench)", None, paper_baselines[base]),
+            Comparison(f"{name} P99 TTFT: {base} / KunServe", _ratio(b.ttft_p99, kun.ttft_p99), PAPER_CLAIM, 12.7,
+                       PAPER_BASELINES[base]),
+            Comparison(f"{name} P50 TTFT: {base} / KunServe", _ratio(b.ttft_p50, kun.ttft_p50),
+                       "about equal (a little lower on LongBench)", None, PAPER_BASELINES[base]),
             # §5.2: KunServe's P50 TPOT is 15.8-22.7% higher (LongBench-14B): 1/1.227 at worst.
-            Comparison(f"P50 TPOT: {base} / KunServe", _ratio(b.tpot_p50, kun.tpot_p50),
-                       "15.8-22.7% higher TPOT (LongBench-14B)", 1 / 1.227, paper_baselines[base]),
+            Comparison(f"{name} P50 TPOT: {base} / KunServe", _ratio(b.tpot_p50, kun.tpot_p50),
+                       "15.8-22.7% higher TPOT (LongBench-14B)", 1 / 1.227, PAPER_BASELINES[base]),
         ]
-    windows = burst_windows(trace[-1].arrival, seed=seed)
-    free = summarize(bound)["all"]
+    free = summarize(part.ceiling)["all"]
+    # The ceiling: the most any memory mechanism could give vLLM. The paper's 12.7x over vLLM
+    # needs at least 12.7x here (KunServe adds KV, not compute).
+    comparisons.append(Comparison(
+        f"{name} P99 TTFT: vLLM (fcfs) / vLLM with 10x KV (memory's part)", _ratio(stats["vLLM (fcfs)"].ttft_p99,
+                                                                                  free.ttft_p99),
+        "12.7x over vLLM needs memory to explain at least that much (Fig. 12: TTFT rises with KV demand)", 12.7,
+        PAPER_BASELINES["vLLM (fcfs)"]))
+    return comparisons
+
+
+def timeline(part: DatasetRun) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """Fig. 12's first two columns for one dataset, from the first arrival: each run's KV demand
+    over its KV capacity at the time (KunServe's grows with a drop; the ceiling run's over one
+    replica's, so it shows what the others would have needed), and its mean TTFT per
+    `TTFT_WINDOW_S` window of arrivals."""
+    start = part.trace[0].arrival if part.trace else 0.0
+    demand, ttft = {}, {}
+    for label, result in {**part.runs, "vLLM, 10x KV": part.ceiling}.items():
+        scale = CEILING_KV_FACTOR if result is part.ceiling else 1
+        demand[label] = [(t - start, d * scale) for t, d in downsample(result.extra["kv_demand_series"],
+                                                                      TIMELINE_POINTS)]
+        windows: dict[int, list[float]] = {}
+        for r in result.records:
+            if r.ttft is not None:
+                windows.setdefault(int((r.arrival - start) // TTFT_WINDOW_S), []).append(r.ttft)
+        ttft[label] = [((w + 0.5) * TTFT_WINDOW_S, sum(v) / len(v)) for w, v in sorted(windows.items())]
+    return {"kv_demand": demand, "ttft_mean": ttft}
+
+
+def run(scale: str = "paper", seed: int = 0, datasets: Sequence[str] | None = None) -> ExperimentResult:
+    """Every dataset of `DATASETS` at paper scale (`datasets` picks some), BurstGPT at ci."""
+    check_scale(scale)
+    setup = SCALES[scale]
+    names = list(datasets or (DATASETS if scale == "paper" else ("BurstGPT",)))
+    parts = [run_dataset(name, setup, seed) for name in names]
+    runs = {f"{part.name}: {label}": result for part in parts for label, result in part.runs.items()}
+    notes = [f"{part.name}. {line}" for part in parts for line in _notes(setup, part, seed)]
+    notes += [MODEL_NOTE] + regime.lines(Roofline(gpu(GPU), model(MODEL)), f"{MODEL} on {GPU}", kv_tokens_per_gpu(), DATASETS,
+                          LENGTH)
     return ExperimentResult(
         name="kunserve",
         title=f"KunServe vs vLLM and vLLM (PP): {MODEL}, {setup.num_instances} x {GPU}, BurstGPT-like bursts",
-        workload=f"{LENGTH.label}, bursty Poisson (x2-3 bursts), {len(trace)} requests over "
-                 f"{trace[-1].arrival:.0f} s",
-        runs=runs, comparisons=comparisons,
-        notes=_notes(setup, rate, len(probes), trace, windows, runs, stats, free)
-        + regime.lines(Roofline(gpu(GPU), model(MODEL)), f"{MODEL} on {GPU}", kv_tokens_per_gpu(), DATASETS, LENGTH),
-        extra={"rate_per_instance": rate, "rate_probes": probes,
-               "bursts": [(w.start, w.end, w.factor) for w in windows],
-               "layout_changes": runs["KunServe"].extra["layout_changes"],
-               "unbounded_kv_vllm": {"ttft_p50": free.ttft_p50, "ttft_p99": free.ttft_p99,
-                                     "tpot_p50": free.tpot_p50}},
+        workload="; ".join(f"{DATASETS[p.name].label}: {len(p.trace)} requests over {p.trace[-1].arrival:.0f} s"
+                           for p in parts) + "; bursty Poisson arrivals (x2-3 bursts)",
+        runs=runs, comparisons=[c for part in parts for c in _comparisons(part)], notes=notes,
+        extra={"datasets": {part.name: _extra(part, seed) for part in parts},
+               "timeline": {part.name: timeline(part) for part in parts}},
     )
 
 
-def _notes(setup: Scale, rate: float, num_probes: int, trace: list[TraceRequest], windows: list[BurstWindow],
-           runs: dict[str, SimResult], stats: dict[str, Summary], free: Summary) -> list[str]:
+def _extra(part: DatasetRun, seed: int) -> dict:
+    free = summarize(part.ceiling)["all"]
+    windows = burst_windows(part.trace[-1].arrival, seed=seed)
+    return {"rate_per_instance": part.rate, "rate_probes": part.probes,
+            "bursts": [(w.start, w.end, w.factor) for w in windows],
+            "layout_changes": part.runs["KunServe"].extra["layout_changes"],
+            "unbounded_kv_vllm": {"ttft_p50": free.ttft_p50, "ttft_p99": free.ttft_p99, "tpot_p50": free.tpot_p50}}
+
+
+def _notes(setup: Scale, part: DatasetRun, seed: int) -> list[str]:
     """Why the results differ from the paper, each point with this run's own numbers."""
+    rate, num_probes, trace, runs = part.rate, len(part.probes), part.trace, part.runs
+    windows = burst_windows(trace[-1].arrival, seed=seed)
+    stats = {label: summarize(result)["all"] for label, result in runs.items()}
+    free = summarize(part.ceiling)["all"]
     vllm, pp = stats["vLLM (fcfs)"], stats["vLLM-PP"]
     kun_run = runs["KunServe"]
     changes = kun_run.extra["layout_changes"]
@@ -187,7 +261,7 @@ def _notes(setup: Scale, rate: float, num_probes: int, trace: list[TraceRequest]
     drops = [c for c in changes if c["kind"] == "drop"]
     growth = drops[0]["capacity_after"] / drops[0]["capacity_before"] if drops else 1.0
     roofline = Roofline(gpu(GPU), model(MODEL))
-    prefill_bound = 1.0 / roofline.iteration_seconds([(0, round(LENGTH.mean_prompt))])
+    prefill_bound = 1.0 / regime.prefill_seconds(roofline, DATASETS[part.name])
     kv_tokens = kv_blocks(runs["vLLM (fcfs)"].config, roofline) * runs["vLLM (fcfs)"].config.block_size
     factors = [w.factor for w in windows] or [1.0]
     burst = (rate * min(factors), rate * max(factors))
@@ -195,13 +269,13 @@ def _notes(setup: Scale, rate: float, num_probes: int, trace: list[TraceRequest]
         f"Rate by §5.1's rule: {rate:.2f} req/s per instance outside bursts ({rate * setup.num_instances:.1f} for "
         f"the cluster), the highest of {num_probes} bisection probes at which one vLLM instance's KV demand "
         f"averaged at most {DEMAND_TARGET:.0%} over the arrivals (every queued prompt counted, see the module).",
-        f"The bursts overload compute, not only KV: they bring {burst[0]:.1f}-{burst[1]:.1f} req/s per instance, "
-        f"whose prefills alone take {burst[0] / prefill_bound:.0%}-{burst[1] / prefill_bound:.0%} of an A100 "
-        f"(roofline), decodes on top. vLLM with unbounded KV (nothing ever throttles, same max_num_seqs) still "
-        f"has a P99 TTFT of {free.ttft_p99:.1f} s against {vllm.ttft_p99:.1f} s with its real KV: at most "
-        f"{_ratio(vllm.ttft_p99, free.ttft_p99):.2f}x of vLLM's tail is memory's, the most any memory mechanism "
-        "could remove. The paper's 12.7x needs bursts that throttle KV while compute keeps up; in this roofline "
-        f"an A100's KV for {MODEL} ({kv_tokens / 1e3:.0f}K tokens) outlasts its compute on BurstGPT-like lengths.",
+        f"Bursts bring {burst[0]:.1f}-{burst[1]:.1f} req/s per instance, whose prefills alone take "
+        f"{burst[0] / prefill_bound:.0%}-{burst[1] / prefill_bound:.0%} of an A100 (roofline), decodes on top. "
+        f"vLLM with ten times the KV (nothing throttles, same max_num_seqs) has a P99 TTFT of "
+        f"{free.ttft_p99:.2f} s against {vllm.ttft_p99:.2f} s with its real KV ({kv_tokens / 1e3:.0f}K tokens "
+        f"per instance): memory explains {memory_share(vllm.ttft_p99, free.ttft_p99):.0%} of vLLM's P99 "
+        f"({_ratio(vllm.ttft_p99, free.ttft_p99):.2f}x), the most any memory mechanism could take off it; the "
+        "paper's 12.7x over vLLM needs at least 92%.",
         f"KunServe: {kun_run.events['drops']} drop(s), {kun_run.events['restores']} restore(s) "
         f"({dropped_seconds(changes, trace[0].arrival + kun_run.duration):.0f} instance-seconds in pipelines), "
         f"{kun_run.events['requeued']} queued requests re-dispatched after a drop, "
@@ -221,7 +295,9 @@ def _notes(setup: Scale, rate: float, num_probes: int, trace: list[TraceRequest]
         "engines), 2048-token chunked-prefill steps alternate with decode-only ones, and a stage idles while "
         "the other runs a long one (Fig. 8's bubbles); under a compute-bound burst the lost throughput turns "
         "into queueing (the paper measured 3.3-21.8% lower throughput).",
-        "Modelled coarsely: KV exchange and weight pulls run at the link's rate (the paper's chunking and "
-        "priority for activations are assumed perfect), a restoring instance waits for its weights (the paper "
-        "overlaps the pull with serving), one layout change at a time, and remapping costs nothing.",
     ]
+
+
+MODEL_NOTE = ("Modelled coarsely: KV exchange and weight pulls run at the link's rate (the paper's chunking and "
+              "priority for activations are assumed perfect), a restoring instance waits for its weights (the paper "
+              "overlaps the pull with serving), one layout change at a time, and remapping costs nothing.")

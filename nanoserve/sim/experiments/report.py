@@ -102,7 +102,38 @@ def save_plots(result: ExperimentResult, directory: str | Path) -> list[Path]:
     sweep = result.extra.get("sweep")
     if sweep and "rate" in sweep[0]:
         paths.append(_sweep_plot(result, sweep, Path(directory)))
+    if result.extra.get("timeline"):
+        paths.append(_timeline_plot(result, result.extra["timeline"], Path(directory)))
     return paths
+
+
+def _timeline_plot(result: ExperimentResult, timeline: dict[str, dict[str, dict[str, list]]], directory: Path) -> Path:
+    """KunServe's Fig. 12, first two columns: per dataset (a row), each run's KV demand against
+    the capacity, and its mean TTFT per window of arrivals, over time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(timeline), 2, figsize=(13, 3.6 * len(timeline)), squeeze=False)
+    for (demand_ax, ttft_ax), (dataset, series) in zip(axes, timeline.items()):
+        for label, points in series["kv_demand"].items():
+            demand_ax.step([t for t, _ in points], [d * 100 for _, d in points], where="post", label=label,
+                           linewidth=0.8)
+        demand_ax.axhline(100, color="grey", linestyle="--", label="KV capacity")
+        demand_ax.set(xlabel="time (s)", ylabel="KV demand (% of capacity)", title=f"{dataset}: KV demand")
+        for label, points in series["ttft_mean"].items():
+            ttft_ax.plot([t for t, _ in points], [v for _, v in points], marker=".", label=label)
+        ttft_ax.set(xlabel="time (s)", ylabel="mean TTFT (s)", yscale="log", title=f"{dataset}: mean TTFT")
+        demand_ax.legend(fontsize=7)
+        ttft_ax.legend(fontsize=7)
+    heading = textwrap.wrap(f"{result.name}: {result.title}", 160) + [result.workload]
+    fig.suptitle("\n".join(heading), fontsize=8)
+    fig.tight_layout()
+    fig.subplots_adjust(top=1 - (len(heading) * 8 * 1.4 / 72 + 0.35) / fig.get_figheight())
+    path = directory / f"{slugify(result.name)}-timeline.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _sweep_plot(result: ExperimentResult, rows: list[dict[str, Any]], directory: Path) -> Path:
