@@ -49,6 +49,19 @@ def test_one_instance_serves_exactly_as_simulate_does():
         assert b.ttft == pytest.approx(a.ttft, abs=1e-9) and b.e2e == pytest.approx(a.e2e, abs=1e-9)
 
 
+def test_one_swapping_instance_serves_exactly_as_simulate_does():
+    # InferCept-like's instance: victims swapped out and back, copies layer by layer; a small
+    # pool so that the swaps happen, and the cluster's loop must wait for them to land.
+    config = SimConfig(policy="fcfs", gpu=GPU, model=MODEL, kv_manager="swap", layerwise_copies=True, kv_blocks=240)
+    requests = trace(60, rate=8.0)
+    alone = simulate(config, requests)
+    cluster = simulate_cluster(ClusterConfig(config, 1), requests)
+    assert alone.events["swap_outs"] > 0 and cluster.events["preemptions"] == sum(r.preemptions for r in alone.records)
+    assert cluster.link_busy_seconds == pytest.approx(alone.link_busy_seconds)
+    for a, b in zip(alone.records, cluster.records):
+        assert b.ttft == pytest.approx(a.ttft, abs=1e-9) and b.e2e == pytest.approx(a.e2e, abs=1e-9)
+
+
 def test_the_dispatcher_counts_every_queued_request_as_of_each_instance_s_report():
     # Eight 160-token requests queue on instance 0 (10 blocks each), one 480-token request on
     # instance 1 (30 blocks); nothing has started. Counting the head only, 0 looks emptier
@@ -129,6 +142,8 @@ def test_static_pipelines_pair_the_instances_with_half_a_pool_each():
         cluster_config("fcfs", 6, static_pipeline_stages=3)
     with pytest.raises(ValueError):
         cluster_config("kunserve", 4, static_pipeline_stages=2, drop=True)
+    with pytest.raises(ValueError):  # a layout change rebuilds a paged pool
+        ClusterConfig(SimConfig(policy="fcfs", gpu=GPU, model=MODEL, kv_manager="swap"), 2, drop=True)
 
 
 def test_stages_price_their_own_layers_and_overlap_the_members_batches():
@@ -150,7 +165,7 @@ def test_stages_price_their_own_layers_and_overlap_the_members_batches():
 def test_ci_experiment_kunserve(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "0")  # per step is too slow here; layout changes still check
     result = run_experiment("kunserve", scale="ci", seed=0)
-    assert set(result.runs) == {"BurstGPT: KunServe", "BurstGPT: vLLM (fcfs)", "BurstGPT: vLLM-PP"}
+    assert set(result.runs) == {f"BurstGPT: {label}" for label in ("KunServe", "vLLM (fcfs)", "vLLM-PP", "InferCept-like")}
     result.runs = {label.removeprefix("BurstGPT: "): run for label, run in result.runs.items()}
     count = len(result.runs["KunServe"].records)
     assert count > 300
@@ -169,7 +184,11 @@ def test_ci_experiment_kunserve(monkeypatch, tmp_path):
     # against vLLM is not asserted: it swings either way with the seed, see the notes.)
     assert stats["KunServe"].ttft_p50 == pytest.approx(stats["vLLM (fcfs)"].ttft_p50, rel=0.25)
     claims = [c for c in result.comparisons if c.metric.startswith("BurstGPT P99 TTFT")]
-    assert len(claims) == 3 and all(c.paper_low == 12.7 and math.isfinite(c.ours) for c in claims)
+    assert len(claims) == 4 and all(c.paper_low == 12.7 and math.isfinite(c.ours) for c in claims)
+    # InferCept-like swaps its victims out and back over the link, copies under the forwards.
+    infercept = result.runs["InferCept-like"]
+    assert infercept.events["preemptions"] > 0 and infercept.link_busy_seconds > 0
+    assert infercept.forward_stall_seconds <= infercept.link_busy_seconds
     assert result.notes and "synthetic" in result.workload
     # Fig. 12's series: every run's KV demand from the first arrival, mean TTFT per window.
     timeline = result.extra["timeline"]["BurstGPT"]

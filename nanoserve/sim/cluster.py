@@ -45,7 +45,7 @@ from nanoserve.sim.cluster_layout import PipelineExecutor, SimMember, StagePipel
 from nanoserve.sim.executor import FILLER_TOKEN, VirtualClock
 from nanoserve.sim.metrics import downsample
 from nanoserve.sim.models import ModelCost
-from nanoserve.sim.simulation import RequestRecord, SimConfig, SimResult, build
+from nanoserve.sim.simulation import MAX_IDLE_STEPS, RequestRecord, SimConfig, SimResult, build
 from nanoserve.sim.workloads import TraceRequest
 
 
@@ -72,6 +72,8 @@ class ClusterConfig:
             raise ValueError("static pipelines need a power-of-two depth that divides the instances")
         if self.drop and self.static_pipeline_stages > 1:
             raise ValueError("drop starts from replicas")
+        if (self.drop or stages > 1) and self.instance.kv_manager not in (None, "paged"):
+            raise ValueError("a layout change rebuilds a paged pool: drop and static pipelines need paged KV")
 
 
 class SimCluster:
@@ -85,9 +87,10 @@ class SimCluster:
         self.pipelines: list[StagePipeline] = []  # every one built, for the GPUs' busy seconds
         for i in range(config.num_instances):
             clock = VirtualClock(start)
-            engine, _, roofline = build(config.instance, output_lens, clock)
+            engine, built, roofline = build(config.instance, output_lens, clock)
             alone = StagePipeline(roofline, [range(roofline.model.num_layers)], config.link, [start])
-            executor = PipelineExecutor(clock, roofline, output_lens, alone)
+            executor = PipelineExecutor(clock, roofline, output_lens, alone, host_store=built.host_store,
+                                        layerwise_copies=config.instance.layerwise_copies)
             engine.executor = executor
             self.pipelines.append(executor.pipeline)
             self.members[i] = SimMember(i, engine, executor, clock, config.instance, config.link, self.members)
@@ -99,6 +102,7 @@ class SimCluster:
         self.dispatcher, self.monitor = Dispatcher(), ThrottleMonitor()
         self.changes: list[tuple[float, LayoutChange]] = []
         self.events = {"throttled_steps": 0, "drops": 0, "restores": 0, "requeued": 0}
+        self._idle_steps = Counter()  # copies-only steps in a row at one instant, per instance
         self.finished: dict[str, RequestOutput] = {}
         self.placement: dict[str, int] = {}  # request id -> the instance serving it
         self.first_throttle = math.inf
@@ -199,21 +203,28 @@ class SimCluster:
         member.clock.advance_to(member.next_time())
         member.unstall()
         engine, executor = member.engine, member.executor
-        before = executor.stats.steps
+        before, forwards = executor.stats.steps, executor.stats.forwards
         if engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     if out.request_id in self.finished:
                         raise RuntimeError(f"{out.request_id} finished twice")
                     self.finished[out.request_id] = out
-        if executor.stats.steps == before and engine.has_unfinished_requests():
-            # Nothing fits until something else happens: a stalled request's K/V arrives, a
+        if executor.stats.forwards == forwards and engine.has_unfinished_requests():
+            # Nothing fits until something else happens: a stalled request's K/V arrives, a copy
+            # to or from the host lands (its manager learns it at the next step's poll), a
             # request arrives, or another instance's step (and a drop it may trigger).
-            later = [t for t in (next_arrival, *(m.next_time() for m in self.members.values()),
-                                 *(ready for _, ready in member.stalled.values())) if t > member.clock.now]
-            if not later:
+            landing = executor.next_landing()
+            later = [t for t in (next_arrival, landing, *(m.next_time() for m in self.members.values()),
+                                 *(ready for _, ready in member.stalled.values()))
+                     if t is not None and member.clock.now < t < math.inf]
+            if later:
+                member.clock.advance_to(min(later))
+                self._idle_steps[member.id] = 0
+            elif executor.stats.steps > before and self._idle_steps[member.id] < MAX_IDLE_STEPS:
+                self._idle_steps[member.id] += 1  # copies only, landed at once: the next poll sees them
+            else:
                 raise RuntimeError(f"instance {member.id} can schedule nothing and nothing will change")
-            member.clock.advance_to(min(later))
         self.reported[member.id] = load_of(member)
         self.dispatcher.reported(member.id)
         self._monitor(member.clock.now)

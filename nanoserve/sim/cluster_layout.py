@@ -45,6 +45,7 @@ from nanoserve.dist.group import GroupLayout
 from nanoserve.dist.member import Manifest, Relayout
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import PagedKV
 from nanoserve.request import Request
 from nanoserve.sched.base import SchedulerOutput
@@ -90,8 +91,10 @@ class PipelineExecutor(SimExecutor):
     advances until the step's last micro-batch is out (waits for busy stages included)."""
 
     def __init__(self, clock: VirtualClock, roofline: Roofline, output_lens: Mapping[str, int],
-                 pipeline: StagePipeline):
-        super().__init__(clock, roofline, output_lens)
+                 pipeline: StagePipeline, host_store: HostKVStore | None = None, layerwise_copies: bool = False):
+        """`host_store` and `layerwise_copies` as for `SimExecutor` (a swapping baseline's
+        instance files its copies in its manager's store)."""
+        super().__init__(clock, roofline, output_lens, host_store=host_store, layerwise_copies=layerwise_copies)
         self.pipeline = pipeline
 
     def forward_seconds(self, batch: SchedulerOutput) -> float:

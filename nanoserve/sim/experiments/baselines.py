@@ -40,6 +40,15 @@ VLLM_2023 = Baseline(
     "EcoServe §2.1 compares with \"vLLM [13] with the KVC swapping strategy\"; BROS §7.1 with \"vLLM, the SOTA "
     "LLM serving system optimized for high-throughput text generation\" (2024, before chunked prefill): whole "
     "prompts in steps of their own, preemption by swapping blocks to host memory (vLLM §4.5)")
+INFERCEPT = Baseline(
+    "InferCept-like: fcfs + swap, copies layer by layer", "fcfs", "swap",
+    "KunServe §5.1: \"InferCept designs an optimized swap mechanism that eliminates IO idle time atop vLLM\" and "
+    "§2.3: \"under throttling, InferCept concurrently swaps out the KVCache of ongoing requests to hide the "
+    "transfer overhead\". InferCept's code (WukLab/InferCept, SchedulerV2, policy V with chunk-fill, the one its "
+    "scripts run): a running request short of KV swaps victims out, newest first, recomputes one only when the "
+    "CPU swap space is full, and copies layer by layer on a side stream. Ours: no per-iteration swap budget "
+    "(every copy overlaps the forward) and no discard of a swapped request while nothing waits",
+    config={"layerwise_copies": True})
 FASTGEN = Baseline(
     "FastGen-like: fcfs (chunked prefill + recompute)", "fcfs", "paged",
     "EcoServe §2.1: \"FastGen [14] with the recomputation strategy\": prompts split into chunks that share "
@@ -79,7 +88,7 @@ ONLINE_ONLY = Baseline(
     "provides the optimal online serving latency but zero offline serving throughput\"")
 
 BASELINES: dict[str, Baseline] = {b.label: b for b in (
-    VLLM_2023, VLLM_2023_RECOMPUTE, FASTGEN, VLLM_PP_CONSERVE, VLLM_PP_CONSERVE_RECOMPUTE, VLLM_PP_SELECTIVE,
+    VLLM_2023, VLLM_2023_RECOMPUTE, INFERCEPT, FASTGEN, VLLM_PP_CONSERVE, VLLM_PP_CONSERVE_RECOMPUTE, VLLM_PP_SELECTIVE,
     ROUND_ROBIN, ORCA, ONLINE_ONLY)}
 
 
@@ -90,5 +99,5 @@ def markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["BASELINES", "Baseline", "FASTGEN", "ONLINE_ONLY", "ORCA", "ROUND_ROBIN", "VLLM_2023",
+__all__ = ["BASELINES", "Baseline", "FASTGEN", "INFERCEPT", "ONLINE_ONLY", "ORCA", "ROUND_ROBIN", "VLLM_2023",
            "VLLM_2023_RECOMPUTE", "VLLM_PP_CONSERVE", "VLLM_PP_CONSERVE_RECOMPUTE", "VLLM_PP_SELECTIVE", "markdown"]

@@ -1,10 +1,11 @@
 """KunServe's headline (kunserve.txt §5.1-§5.2, Figs. 12-13): P99 TTFT under BurstGPT's bursts,
 KunServe (parameter drop + lookahead micro-batches) against vLLM (replicas, fcfs, recompute
-preemption) and vLLM (PP) (static two-stage pipelines), Qwen2.5-14B on 8 instances of one
+preemption), vLLM (PP) (static two-stage pipelines) and InferCept-like (replicas, preemption by
+swap, copied layer by layer under the forward; `baselines.INFERCEPT`), Qwen2.5-14B on 8 instances of one
 A100-80G each (the paper's cluster A: A800 80 GB, one GPU per server, 200 Gbps RDMA).
 The paper: "KunServe has 12.7-72.2x faster P99 TTFT than other baselines".
 
-The workload is fixed before any policy runs, and all three serve the same trace:
+The workload is fixed before any policy runs, and all four serve the same trace:
 - lengths: §5.1's three datasets (`DATASETS`), synthetic, with their means: BurstGPT 642 in /
   262 out, ShareGPT 1,660 / 373 (inputs up to 4K), LongBench 5.9K / 499; each is a run of
   its own over the same arrivals' shape (the paper replays BurstGPT's arrivals with each);
@@ -18,13 +19,13 @@ The workload is fixed before any policy runs, and all three serve the same trace
   prompt blocks: §2.2's measure counts only the head of the queue, which would hide a queue
   waiting for compute and let the rule pick an overloaded rate.
 
-Besides the three runs, the vLLM cluster runs once more with ten times the KV (nothing ever
+Besides the four runs, the vLLM cluster runs once more with ten times the KV (nothing ever
 throttles): the most any memory mechanism could take off vLLM's TTFT on this trace. The
 notes explain the gaps to the paper with the runs' own numbers, and with `kunserve_regime`'s
 arithmetic: what §2.2's numbers, and each of §5.1's datasets at the paper's KV demand, ask of
 our GPU's compute.
 
-Per dataset the result has the three runs, the ceiling run's share of vLLM's P99 that memory
+Per dataset the result has the four runs, the ceiling run's share of vLLM's P99 that memory
 explains, and Fig. 12's time series (KV demand against capacity, mean TTFT per window) for
 `report.save_plots`.
 
@@ -40,6 +41,7 @@ from functools import lru_cache
 from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
 from nanoserve.sim.experiments import kunserve_regime as regime
+from nanoserve.sim.experiments.baselines import INFERCEPT
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import downsample, summarize
 from nanoserve.sim.models import model
@@ -66,6 +68,11 @@ class Scale:
 
 TAIL = 10.0
 CEILING_KV_FACTOR = 10  # the ceiling run's KV, in replicas' worth
+# InferCept's swap space per GPU. Assumption: KunServe states no CPU memory; InferCept's scripts
+# give vLLM `--swap-space 64` (GiB per GPU) for its 13B model on two GPUs, 128 for 6B on one.
+# 64 GiB at Qwen2.5-14B's 192 KiB per token.
+INFERCEPT_SWAP_GIB = 64
+INFERCEPT_SWAP_TOKENS = INFERCEPT_SWAP_GIB * (1 << 30) // (192 << 10)
 SCALES = {"paper": Scale(8, 240.0), "ci": Scale(2, 240.0, bursts=2)}
 
 
@@ -73,10 +80,12 @@ def configs(num_instances: int) -> dict[str, ClusterConfig]:
     def instance(policy: str) -> SimConfig:
         return SimConfig(policy=policy, gpu=GPU, model=MODEL)
 
+    infercept = replace(INFERCEPT.sim_config(instance("fcfs")), host_kv_tokens=INFERCEPT_SWAP_TOKENS)
     return {
         "KunServe": ClusterConfig(instance("kunserve"), num_instances, drop=True),
         "vLLM (fcfs)": ClusterConfig(instance("fcfs"), num_instances),
         "vLLM-PP": ClusterConfig(instance("fcfs"), num_instances, static_pipeline_stages=2),
+        "InferCept-like": ClusterConfig(infercept, num_instances),
     }
 
 
@@ -143,7 +152,9 @@ def dropped_seconds(changes: list[dict], end: float) -> float:
 # (the FastGen-like baseline of sim/experiments/baselines.py); vLLM-PP the same over PP=2.
 PAPER_BASELINES = {"vLLM (fcfs)": "vLLM v0.6.3, recompute (Figs. 12-13; 12.7-72.2x is over vLLM, InferCept "
                                   "and Llumnix together)",
-                   "vLLM-PP": "vLLM v0.6.3 with PP over two instances (Figs. 12-13)"}
+                   "vLLM-PP": "vLLM v0.6.3 with PP over two instances (Figs. 12-13)",
+                   "InferCept-like": "InferCept on vLLM 0.2 with the paper's scheduler and attention backend (Figs. "
+                                     "12-13; 12.7-72.2x is over vLLM, InferCept and Llumnix together)"}
 TTFT_WINDOW_S = 10.0  # Fig. 12's second column: mean TTFT "given a measured time window"
 TIMELINE_POINTS = 2000
 
@@ -177,7 +188,7 @@ def _comparisons(part: DatasetRun) -> list[Comparison]:
     stats = {label: summarize(result)["all"] for label, result in part.runs.items()}
     kun, name = stats["KunServe"], part.name
     comparisons = []
-    for base in ("vLLM (fcfs)", "vLLM-PP"):
+    for base in ("vLLM (fcfs)", "vLLM-PP", "InferCept-like"):
         b = stats[base]
         comparisons += [
             Comparison(f"{name} P99 TTFT: {base} / KunServe", _ratio(b.ttft_p99, kun.ttft_p99), PAPER_CLAIM, 12.7,
