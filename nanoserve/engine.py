@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.manager import KVManager
@@ -23,6 +24,13 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import Scheduler, SchedulerOutput
 from nanoserve.slo import PRIORITIES, SLO, ClassMetrics, RequestClass
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class Handover(NamedTuple):
+    """A request between two engines (`Engine.detach_request` -> `attach_request`)."""
+    request: Request
+    emitted: int  # characters of its text already streamed
+    detokenizer: IncrementalDetokenizer | None
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,26 @@ class Engine:
         if not self.has_unfinished_requests():
             self.scheduler.settle()
         return self._output(request)
+
+    def detach_request(self, request_id: str) -> Handover:
+        """Hand a request over to another engine (Llumnix's migration): it leaves this engine's
+        queues and KV unfinished; its tokens and timings travel with the `Request`, its stream
+        position and detokenizer in the `Handover` that `attach_request` takes."""
+        request = self.requests.pop(request_id)
+        self.scheduler.detach(request)
+        return Handover(request, self._emitted.pop(request_id), self._detokenizers.pop(request_id, None))
+
+    def attach_request(self, handover: Handover) -> None:
+        """Go on serving a request `detach_request` took from another engine; its K/V must
+        already be reserved in this engine's KV manager (the migration copied it)."""
+        request = handover.request
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already here")
+        self.scheduler.attach(request)
+        self.requests[request.request_id] = request
+        if handover.detokenizer is not None:
+            self._detokenizers[request.request_id] = handover.detokenizer
+        self._emitted[request.request_id] = handover.emitted
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes, if it has any (tensor parallelism)."""

@@ -165,7 +165,8 @@ def test_stages_price_their_own_layers_and_overlap_the_members_batches():
 def test_ci_experiment_kunserve(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "0")  # per step is too slow here; layout changes still check
     result = run_experiment("kunserve", scale="ci", seed=0)
-    assert set(result.runs) == {f"BurstGPT: {label}" for label in ("KunServe", "vLLM (fcfs)", "vLLM-PP", "InferCept-like")}
+    assert set(result.runs) == {f"BurstGPT: {label}" for label in ("KunServe", "vLLM (fcfs)", "vLLM-PP", "InferCept-like",
+                                                                          "Llumnix-like")}
     result.runs = {label.removeprefix("BurstGPT: "): run for label, run in result.runs.items()}
     count = len(result.runs["KunServe"].records)
     assert count > 300
@@ -184,11 +185,13 @@ def test_ci_experiment_kunserve(monkeypatch, tmp_path):
     # against vLLM is not asserted: it swings either way with the seed, see the notes.)
     assert stats["KunServe"].ttft_p50 == pytest.approx(stats["vLLM (fcfs)"].ttft_p50, rel=0.25)
     claims = [c for c in result.comparisons if c.metric.startswith("BurstGPT P99 TTFT")]
-    assert len(claims) == 4 and all(c.paper_low == 12.7 and math.isfinite(c.ours) for c in claims)
+    assert len(claims) == 5 and all(c.paper_low == 12.7 and math.isfinite(c.ours) for c in claims)
     # InferCept-like swaps its victims out and back over the link, copies under the forwards.
     infercept = result.runs["InferCept-like"]
     assert infercept.events["preemptions"] > 0 and infercept.link_busy_seconds > 0
     assert infercept.forward_stall_seconds <= infercept.link_busy_seconds
+    llumnix = result.runs["Llumnix-like"]
+    assert llumnix.events["migrations"] > 0 and llumnix.events["migrated_blocks"] > 0
     assert result.notes and "synthetic" in result.workload
     # Fig. 12's series: every run's KV demand from the first arrival, mean TTFT per window.
     timeline = result.extra["timeline"]["BurstGPT"]

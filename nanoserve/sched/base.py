@@ -165,6 +165,22 @@ class Scheduler(ABC):
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def detach(self, request: Request) -> None:
+        """Take a request out of the queues and release its KV without finishing it: it moves
+        to another engine (Llumnix's migration). Policies that keep more per-request state
+        than the two queues do not support it."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.release(request)
+
+    def attach(self, request: Request) -> None:
+        """Run a request another engine detached, whose K/V this manager already holds."""
+        if len(self.kv.block_table(request)) * self.kv.block_size < request.num_computed_tokens:
+            raise ValueError(f"{request.request_id}: its K/V is not reserved here")
+        self.admit(request)
+
     def can_chunk(self, request: Request, num_tokens: int) -> bool:
         """Could `num_tokens` more tokens of `request` get KV slots now?"""
         return self.kv.can_reserve(request, request.num_computed_tokens + num_tokens)

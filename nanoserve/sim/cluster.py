@@ -44,6 +44,7 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.sim.cluster_layout import PipelineExecutor, SimMember, StagePipeline
 from nanoserve.sim.executor import FILLER_TOKEN, VirtualClock
 from nanoserve.sim.metrics import downsample
+from nanoserve.sim.migration import LlumnixMigrator, MigrationConfig
 from nanoserve.sim.models import ModelCost
 from nanoserve.sim.simulation import MAX_IDLE_STEPS, RequestRecord, SimConfig, SimResult, build
 from nanoserve.sim.workloads import TraceRequest
@@ -63,6 +64,7 @@ class ClusterConfig:
     link: str = "network"
     restore_fraction: float = 0.5  # §4.4
     redispatch_queued: bool = True  # §3, see the module docstring
+    migration: MigrationConfig | None = None  # Llumnix: migrate running requests (sim/migration.py)
 
     def __post_init__(self) -> None:
         if self.instance.tp != 1:
@@ -72,7 +74,9 @@ class ClusterConfig:
             raise ValueError("static pipelines need a power-of-two depth that divides the instances")
         if self.drop and self.static_pipeline_stages > 1:
             raise ValueError("drop starts from replicas")
-        if (self.drop or stages > 1) and self.instance.kv_manager not in (None, "paged"):
+        if self.migration is not None and (self.drop or stages > 1):
+            raise ValueError("migration moves requests between replicas")
+        if (self.drop or stages > 1 or self.migration) and self.instance.kv_manager not in (None, "paged"):
             raise ValueError("a layout change rebuilds a paged pool: drop and static pipelines need paged KV")
 
 
@@ -117,6 +121,8 @@ class SimCluster:
                                                   // self.block_bytes)}, self._loads(), self._call), start)
         # What the dispatcher knows of each instance: its load at its latest report.
         self.reported: dict[int, InstanceLoad] = self._loads()
+        self.migrator = None if config.migration is None else LlumnixMigrator(
+            config.migration, self.members, config.link, self.block_bytes, start, self.placement.__setitem__)
 
     # -- the phases, as dist.cluster.Cluster.call_all sends them ----------------------------
     def _call(self, messages: Mapping[int, tuple]) -> dict[int, object]:
@@ -189,8 +195,12 @@ class SimCluster:
             member = min(self.members.values(), key=lambda m: (m.next_time(), m.id))
             busy_at = member.next_time()
             arrival = self.trace[pending[0]].arrival if pending else math.inf
-            if arrival == busy_at == math.inf:
+            migration_at = self._migration_time()
+            if arrival == busy_at == migration_at == math.inf:
                 return
+            if migration_at <= min(arrival, busy_at):
+                self.migrator.advance(migration_at)
+                continue
             if arrival <= busy_at:
                 self.dispatch(pending.popleft(), arrival)
                 continue
@@ -198,6 +208,11 @@ class SimCluster:
             steps += 1
             if steps > max_steps:
                 raise RuntimeError(f"cluster simulation exceeded {max_steps} steps")
+
+    def _migration_time(self) -> float:
+        if self.migrator is None:
+            return math.inf
+        return self.migrator.next_time(any(m.has_work() for m in self.members.values()))
 
     def _step(self, member: SimMember, next_arrival: float) -> None:
         member.clock.advance_to(member.next_time())
@@ -215,7 +230,8 @@ class SimCluster:
             # to or from the host lands (its manager learns it at the next step's poll), a
             # request arrives, or another instance's step (and a drop it may trigger).
             landing = executor.next_landing()
-            later = [t for t in (next_arrival, landing, *(m.next_time() for m in self.members.values()),
+            later = [t for t in (next_arrival, landing, self._migration_time(),
+                                 *(m.next_time() for m in self.members.values()),
                                  *(ready for _, ready in member.stalled.values()))
                      if t is not None and member.clock.now < t < math.inf]
             if later:
@@ -269,7 +285,8 @@ class SimCluster:
             records.append(RequestRecord(request_id, spec.priority, spec.arrival, spec.prompt_len, spec.output_len,
                                          m.ttft, m.tpot, m.e2e, m.num_preemptions, out.finish_reason))
         members = self.members.values()
-        events = dict(self.events, preemptions=sum(m.engine.scheduler.num_preemptions for m in members))
+        events = dict(self.events, preemptions=sum(m.engine.scheduler.num_preemptions for m in members),
+                      **(self.migrator.events if self.migrator is not None else {}))
         start = min((r.arrival for r in records), default=0.0)
         last_arrival = max((r.arrival for r in records), default=0.0)
         end = max((r.arrival + r.e2e for r in records if r.e2e is not None), default=start)

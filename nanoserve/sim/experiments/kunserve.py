@@ -1,11 +1,12 @@
 """KunServe's headline (kunserve.txt §5.1-§5.2, Figs. 12-13): P99 TTFT under BurstGPT's bursts,
 KunServe (parameter drop + lookahead micro-batches) against vLLM (replicas, fcfs, recompute
-preemption), vLLM (PP) (static two-stage pipelines) and InferCept-like (replicas, preemption by
-swap, copied layer by layer under the forward; `baselines.INFERCEPT`), Qwen2.5-14B on 8 instances of one
+preemption), vLLM (PP) (static two-stage pipelines), InferCept-like (replicas, preemption by
+swap, copied layer by layer under the forward; `baselines.INFERCEPT`) and Llumnix-like
+(replicas that migrate running requests live, `sim/migration.py`), Qwen2.5-14B on 8 instances of one
 A100-80G each (the paper's cluster A: A800 80 GB, one GPU per server, 200 Gbps RDMA).
 The paper: "KunServe has 12.7-72.2x faster P99 TTFT than other baselines".
 
-The workload is fixed before any policy runs, and all four serve the same trace:
+The workload is fixed before any policy runs, and all five serve the same trace:
 - lengths: §5.1's three datasets (`DATASETS`), synthetic, with their means: BurstGPT 642 in /
   262 out, ShareGPT 1,660 / 373 (inputs up to 4K), LongBench 5.9K / 499; each is a run of
   its own over the same arrivals' shape (the paper replays BurstGPT's arrivals with each);
@@ -19,13 +20,13 @@ The workload is fixed before any policy runs, and all four serve the same trace:
   prompt blocks: §2.2's measure counts only the head of the queue, which would hide a queue
   waiting for compute and let the rule pick an overloaded rate.
 
-Besides the four runs, the vLLM cluster runs once more with ten times the KV (nothing ever
+Besides the five runs, the vLLM cluster runs once more with ten times the KV (nothing ever
 throttles): the most any memory mechanism could take off vLLM's TTFT on this trace. The
 notes explain the gaps to the paper with the runs' own numbers, and with `kunserve_regime`'s
 arithmetic: what §2.2's numbers, and each of §5.1's datasets at the paper's KV demand, ask of
 our GPU's compute.
 
-Per dataset the result has the four runs, the ceiling run's share of vLLM's P99 that memory
+Per dataset the result has the five runs, the ceiling run's share of vLLM's P99 that memory
 explains, and Fig. 12's time series (KV demand against capacity, mean TTFT per window) for
 `report.save_plots`.
 
@@ -44,6 +45,7 @@ from nanoserve.sim.experiments import kunserve_regime as regime
 from nanoserve.sim.experiments.baselines import INFERCEPT
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import downsample, summarize
+from nanoserve.sim.migration import MigrationConfig
 from nanoserve.sim.models import model
 from nanoserve.sim.roofline import Roofline
 from nanoserve.sim.simulation import SimConfig, SimResult, kv_blocks
@@ -86,6 +88,9 @@ def configs(num_instances: int) -> dict[str, ClusterConfig]:
         "vLLM (fcfs)": ClusterConfig(instance("fcfs"), num_instances),
         "vLLM-PP": ClusterConfig(instance("fcfs"), num_instances, static_pipeline_stages=2),
         "InferCept-like": ClusterConfig(infercept, num_instances),
+        # §5.1: "Llumnix adopts load balancing ... and migrates KVCache between instances to free
+        # sufficient memory": replicas, fcfs with recompute, and Llumnix v0.1.0's migration.
+        "Llumnix-like": ClusterConfig(instance("fcfs"), num_instances, migration=MigrationConfig()),
     }
 
 
@@ -154,7 +159,9 @@ PAPER_BASELINES = {"vLLM (fcfs)": "vLLM v0.6.3, recompute (Figs. 12-13; 12.7-72.
                                   "and Llumnix together)",
                    "vLLM-PP": "vLLM v0.6.3 with PP over two instances (Figs. 12-13)",
                    "InferCept-like": "InferCept on vLLM 0.2 with the paper's scheduler and attention backend (Figs. "
-                                     "12-13; 12.7-72.2x is over vLLM, InferCept and Llumnix together)"}
+                                     "12-13; 12.7-72.2x is over vLLM, InferCept and Llumnix together)",
+                   "Llumnix-like": "Llumnix v0.1.0 (Figs. 12-13; 12.7-72.2x is over vLLM, InferCept and Llumnix "
+                                   "together)"}
 TTFT_WINDOW_S = 10.0  # Fig. 12's second column: mean TTFT "given a measured time window"
 TIMELINE_POINTS = 2000
 
@@ -188,7 +195,7 @@ def _comparisons(part: DatasetRun) -> list[Comparison]:
     stats = {label: summarize(result)["all"] for label, result in part.runs.items()}
     kun, name = stats["KunServe"], part.name
     comparisons = []
-    for base in ("vLLM (fcfs)", "vLLM-PP", "InferCept-like"):
+    for base in ("vLLM (fcfs)", "vLLM-PP", "InferCept-like", "Llumnix-like"):
         b = stats[base]
         comparisons += [
             Comparison(f"{name} P99 TTFT: {base} / KunServe", _ratio(b.ttft_p99, kun.ttft_p99), PAPER_CLAIM, 12.7,
