@@ -19,10 +19,15 @@ the monitor reads every instance's load, as dist.cluster.Cluster does after a lo
 one layout change at a time. The dispatcher reads what the real one can: each instance's load
 as of its latest step (or layout change), plus what it booked against it since.
 
-Three configurations make the paper's comparison (§5.1 baselines):
+The configurations of the paper's comparison (§5.1 baselines):
 - vLLM: replicas, fcfs with recompute preemption (`drop=False`);
 - vLLM (PP): `static_pipeline_stages=2`, pairs of instances as fixed two-stage pipelines from the
   start, each member scheduling half of the pair's KV (vLLM's virtual engines);
+- InferCept-like: replicas whose instances swap (the instance's `kv_manager="swap"`): each
+  instance's executor files its copies in its manager's host store, and an instance with nothing
+  to run waits for its next copy to land, as `simulate()` does;
+- Llumnix-like: replicas with `migration` (sim/migration.py), whose migrator's stage ends and
+  polls are events of the loop beside arrivals and steps;
 - KunServe: `drop=True`, the kunserve policy (§4.3's lookahead), drops and restores.
 
 §3: after a drop "KunServe re-schedules queued requests": the requests still queued, never

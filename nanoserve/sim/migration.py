@@ -155,7 +155,7 @@ class LlumnixMigrator:
         if migration.last:
             handover = src.engine.detach_request(request.request_id)  # frees the source's blocks
             dst.engine.attach_request(handover)
-            dst.clock.advance_to(max(dst.clock.now, now))  # an idle destination starts it now
+            dst.clock.advance_to(now)  # an idle destination starts it now
             del self.in_flight[request.request_id]
             self.events["migrations"] += 1
             self.on_moved(request.request_id, migration.dst)
