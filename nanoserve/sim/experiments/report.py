@@ -126,14 +126,7 @@ def _timeline_plot(result: ExperimentResult, timeline: dict[str, dict[str, dict[
         ttft_ax.set(xlabel="time (s)", ylabel="mean TTFT (s)", yscale="log", title=f"{dataset}: mean TTFT")
         demand_ax.legend(fontsize=7)
         ttft_ax.legend(fontsize=7)
-    heading = textwrap.wrap(f"{result.name}: {result.title}", 160) + [result.workload]
-    fig.suptitle("\n".join(heading), fontsize=8)
-    fig.tight_layout()
-    fig.subplots_adjust(top=1 - (len(heading) * 8 * 1.4 / 72 + 0.35) / fig.get_figheight())
-    path = directory / f"{slugify(result.name)}-timeline.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_with_heading(fig, result, 160, directory / f"{slugify(result.name)}-timeline.png")
 
 
 def _sweep_plot(result: ExperimentResult, rows: list[dict[str, Any]], directory: Path) -> Path:
@@ -159,12 +152,20 @@ def _sweep_plot(result: ExperimentResult, rows: list[dict[str, Any]], directory:
         if panel is not None:
             ax.set_title(panel, fontsize=10)
         ax.legend(fontsize=7)
-    heading = textwrap.wrap(f"{result.name}: {result.title}", 80 + 100 * (len(panels) - 1)) + [result.workload]
+    path = directory / f"{slugify(result.name)}-sweep.png"
+    return _save_with_heading(fig, result, 80 + 100 * (len(panels) - 1), path)
+
+
+def _save_with_heading(fig: Any, result: ExperimentResult, width: int, path: Path) -> Path:
+    """Title the figure with the experiment's name, setup (wrapped at `width`) and workload, save
+    it to `path` and close it."""
+    import matplotlib.pyplot as plt
+
+    heading = textwrap.wrap(f"{result.name}: {result.title}", width) + [result.workload]
     fig.suptitle("\n".join(heading), fontsize=8)
     fig.tight_layout()
     # Room above the panels for the heading's lines (8 pt, in inches over the figure's height).
     fig.subplots_adjust(top=1 - (len(heading) * 8 * 1.4 / 72 + 0.35) / fig.get_figheight())
-    path = directory / f"{slugify(result.name)}-sweep.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
