@@ -70,6 +70,15 @@ def tiny_model(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """One random-weight tiny Llama checkpoint for the whole session (read only: a test that
+    changes its files builds its own)."""
+    directory = tmp_path_factory.mktemp("tiny-llama-shared")
+    build_tiny_model("llama", directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from nanoserve import default_model
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import Handover
 from nanoserve.request import Request
@@ -20,16 +19,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9] * 21, [300, 20, 5, 17]]
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("migration-llama")
-    build_tiny_model("llama", directory)
-    return directory
-
-
-def test_a_request_moved_mid_decode_with_its_kv_gives_the_same_greedy_output(llama_dir):
+def test_a_request_moved_mid_decode_with_its_kv_gives_the_same_greedy_output(tiny_llama_dir):
     def llm(tokens: int) -> LLM:
-        return LLM(str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=tokens)
+        return LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_tokens=tokens)
 
     expected = llm(1024).generate(PROMPTS, PARAMS, use_tqdm=False)
     source, target = llm(1024).engine, llm(512).engine  # different pools: different block ids
@@ -60,9 +52,9 @@ def test_a_request_moved_mid_decode_with_its_kv_gives_the_same_greedy_output(lla
     assert finished[ids[1]].metrics.ttft == pytest.approx(moving.first_token_time - moving.arrival_time)
 
 
-def test_attach_needs_the_kv_reserved_first(llama_dir):
-    source = LLM(str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=512).engine
-    target = LLM(str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=512).engine
+def test_attach_needs_the_kv_reserved_first(tiny_llama_dir):
+    source = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_tokens=512).engine
+    target = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_tokens=512).engine
     request_id = source.add_request(PROMPTS[0], PARAMS).request_id
     source.step()
     with pytest.raises(ValueError, match="not reserved"):
