@@ -141,6 +141,7 @@ class PulledQueues(Scheduler):
         self._rt_waiting = PolledQueue()  # waiting RT requests by deadline
         self._be_waiting = PolledQueue()  # waiting BE requests by KV slots on the host
         self._rt_by_age = PolledQueue()  # every RT request, running or waiting, by seniority
+        self._be_arrivals: dict[str, int] = {}  # every BE request's place in arrival order
         self._due = Deadlines()
         self._arrivals = itertools.count()
 
@@ -149,6 +150,8 @@ class PulledQueues(Scheduler):
         super().add_request(request)
         if is_rt(request):
             self._rt_by_age.push(request, request.arrival_time, next(self._arrivals))
+        else:
+            self._be_arrivals[request.request_id] = next(self._arrivals)
         self._file(request, self._positions.back())
 
     def preempt(self, request: Request) -> None:
@@ -163,6 +166,7 @@ class PulledQueues(Scheduler):
         super().finish_request(request, status)
         self._unfile(request)
         self._rt_by_age.discard(request)
+        self._be_arrivals.pop(request.request_id, None)
         self._due.pop(request, None)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
@@ -245,9 +249,19 @@ class PulledQueues(Scheduler):
     def _be_candidates(self) -> Iterator[Request]:
         """Line 17: BE requests by fewest KV slots on the host (their swap-in cost), running before
         waiting on ties, each in queue order. Only swapped or overwritten requests have host
-        slots: the running ones among them are sorted, the rest polled."""
+        slots: the running ones among them are sorted, the rest polled. Ours, a livelock guard as
+        for RT: the oldest running BE request goes first whatever its slots. It may evict every
+        newer BE request (`_admit_be`), so it always advances; without it, two newer requests
+        that each need the blocks the other holds took turns evicting each other while an older
+        one with a slot on the host waited behind them forever (recomputed requests have no host
+        slots, so line 17 puts them first)."""
         on_host = self.kv.blocks.host_positions() if isinstance(self.kv, BidirectionalKV) else {}
         running = [r for r in self.running if not is_rt(r)]
+        if running:
+            arrivals = self._be_arrivals
+            oldest = min(running, key=lambda r: arrivals.get(r.request_id, -1))
+            yield oldest
+            running.remove(oldest)
         swapped: list[tuple[int, Request]] = []
         if on_host:
             swapped = sorted(((on_host[r.request_id], r) for r in running if r.request_id in on_host),
