@@ -81,8 +81,11 @@ class ClusterConfig:
             raise ValueError("drop starts from replicas")
         if self.migration is not None and (self.drop or stages > 1):
             raise ValueError("migration moves requests between replicas")
-        if (self.drop or stages > 1 or self.migration) and self.instance.kv_manager not in (None, "paged"):
-            raise ValueError("a layout change rebuilds a paged pool: drop and static pipelines need paged KV")
+        if self.instance.kv_manager not in (None, "paged"):
+            if self.drop or stages > 1:
+                raise ValueError("a layout change rebuilds a paged pool: drop and static pipelines need paged KV")
+            if self.migration is not None:
+                raise ValueError("migration reserves and copies device blocks only: it needs paged KV")
 
 
 class SimCluster:

@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from nanoserve.dist.instance import load_of
+
 if TYPE_CHECKING:
     from nanoserve.request import Request
     from nanoserve.sim.cluster_layout import SimMember
@@ -91,13 +93,13 @@ class LlumnixMigrator:
 
     # -- the poll --------------------------------------------------------------------------
     def freeness(self, member: SimMember) -> float:
-        """Llumnix's migration load, negated: free blocks per request (inf when none runs)."""
-        engine = member.engine
-        kv, waiting = engine.kv, engine.scheduler.waiting
-        free = kv.num_blocks - kv.num_used_blocks - self._watermark(member)
-        requests = engine.scheduler.num_running
-        if self.config.defrag and waiting:
-            free -= -(-waiting[0].num_tokens // kv.block_size)
+        """Llumnix's migration load, negated: free blocks per request (inf when none runs), from
+        the load the dispatcher and the monitor read (`dist.instance.load_of`)."""
+        load = load_of(member)
+        free = load.total_blocks - load.used_blocks - self._watermark(member)
+        requests = load.num_running
+        if self.config.defrag and load.num_waiting:
+            free -= load.head_blocks
             requests += 1
         return math.inf if requests == 0 else free / requests
 
@@ -167,8 +169,8 @@ class LlumnixMigrator:
             self._start_stage(migration, now)
 
     def _abort(self, migration: Migration, why: str) -> None:
+        """Give the migration up: the destination frees what it reserved. The request is still
+        on the source: only a last stage takes it off, and that stage never aborts."""
         self.members[migration.dst].engine.kv.release(migration.request)
-        if migration.last:
-            self.members[migration.src].engine.scheduler.running.append(migration.request)
         del self.in_flight[migration.request.request_id]
         self.events[why] += 1

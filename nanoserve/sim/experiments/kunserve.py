@@ -36,8 +36,8 @@ requests), the rate chosen by the same rule on that trace; BurstGPT only.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property, lru_cache
 from typing import Sequence
-from functools import lru_cache
 
 from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
 from nanoserve.sim.experiments import Comparison, ExperimentResult, check_scale
@@ -46,10 +46,12 @@ from nanoserve.sim.experiments.baselines import INFERCEPT
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import downsample, summarize
 from nanoserve.sim.migration import MigrationConfig
-from nanoserve.sim.models import model
+from nanoserve.sim.metrics import Summary
+from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline
 from nanoserve.sim.simulation import SimConfig, SimResult, kv_blocks
-from nanoserve.sim.workloads import LENGTHS, LengthDist, TraceRequest, burst_windows, bursty_arrivals, make_trace
+from nanoserve.sim.workloads import (LENGTHS, BurstWindow, LengthDist, TraceRequest, burst_windows, bursty_arrivals,
+                                     make_trace)
 
 GPU, MODEL = "A100-80G", "Qwen2.5-14B"
 LENGTH = LENGTHS["burstgpt"]
@@ -72,9 +74,8 @@ TAIL = 10.0
 CEILING_KV_FACTOR = 10  # the ceiling run's KV, in replicas' worth
 # InferCept's swap space per GPU. Assumption: KunServe states no CPU memory; InferCept's scripts
 # give vLLM `--swap-space 64` (GiB per GPU) for its 13B model on two GPUs, 128 for 6B on one.
-# 64 GiB at Qwen2.5-14B's 192 KiB per token.
 INFERCEPT_SWAP_GIB = 64
-INFERCEPT_SWAP_TOKENS = INFERCEPT_SWAP_GIB * (1 << 30) // (192 << 10)
+INFERCEPT_SWAP_TOKENS = INFERCEPT_SWAP_GIB * (1 << 30) // ModelCost(model(MODEL)).kv_bytes_per_token
 SCALES = {"paper": Scale(8, 240.0), "ci": Scale(2, 240.0, bursts=2)}
 
 
@@ -170,11 +171,26 @@ TIMELINE_POINTS = 2000
 class DatasetRun:
     """One dataset's part of the experiment."""
     name: str
+    seed: int
     rate: float  # base rate per instance, by §5.1's rule
     probes: tuple[tuple[float, float], ...]
     trace: list[TraceRequest]
     runs: dict[str, SimResult]
     ceiling: SimResult  # vLLM with ten times the KV
+
+    @cached_property
+    def stats(self) -> dict[str, Summary]:
+        """Every run's summary over all requests."""
+        return {label: summarize(result)["all"] for label, result in self.runs.items()}
+
+    @cached_property
+    def ceiling_stats(self) -> Summary:
+        return summarize(self.ceiling)["all"]
+
+    @cached_property
+    def windows(self) -> list[BurstWindow]:
+        """The trace's bursts."""
+        return burst_windows(self.trace[-1].arrival, seed=self.seed)
 
 
 def run_dataset(name: str, setup: Scale, seed: int) -> DatasetRun:
@@ -183,7 +199,8 @@ def run_dataset(name: str, setup: Scale, seed: int) -> DatasetRun:
     trace = workload(rate * setup.num_instances, setup, seed, lengths)
     cluster = configs(setup.num_instances)
     runs = {label: simulate_cluster(config, trace) for label, config in cluster.items()}
-    return DatasetRun(name, rate, probes, trace, runs, simulate_cluster(unbounded_kv(cluster["vLLM (fcfs)"]), trace))
+    ceiling = simulate_cluster(unbounded_kv(cluster["vLLM (fcfs)"]), trace)
+    return DatasetRun(name, seed, rate, probes, trace, runs, ceiling)
 
 
 def memory_share(vllm_p99: float, ceiling_p99: float) -> float:
@@ -192,7 +209,7 @@ def memory_share(vllm_p99: float, ceiling_p99: float) -> float:
 
 
 def _comparisons(part: DatasetRun) -> list[Comparison]:
-    stats = {label: summarize(result)["all"] for label, result in part.runs.items()}
+    stats, free = part.stats, part.ceiling_stats
     kun, name = stats["KunServe"], part.name
     comparisons = []
     for base in ("vLLM (fcfs)", "vLLM-PP", "InferCept-like", "Llumnix-like"):
@@ -206,7 +223,6 @@ def _comparisons(part: DatasetRun) -> list[Comparison]:
             Comparison(f"{name} P50 TPOT: {base} / KunServe", _ratio(b.tpot_p50, kun.tpot_p50),
                        "15.8-22.7% higher TPOT (LongBench-14B)", 1 / 1.227, PAPER_BASELINES[base]),
         ]
-    free = summarize(part.ceiling)["all"]
     # The ceiling: the most any memory mechanism could give vLLM. The paper's 12.7x over vLLM
     # needs at least 12.7x here (KunServe adds KV, not compute).
     comparisons.append(Comparison(
@@ -243,36 +259,33 @@ def run(scale: str = "paper", seed: int = 0, datasets: Sequence[str] | None = No
     names = list(datasets or (DATASETS if scale == "paper" else ("BurstGPT",)))
     parts = [run_dataset(name, setup, seed) for name in names]
     runs = {f"{part.name}: {label}": result for part in parts for label, result in part.runs.items()}
-    notes = [f"{part.name}. {line}" for part in parts for line in _notes(setup, part, seed)]
-    notes += [MODEL_NOTE] + regime.lines(Roofline(gpu(GPU), model(MODEL)), f"{MODEL} on {GPU}", kv_tokens_per_gpu(), DATASETS,
-                          LENGTH)
+    notes = [f"{part.name}. {line}" for part in parts for line in _notes(setup, part)]
+    roofline = Roofline(gpu(GPU), model(MODEL))
+    notes += [MODEL_NOTE] + regime.lines(roofline, f"{MODEL} on {GPU}", kv_tokens_per_gpu(), DATASETS, LENGTH)
     return ExperimentResult(
         name="kunserve",
         title=f"KunServe vs vLLM and vLLM (PP): {MODEL}, {setup.num_instances} x {GPU}, BurstGPT-like bursts",
         workload="; ".join(f"{DATASETS[p.name].label}: {len(p.trace)} requests over {p.trace[-1].arrival:.0f} s"
                            for p in parts) + "; bursty Poisson arrivals (x2-3 bursts)",
         runs=runs, comparisons=[c for part in parts for c in _comparisons(part)], notes=notes,
-        extra={"datasets": {part.name: _extra(part, seed) for part in parts},
+        extra={"datasets": {part.name: _extra(part) for part in parts},
                "timeline": {part.name: timeline(part) for part in parts}},
     )
 
 
-def _extra(part: DatasetRun, seed: int) -> dict:
-    free = summarize(part.ceiling)["all"]
-    windows = burst_windows(part.trace[-1].arrival, seed=seed)
+def _extra(part: DatasetRun) -> dict:
+    free = part.ceiling_stats
     return {"rate_per_instance": part.rate, "rate_probes": part.probes,
-            "bursts": [(w.start, w.end, w.factor) for w in windows],
+            "bursts": [(w.start, w.end, w.factor) for w in part.windows],
             "layout_changes": part.runs["KunServe"].extra["layout_changes"],
             "unbounded_kv_vllm": {"ttft_p50": free.ttft_p50, "ttft_p99": free.ttft_p99, "tpot_p50": free.tpot_p50}}
 
 
-def _notes(setup: Scale, part: DatasetRun, seed: int) -> list[str]:
+def _notes(setup: Scale, part: DatasetRun) -> list[str]:
     """Why the results differ from the paper, each point with this run's own numbers."""
-    rate, num_probes, trace, runs = part.rate, len(part.probes), part.trace, part.runs
-    windows = burst_windows(trace[-1].arrival, seed=seed)
-    stats = {label: summarize(result)["all"] for label, result in runs.items()}
-    free = summarize(part.ceiling)["all"]
-    vllm, pp = stats["vLLM (fcfs)"], stats["vLLM-PP"]
+    rate, num_probes, trace, runs, windows = part.rate, len(part.probes), part.trace, part.runs, part.windows
+    free = part.ceiling_stats
+    vllm, pp = part.stats["vLLM (fcfs)"], part.stats["vLLM-PP"]
     kun_run = runs["KunServe"]
     changes = kun_run.extra["layout_changes"]
     dropped = {i for c in changes for g in c["groups"] for i in g}
@@ -280,7 +293,7 @@ def _notes(setup: Scale, part: DatasetRun, seed: int) -> list[str]:
     growth = drops[0]["capacity_after"] / drops[0]["capacity_before"] if drops else 1.0
     roofline = Roofline(gpu(GPU), model(MODEL))
     prefill_bound = 1.0 / regime.prefill_seconds(roofline, DATASETS[part.name])
-    kv_tokens = kv_blocks(runs["vLLM (fcfs)"].config, roofline) * runs["vLLM (fcfs)"].config.block_size
+    kv_tokens = kv_tokens_per_gpu()
     factors = [w.factor for w in windows] or [1.0]
     burst = (rate * min(factors), rate * max(factors))
     return [
