@@ -36,7 +36,7 @@ def make_requests(num: int, seed: int, vocab: int, first_id: int) -> list[tuple[
 
 def run_nanoserve(model: str, requests, args) -> tuple[float, int, LLM]:
     llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens or None,
               attention_backend=args.attention_backend)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate([ids for ids, _ in requests[:2]], params[:2], use_tqdm=False)  # warm-up
@@ -83,18 +83,24 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-tokens", type=int, default=32768)
+    parser.add_argument("--kv-cache-tokens", type=int, default=32768,
+                        help="0: the engine's own sizing (on CUDA, what the weights leave)")
     parser.add_argument("--attention-backend", default=None, help="torch | triton (default: per device)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
     model = args.model or default_model()
+    from pathlib import Path
+
+    from nanoserve.model.loader import load_config
     from nanoserve.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_dir(model)
+    # A random-weight checkpoint built from a config (benchmarks/gpu_suite.py) has no tokenizer.
+    vocab = (Tokenizer.from_dir(model).vocab_size if (Path(model) / "tokenizer.json").exists()
+             else load_config(Path(model)).vocab_size)
     # SmolLM2's control tokens are ids 0-16; prompts use only ordinary tokens.
-    requests = make_requests(args.num_prompts, args.seed, tokenizer.vocab_size, first_id=17)
+    requests = make_requests(args.num_prompts, args.seed, vocab, first_id=17)
     print(f"{len(requests)} requests: {sum(len(i) for i, _ in requests)} prompt tokens, "
           f"{sum(n for _, n in requests)} output tokens; device {args.device}, {args.dtype}, "
           f"torch threads {torch.get_num_threads()}")

@@ -49,7 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost-model", default=None, help="iteration cost model JSON from `python -m nanoserve.sched.profile`")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache size in tokens (default on CUDA: what the weights and a profiling forward "
+                        "leave under --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may use: weights, activations and KV cache")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -60,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV memory manager (default: the policy's own; see nanoserve/memory/__init__.py)")
     p.add_argument("--host-kv-tokens", type=int, default=None,
                    help="host KV store size in tokens, for managers that checkpoint or swap")
+    p.add_argument("--host-kv-gb", type=float, default=None,
+                   help="...or in GiB of host RAM (default: the device cache's tokens, at most a quarter of RAM)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="attention kernels (default: triton on CUDA, torch on CPU)")
     p.add_argument("--preempt-every-layers", type=int, default=8,
@@ -136,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, seed=args.seed, attention_backend=args.attention_backend,
         kv_manager=args.kv_manager, host_kv_tokens=args.host_kv_tokens, cost_model=args.cost_model,
+        host_kv_bytes=None if args.host_kv_gb is None else int(args.host_kv_gb * 2**30),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         preempt_every_layers=args.preempt_every_layers, layerwise_kv_copies=args.layerwise_kv_copies,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,

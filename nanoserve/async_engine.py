@@ -23,6 +23,8 @@ import traceback
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+import torch
+
 from nanoserve.engine import Engine, EngineStats
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
@@ -63,6 +65,9 @@ class AsyncEngine:
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        # CUDA's current device is per thread: the engine thread takes the one the engine was
+        # built on (build_engine set it), or Triton and the copy streams would use cuda:0.
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._stats = engine.stats()
         # Called from the engine thread with each step's wall-clock seconds (the server's metrics).
         self.step_observers: list[Callable[[float], None]] = []
@@ -196,6 +201,8 @@ class AsyncEngine:
         return self._inbox.get(block=block, timeout=0.5 if block else None)
 
     def _loop(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
         while True:
             # Block for work when idle; otherwise drain whatever arrived during the last step.
             block = not self.engine.has_unfinished_requests()

@@ -12,6 +12,8 @@ from nanoserve.dist.launch import RankPlan, Topology
 from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.dist.pipeline import partition_layers, stage_layouts
 from nanoserve.engine import Engine
+from nanoserve.kv_sizing import (MemoryProbe, check_host_kv_fits, host_kv_tokens_default, kv_budget_bytes,
+                                 memory_probe, profile_batch)
 from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
 from nanoserve.memory.arena import ArenaConfig, MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
@@ -28,7 +30,7 @@ from nanoserve.tokenizer import Tokenizer
 
 CPU_KV_BYTES = 2 << 30  # default KV budget on a CPU
 CPU_KV_MAX_TOKENS = 65536  # ...capped in tokens so tiny test models do not allocate gigabytes
-GPU_ACTIVATION_RESERVE = 1 << 30  # headroom kept free for activations and logits
+GPU_ACTIVATION_RESERVE = 1 << 30  # multi-rank only (no profile there): headroom for activations
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ class EngineArgs:
     cost_model: str | None = None  # JSON from `python -m nanoserve.sched.profile`; None: a default
     kv_manager_options: dict | None = None  # knobs of the chosen manager
     policy_options: dict | None = None  # knobs of the chosen policy (its Scheduler.OPTIONS)
-    host_kv_tokens: int | None = None  # host KV store size; default: as many as the device holds
+    host_kv_tokens: int | None = None  # host KV store size; default: kv_sizing.host_kv_tokens_default
+    host_kv_bytes: int | None = None  # ...or in bytes (the server's --host-kv-gb); tokens win
     preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
     # Stream each step's KV copies layer by layer, so a forward waits per layer for what it reads
     # (memory/host.py; BROS §4.1's max(T_exec, T_swap)). Off: a forward waits for whole copies.
@@ -63,12 +66,22 @@ class EngineArgs:
     offline_slo: SLO | None = None
 
 
-def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """How many KV blocks fit the user's token or byte budget, or the device's free memory
-    (under tensor parallelism, one rank's: each holds its KV heads of every block)."""
+def kv_block_bytes(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One KV block's bytes on one rank (under tensor parallelism its KV heads of every layer it
+    holds; a pipeline's stage 0 holds the most layers)."""
     heads = local_kv_heads(cfg.num_kv_heads, args.tensor_parallel_size)
-    layers = len(partition_layers(cfg.num_layers, args.pipeline_parallel_size)[0])  # stage 0 holds the most
-    block_bytes = cfg.kv_bytes_per_token(dtype) * heads * layers // (cfg.num_kv_heads * cfg.num_layers) * args.block_size
+    layers = len(partition_layers(cfg.num_layers, args.pipeline_parallel_size)[0])
+    return cfg.kv_bytes_per_token(dtype) * heads * layers // (cfg.num_kv_heads * cfg.num_layers) * args.block_size
+
+
+def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    weight_bytes: int = 0) -> int:
+    """How many KV blocks fit the user's token or byte budget, or a CPU's default budget. A
+    single CUDA device is sized after its weights load, by a profiling forward instead
+    (`profiled_kv_blocks`). Several CUDA ranks size here, before they load (ours: each rank's
+    free memory less `weight_bytes`, its estimated share of the weights, and a fixed reserve
+    for activations; a profile there would need every rank to agree on one count)."""
+    block_bytes = kv_block_bytes(args, cfg, dtype)
     if args.kv_cache_tokens is not None:
         if args.kv_cache_tokens < args.block_size:
             raise ValueError(f"kv_cache_tokens must be at least block_size ({args.block_size})")
@@ -77,12 +90,48 @@ def kv_cache_blocks(args: EngineArgs, cfg: ModelConfig, device: torch.device, dt
         budget = args.kv_cache_bytes
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - int(total * (1 - args.gpu_memory_utilization)) - GPU_ACTIVATION_RESERVE
+        budget = free - int(total * (1 - args.gpu_memory_utilization)) - GPU_ACTIVATION_RESERVE - weight_bytes
     else:
         budget = min(CPU_KV_BYTES, CPU_KV_MAX_TOKENS * block_bytes // args.block_size)
+    return _blocks_in(budget, block_bytes)
+
+
+def _blocks_in(budget: int, block_bytes: int) -> int:
     blocks = budget // block_bytes
     if blocks < 1:
-        raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes")
+        raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes; "
+                         "lower max_num_batched_tokens or raise gpu_memory_utilization")
+    return blocks
+
+
+def profiled_kv_blocks(model: torch.nn.Module, cfg: ModelConfig, args: EngineArgs, device: torch.device,
+                       dtype: torch.dtype, probe: MemoryProbe) -> int:
+    """vLLM's sizing (kv_sizing.py): with the weights loaded, run the largest step the scheduler
+    may build through a runner over a cache just big enough for it, then give the KV cache what
+    `gpu_memory_utilization` of the device leaves beside the peak."""
+    batch, blocks = profile_batch(args.max_num_batched_tokens, args.max_num_seqs, args.block_size, cfg.vocab_size)
+    probe.reset_peak()
+    runner = ModelRunner(model, cfg, blocks, args.block_size, device, dtype, attention_backend(args, device), args.seed)
+    runner.execute(batch)
+    snapshot = probe.snapshot()
+    del runner
+    # The profile's own cache is part of the peak, but the real cache replaces it: add it back.
+    return _blocks_in(kv_budget_bytes(snapshot, args.gpu_memory_utilization)
+                      + blocks * kv_block_bytes(args, cfg, dtype), kv_block_bytes(args, cfg, dtype))
+
+
+def host_kv_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device_blocks: int) -> int:
+    """The host store's blocks: the user's tokens or bytes, else `host_kv_tokens_default`;
+    refused up front when the host's RAM cannot hold them (the bytes are pinned)."""
+    token_bytes = kv_block_bytes(args, cfg, dtype) // args.block_size
+    if args.host_kv_tokens is not None:
+        tokens = args.host_kv_tokens
+    elif args.host_kv_bytes is not None:
+        tokens = args.host_kv_bytes // token_bytes
+    else:
+        tokens = host_kv_tokens_default(device_blocks * args.block_size, token_bytes)
+    blocks = tokens // args.block_size
+    check_host_kv_fits(blocks * args.block_size * token_bytes)
     return blocks
 
 
@@ -101,34 +150,44 @@ def build_engine(args: EngineArgs) -> Engine:
     scheduler_class(args.policy)  # an unknown policy fails before any memory is allocated
     kv_manager = args.kv_manager or POLICY_MEMORY[args.policy]
     topology = Topology(args.tensor_parallel_size, args.pipeline_parallel_size)
-    if topology.world_size > 1 and kv_manager == "arena":
-        raise ValueError("the arena KV manager (KunServe's drop) runs on one device per instance; "
-                         "use tensor_parallel_size=1 and pipeline_parallel_size=1")
-    num_blocks = kv_cache_blocks(args, cfg, device, dtype)
-    host_blocks = None
-    if kv_manager in NEEDS_HOST_STORE:
-        host_tokens = args.host_kv_tokens if args.host_kv_tokens is not None else num_blocks * args.block_size
-        host_blocks = host_tokens // args.block_size
-    plan = RankPlan(args, str(path), num_blocks, host_blocks, topology)
+    if device.type == "cuda":
+        if device.index is None:  # "cuda" means the current device; name it, as set_device needs
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # Triton launches, streams and events use the current device
     executor: Executor
-    if kv_manager == "arena":
-        # KunServe (§4.1): weights and KV in one arena, so it is built from the loaded model.
-        # The weights go to the host first (the device keeps one copy, the arena's); that host
-        # copy feeds the pipeline peer on a drop and the arena on a restore (§4.2, §4.4).
-        model, _ = load_model(path, device, dtype)
-        host_weights = move_weights_to_host(model)
-        arena = MemoryArena(model, ArenaConfig.from_model_config(cfg, args.block_size, dtype, num_blocks), device)
-        kv: KVManager = ArenaKV(arena)
-        executor = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, attention_backend(args, device),
-                               args.seed, arena=arena, host_weights=host_weights,
-                               preempt_every_layers=args.preempt_every_layers)
-    else:
-        if topology.world_size == 1:
-            runner = executor = build_rank_runner(plan, device, SINGLE)
+    if topology.world_size == 1:
+        # One device: the weights load first, then the KV cache takes what they and a profiling
+        # forward leave (kv_sizing.py), unless the user named its size.
+        model, cfg = load_model(path, device, dtype)
+        probe = memory_probe(device) if args.kv_cache_tokens is None and args.kv_cache_bytes is None else None
+        num_blocks = (kv_cache_blocks(args, cfg, device, dtype) if probe is None
+                      else profiled_kv_blocks(model, cfg, args, device, dtype, probe))
+        host_blocks = host_kv_blocks(args, cfg, dtype, num_blocks) if kv_manager in NEEDS_HOST_STORE else None
+        plan = RankPlan(args, str(path), num_blocks, host_blocks, topology)
+        if kv_manager == "arena":
+            # KunServe (§4.1): weights and KV in one arena, so it is built from the loaded model.
+            # The weights go to the host first (the device keeps one copy, the arena's); that host
+            # copy feeds the pipeline peer on a drop and the arena on a restore (§4.2, §4.4). The
+            # arena's bytes are the loaded weights' plus the profiled KV, as sized above.
+            host_weights = move_weights_to_host(model)
+            arena = MemoryArena(model, ArenaConfig.from_model_config(cfg, args.block_size, dtype, num_blocks), device)
+            kv: KVManager = ArenaKV(arena)
+            executor = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, attention_backend(args, device),
+                                   args.seed, arena=arena, host_weights=host_weights,
+                                   preempt_every_layers=args.preempt_every_layers)
         else:
-            runner, executor = _start_parallel(plan, device)
+            runner = executor = rank_runner(plan, model, cfg, device, SINGLE)
+    else:
+        if kv_manager == "arena":
+            raise ValueError("the arena KV manager (KunServe's drop) runs on one device per instance; "
+                             "use tensor_parallel_size=1 and pipeline_parallel_size=1")
+        num_blocks = kv_cache_blocks(args, cfg, device, dtype, checkpoint_bytes(path, dtype) // topology.world_size)
+        host_blocks = host_kv_blocks(args, cfg, dtype, num_blocks) if kv_manager in NEEDS_HOST_STORE else None
+        plan = RankPlan(args, str(path), num_blocks, host_blocks, topology)
+        runner, executor = _start_parallel(plan, device)
+    if kv_manager != "arena":
         kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, runner.host_store,
-                                                             args.kv_manager_options or {}))
+                                                        args.kv_manager_options or {}))
     microbatches = pipeline_microbatches(args)
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                         kv.max_request_tokens)
@@ -168,6 +227,14 @@ def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup, stage: 
         layout = stage_layouts(load_config(Path(plan.model_path)).num_layers,
                                plan.topology.pipeline_parallel_size)[stage]
     model, cfg = load_model(Path(plan.model_path), device, dtype, tp, layout)
+    return rank_runner(plan, model, cfg, device, tp, None if layout is None else layout.layers)
+
+
+def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device: torch.device, tp: TPGroup,
+                stage_layers: range | None = None) -> ModelRunner:
+    """The runner over a loaded shard: its KV cache and host store as `plan` sizes them."""
+    args = plan.args
+    dtype = resolve_dtype(args.dtype, device)
     host_store = None
     if plan.host_blocks is not None:
         host_store = HostKVStore(plan.host_blocks, args.block_size, cfg.num_layers,
@@ -175,7 +242,26 @@ def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup, stage: 
                                  layerwise=args.layerwise_kv_copies)
     return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),
                        args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp,
-                       stage_layers=None if layout is None else layout.layers)
+                       stage_layers=stage_layers)
+
+
+def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
+    """The weights' bytes in `dtype`, estimated from the checkpoint's safetensors headers (each
+    tensor's element count); used only where ranks size their KV before they load."""
+    import json
+    import struct
+
+    elements = 0
+    for file in path.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, info in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in info["shape"]:
+                    count *= dim
+                elements += count
+    return elements * torch.empty((), dtype=dtype).element_size()
 
 
 def _start_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, Executor]:

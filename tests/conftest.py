@@ -18,6 +18,13 @@ if not torch.cuda.is_available():
 TINY_VOCAB = 512
 
 
+def backend_device(backend: str) -> str:
+    """Where a test runs an attention backend: Triton on the GPU when there is one (the
+    interpreter is off then, so Triton cannot run on the CPU), else on the CPU under the
+    interpreter; torch always on the CPU (exact fp32 parity with HF)."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
 def _tiny_config(arch: str):
     import transformers
 

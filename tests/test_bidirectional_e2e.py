@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import build_tiny_model
+from conftest import backend_device, build_tiny_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
@@ -57,7 +57,7 @@ def reference(llama_dir, prompts):
 
 def run_bidirectional(llama_dir, prompts, backend: str, host_kv_tokens: int, layerwise: bool = False):
     # 16 blocks of 4: the three offline requests alone need 21 pages by their end.
-    llm = LLM(llama_dir, device="cpu", dtype="float32", kv_manager="bidirectional", kv_cache_tokens=64,
+    llm = LLM(llama_dir, device=backend_device(backend), dtype="float32", kv_manager="bidirectional", kv_cache_tokens=64,
               host_kv_tokens=host_kv_tokens, block_size=B, attention_backend=backend, layerwise_kv_copies=layerwise)
     outputs = llm.generate(prompts, PARAMS, priority=PRIORITIES, use_tqdm=False)
     return llm.engine, outputs

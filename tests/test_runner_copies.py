@@ -15,7 +15,7 @@ from nanoserve.model.runner import ModelRunner
 from nanoserve.request import Request
 from nanoserve.sched import ScheduledChunk, SchedulerOutput
 
-from conftest import TINY_VOCAB, build_tiny_model
+from conftest import TINY_VOCAB, backend_device, build_tiny_model
 
 BLOCK = 4
 BACKENDS = ["torch"] + (["triton"] if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else [])
@@ -29,10 +29,11 @@ def llama_dir(tmp_path_factory):
 
 
 def make_runner(directory, backend: str) -> ModelRunner:
-    model, cfg = load_model(directory, torch.device("cpu"), torch.float32)
+    device = torch.device(backend_device(backend))
+    model, cfg = load_model(directory, device, torch.float32)
     store = HostKVStore(8, BLOCK, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-    return ModelRunner(model, cfg, 16, BLOCK, torch.device("cpu"), torch.float32,
-                       get_attention_backend(backend, torch.device("cpu")), host_store=store)
+    return ModelRunner(model, cfg, 16, BLOCK, device, torch.float32,
+                       get_attention_backend(backend, device), host_store=store)
 
 
 def logits(runner: ModelRunner, batch: SchedulerOutput) -> torch.Tensor:

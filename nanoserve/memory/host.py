@@ -46,6 +46,7 @@ Invariants (checked by `check_invariants`):
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Sequence
 
@@ -69,6 +70,32 @@ class LayerEvents:
         return self.per_layer[max(self.per_layer)]
 
 
+def _pin_in_place(owner: object, tensors: Sequence[torch.Tensor]) -> None:
+    """Page-lock `tensors` where they lie (cudaHostRegister), so copies to and from the device run
+    asynchronously. Not `pin_memory=True`: PyTorch's pinned allocator rounds every allocation up
+    to a power of two, which turns a 40 GiB store into 64 GiB of locked host memory. Unlocked
+    when `owner` is collected (the finalizer holds the tensors, so they outlive it)."""
+    cudart = torch.cuda.cudart()
+    registered = []
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            continue
+        err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+        if int(err) != 0:
+            for done in registered:
+                cudart.cudaHostUnregister(done.data_ptr())
+            raise RuntimeError(f"could not page-lock {tensor.numel() * tensor.element_size() / 2**30:.1f} GiB "
+                               f"of host KV store (CUDA error {int(err)}); lower --host-kv-gb")
+        registered.append(tensor)
+    weakref.finalize(owner, _unpin, registered)
+
+
+def _unpin(tensors: list[torch.Tensor]) -> None:
+    cudart = torch.cuda.cudart()
+    for tensor in tensors:
+        cudart.cudaHostUnregister(tensor.data_ptr())
+
+
 class HostKVStore:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin_memory: bool | None = None, layerwise: bool = False):
@@ -78,12 +105,15 @@ class HostKVStore:
         self.num_blocks, self.block_size = num_blocks, block_size
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        if pin:
+            _pin_in_place(self, (self.k, self.v))
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._owned: dict[Hashable, list[int]] = {}
         self.inflight = InflightCopies()  # issued copies the manager has not yet seen land
         self._stream: torch.cuda.Stream | None = None
+        self._device: torch.device | None = None  # the device cache's, set with the stream
         self.layerwise = layerwise
         self._layer_waits: dict[int, list[Any]] = {}  # layer -> events the forward still waits for there
 
@@ -139,6 +169,7 @@ class HostKVStore:
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
+            self._device = device
         # The copies read K/V earlier forwards wrote, and overwrite blocks earlier forwards read.
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
@@ -171,6 +202,7 @@ class HostKVStore:
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
+            self._device = device
         self._stream.wait_stream(torch.cuda.current_stream(device))
         events = LayerEvents()
         with torch.cuda.stream(self._stream):
@@ -231,10 +263,10 @@ class HostKVStore:
             for event in handles:
                 self._stream.wait_event(event.last if isinstance(event, LayerEvents) else event)
 
-    @staticmethod
-    def _wait(events: list[Any]) -> None:
+    def _wait(self, events: list[Any]) -> None:
         if events:
-            stream = torch.cuda.current_stream()
+            # Events exist only once the copy stream does, and with it the cache's device.
+            stream = torch.cuda.current_stream(self._device)
             for event in events:
                 stream.wait_event(event.last if isinstance(event, LayerEvents) else event)
 

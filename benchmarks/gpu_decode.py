@@ -1,0 +1,130 @@
+"""One model on one GPU: its decode step against the HBM roofline, or a served batch of requests.
+
+    PYTHONPATH=. python3 -m benchmarks.gpu_decode --model DIR [--batch 64 --context 1024] [--json out.json]
+    PYTHONPATH=. python3 -m benchmarks.gpu_decode --model DIR --serve 200 [--json out.json]
+
+Decode: `batch` requests with `context`-token prompts are prefilled, then each decode step (all
+of them decoding) is timed from the engine's side, `engine.step()` to `engine.step()`, so
+scheduling, input preparation, the forward and sampling all count. The roofline is the bytes a
+step must read from HBM, every weight once plus every sequence's K and V, over the device's peak
+bandwidth (benchmarks/attention.py's datasheet table).
+
+Serve: the engine sizes its KV cache itself (weights loaded first, then a profiling forward) and
+serves `serve` requests (prompts 64-512 tokens, outputs 64-256, greedy, EOS ignored); it reports
+the start-up time, the KV cache, throughput and the peak memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from benchmarks.attention import DEVICE_PEAKS
+from nanoserve import LLM, SamplingParams
+from nanoserve.builder import EngineArgs, kv_block_bytes
+from nanoserve.model.loader import load_config
+
+
+def peak_bandwidth(name: str) -> float:
+    """Bytes per second."""
+    for key, _, gbs in DEVICE_PEAKS:
+        if key in name:
+            return gbs * 1e9
+    raise ValueError(f"no HBM peak known for {name}")
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "H100 (CPU stand-in)"
+
+
+def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(17, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def decode(args) -> dict:
+    cfg = load_config(__import__("pathlib").Path(args.model))
+    start = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype="bfloat16", max_num_seqs=args.batch,
+              max_num_batched_tokens=max(2048, args.context))
+    startup = time.perf_counter() - start
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    for p in prompts(args.batch, args.context, args.context, cfg.vocab_size, 0):
+        engine.add_request(p, params)
+    started: set[str] = set()
+    while len(started) < args.batch:  # prefill everyone
+        for out in engine.step():
+            started.add(out.request_id)
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    model = engine.executor.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    token_bytes = kv_block_bytes(EngineArgs(), cfg, torch.bfloat16) // 16
+    ctx = args.context + args.steps // 2
+    kv_bytes = args.batch * ctx * token_bytes
+    bw = peak_bandwidth(device_name(args.device))
+    roofline = (weight_bytes + kv_bytes) / bw
+    step = statistics.median(times)
+    return {"mode": "decode", "batch": args.batch, "context": args.context,
+            "startup_s": round(startup, 2), "step_ms_median": round(step * 1e3, 3),
+            "step_ms_p10": round(sorted(times)[len(times) // 10] * 1e3, 3),
+            "weight_gib": round(weight_bytes / 2**30, 3), "kv_gib": round(kv_bytes / 2**30, 3),
+            "roofline_ms": round(roofline * 1e3, 3), "step_over_roofline": round(step / roofline, 2)}
+
+
+def serve(args) -> dict:
+    cfg = load_config(__import__("pathlib").Path(args.model))
+    free0, total = torch.cuda.mem_get_info()
+    start = time.perf_counter()
+    llm = LLM(args.model, device="cuda", dtype="bfloat16")
+    startup = time.perf_counter() - start
+    stats = llm.engine.stats()
+    token_bytes = kv_block_bytes(EngineArgs(), cfg, torch.bfloat16) // 16
+    free1, _ = torch.cuda.mem_get_info()
+    ps = prompts(args.serve, 64, 512, cfg.vocab_size, 1)
+    g = torch.Generator().manual_seed(2)
+    params = [SamplingParams(temperature=0, max_tokens=int(torch.randint(64, 257, (1,), generator=g)), ignore_eos=True)
+              for _ in ps]
+    t = time.perf_counter()
+    outs = llm.generate(ps, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.token_ids) for o in outs)
+    assert produced == sum(p.max_tokens for p in params)
+    return {"mode": "serve", "requests": args.serve, "startup_s": round(startup, 2),
+            "kv_blocks": stats.kv_blocks_total, "kv_tokens": stats.kv_blocks_total * 16,
+            "kv_gib": round(stats.kv_blocks_total * 16 * token_bytes / 2**30, 2),
+            "device_gib": round(total / 2**30, 1), "free_before_gib": round(free0 / 2**30, 1),
+            "free_after_build_gib": round(free1 / 2**30, 1),
+            "max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "output_tokens": produced, "seconds": round(elapsed, 2), "tok_s": round(produced / elapsed, 1),
+            "preemptions": llm.engine.stats().num_preemptions}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--serve", type=int, default=0, help="serve this many requests instead")
+    parser.add_argument("--device", default="cuda", help="cuda (a CPU only checks that the script runs)")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    result = serve(args) if args.serve else decode(args)
+    result["device"] = device_name(args.device)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Everything nanoserve measures on a GPU, in one command that fits a short lease of one H100/H200.
+
+    PYTHONPATH=. python3 benchmarks/gpu_suite.py --out results/ [--steps env,tests,...]
+
+It needs no network and none of the serving extras (fastapi, uvicorn, gguf): the GPU machine's
+own python3 (torch, Triton, transformers, pytest) runs it. The models are random-weight
+checkpoints that transformers builds on the GPU from the small config files shipped in
+benchmarks/gpu_models/ (SmolLM2-135M's shape with its tokenizer, Llama-3.2-1B's, Llama-2-7B's);
+speed does not depend on the weights' values.
+
+Steps, in order (each in its own process, under its own time limit; a failure is recorded and
+the next step runs):
+
+    env         GPU, driver, library versions
+    tests       the CUDA tests (pytest -m cuda) and the Triton kernel tests, compiled
+    attention   benchmarks/attention.py: decode/prefill vs SDPA and the HBM/TFLOP roofline
+    throughput  benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped
+    decode      1B-shaped decode step at batch 64 vs its HBM roofline (weights + KV bytes)
+    serve7b     a 7B-shaped model: start-up, KV sized from free memory, 200 requests
+
+It writes suite.json (every step's numbers and log tail) and suite.md (a summary table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "benchmarks" / "gpu_models"
+STEPS = ["env", "attention", "throughput", "serve7b", "decode", "tests"]
+
+
+def build_checkpoint(name: str, cache: Path) -> Path:
+    """A random-weight bf16 checkpoint of benchmarks/gpu_models/<name>, built on the GPU."""
+    import shutil
+
+    import torch
+    import transformers
+
+    out = cache / name
+    if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
+        return out
+    src = MODELS / name
+    config = transformers.AutoConfig.from_pretrained(src)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(out, safe_serialization=True)
+    for extra in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / extra).exists():
+            shutil.copy(src / extra, out / extra)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+DEADLINE = [float("inf")]  # time.time() by which every step must end (--minutes)
+
+
+def run(cmd: list[str], timeout: int, log: Path) -> dict:
+    start = time.time()
+    timeout = max(5, int(min(timeout, DEADLINE[0] - start)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, output = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    log.write_text(output)
+    return {"rc": rc, "seconds": round(time.time() - start, 1), "tail": output[-3000:]}
+
+
+def step_env(out: Path) -> dict:
+    import torch
+    import triton
+    import transformers
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    props = torch.cuda.get_device_properties(0)
+    return {"nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "transformers": transformers.__version__, "device": props.name, "sms": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1), "python": sys.version.split()[0],
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def step_tests(out: Path) -> dict:
+    files = ["tests/test_triton_kernels.py", "tests/test_triton_backend.py", "tests/test_runner_copies.py",
+             "tests/test_copy_stream_cuda.py", "tests/test_kv_sizing.py", "tests/test_bidirectional_e2e.py"]
+    cuda_only = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                     "--continue-on-collection-errors", "tests", f"--junitxml={out}/cuda_tests.xml"],
+                    100, out / "tests_cuda.log")
+    kernels = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
+                   f"--junitxml={out}/kernel_tests.xml"], 130, out / "tests_kernels.log")
+    return {"cuda_marked": cuda_only, "kernel_files": kernels}
+
+
+def step_attention(out: Path) -> dict:
+    r = run([sys.executable, "benchmarks/attention.py", "--json", str(out / "attention.json")], 100,
+            out / "attention.log")
+    if (out / "attention.json").exists():
+        r["results"] = json.loads((out / "attention.json").read_text())
+    return r
+
+
+def step_throughput(out: Path, cache: Path) -> dict:
+    results = {}
+    for name, prompts in (("smollm2-135m", 256), ("llama-1b", 256)):
+        ckpt = build_checkpoint(name, cache)
+        path = out / f"throughput_{name}.json"
+        r = run([sys.executable, "benchmarks/throughput.py", "--model", str(ckpt), "--device", "cuda",
+                 "--dtype", "bfloat16", "--num-prompts", str(prompts), "--kv-cache-tokens", "0",
+                 "--json", str(path)], 90, out / f"throughput_{name}.log")
+        if path.exists():
+            r["results"] = json.loads(path.read_text())
+        results[name] = r
+    return results
+
+
+def step_decode(out: Path, cache: Path) -> dict:
+    ckpt = build_checkpoint("llama-1b", cache)
+    path = out / "decode.json"
+    r = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--json", str(path)], 90,
+            out / "decode.log")
+    if path.exists():
+        r["results"] = json.loads(path.read_text())
+    return r
+
+
+def step_serve7b(out: Path, cache: Path) -> dict:
+    t = time.time()
+    ckpt = build_checkpoint("llama-7b", cache)
+    built = time.time() - t
+    path = out / "serve7b.json"
+    r = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--serve", "200",
+             "--json", str(path)], 200, out / "serve7b.log")
+    r["checkpoint_build_s"] = round(built, 1)
+    if path.exists():
+        r["results"] = json.loads(path.read_text())
+    return r
+
+
+def summary(results: dict) -> str:
+    lines = [f"# GPU suite, {results.get('env', {}).get('device', '?')}, {time.strftime('%Y-%m-%d')}", ""]
+    env = results.get("env", {})
+    lines.append(f"- {env.get('nvidia_smi')}; torch {env.get('torch')}, Triton {env.get('triton')}, "
+                 f"transformers {env.get('transformers')}")
+    for name, r in results.items():
+        if name == "env":
+            continue
+        lines.append(f"\n## {name}\n\n```\n{json.dumps(r, indent=1, default=str)[:6000]}\n```")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu-results")
+    parser.add_argument("--steps", default=",".join(STEPS))
+    parser.add_argument("--cache", default="/tmp/nanoserve-gpu-models", help="where the random checkpoints go")
+    parser.add_argument("--minutes", type=float, default=20.0, help="every step ends by then (each has its own limit too)")
+    args = parser.parse_args()
+    DEADLINE[0] = time.time() + 60 * args.minutes
+    out, cache = Path(args.out), Path(args.cache)
+    out.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for step in args.steps.split(","):
+        t = time.time()
+        print(f"== {step}", flush=True)
+        try:
+            fn = globals()[f"step_{step}"]
+            results[step] = fn(out, cache) if "cache" in fn.__code__.co_varnames else fn(out)
+        except Exception as e:  # noqa: BLE001 - a failed step is a result; the suite goes on
+            results[step] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(results[step], default=str)[:2000], f"({time.time() - t:.0f} s)", flush=True)
+        (out / "suite.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "suite.md").write_text(summary(results))
+
+
+if __name__ == "__main__":
+    main()
