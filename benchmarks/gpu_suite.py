@@ -124,13 +124,18 @@ def step_throughput(out: Path, cache: Path) -> dict:
 
 
 def step_decode(out: Path, cache: Path) -> dict:
-    ckpt = build_checkpoint("llama-1b", cache)
-    path = out / "decode.json"
-    r = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--json", str(path)], 90,
-            out / "decode.log")
-    if path.exists():
-        r["results"] = json.loads(path.read_text())
-    return r
+    """Eager and graphed, each in its own process, for each shape."""
+    results = {}
+    for name in ("llama-1b", "smollm2-135m"):
+        ckpt = build_checkpoint(name, cache)
+        for mode in ("eager", "graphed"):
+            path = out / f"decode_{name}_{mode}.json"
+            r = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--json", str(path)]
+                    + (["--eager"] if mode == "eager" else []), 90, out / f"decode_{name}_{mode}.log")
+            if path.exists():
+                r["results"] = json.loads(path.read_text())
+            results[f"{name} {mode}"] = r
+    return results
 
 
 def step_serve7b(out: Path, cache: Path) -> dict:

@@ -20,6 +20,7 @@ from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import KVManager
 from nanoserve.model.attention import default_attention_backend, get_attention_backend
+from nanoserve.model.cuda_graphs import decode_buckets
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_config, load_model, resolve_model_path
 from nanoserve.model.runner import Executor, ModelRunner
@@ -61,6 +62,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
     pipeline_parallel_size: int = 1  # stages of consecutive layers, one process (group) each
     pipeline_microbatches: int | None = None  # per pipelined step; None: twice the stages
+    # Decode steps replay CUDA graphs (model/cuda_graphs.py) on one CUDA device unless this is
+    # set (vLLM's enforce_eager). `decode_graph_sizes`: the batch sizes to record; None: 1, 2, 4,
+    # 8, then every 8 up to max_num_seqs on CUDA, none elsewhere (given on a CPU, the same path
+    # runs without recording: for tests).
+    enforce_eager: bool = False
+    decode_graph_sizes: tuple[int, ...] | None = None
     calibrate_cost_model: bool = True  # scale the cost model by measured step times (cost_model.py)
     online_slo: SLO | None = None  # the online class's default targets; None: DEFAULT_SLOS
     offline_slo: SLO | None = None
@@ -240,9 +247,16 @@ def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device
         host_store = HostKVStore(plan.host_blocks, args.block_size, cfg.num_layers,
                                  local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype,
                                  layerwise=args.layerwise_kv_copies)
+    graph_sizes: tuple[int, ...] = ()
+    if not args.enforce_eager and plan.topology.world_size == 1:
+        default = tuple(decode_buckets(args.max_num_seqs)) if device.type == "cuda" else ()
+        graph_sizes = default if args.decode_graph_sizes is None else args.decode_graph_sizes
+    longest = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
+                  plan.num_blocks * args.block_size)
     return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),
                        args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp,
-                       stage_layers=stage_layers)
+                       stage_layers=stage_layers, cuda_graph_sizes=graph_sizes,
+                       max_blocks_per_seq=-(-longest // args.block_size))
 
 
 def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:

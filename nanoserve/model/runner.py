@@ -35,6 +35,7 @@ from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
+from nanoserve.model.cuda_graphs import DecodeGraphs
 from nanoserve.model.layer_peer import LayerPeer
 from nanoserve.sampling import sample
 from nanoserve.sched.base import SchedulerOutput
@@ -131,13 +132,16 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
                  host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8,
-                 tp: TPGroup = SINGLE, stage_layers: range | None = None):
+                 tp: TPGroup = SINGLE, stage_layers: range | None = None,
+                 cuda_graph_sizes: Iterable[int] = (), max_blocks_per_seq: int = 0):
         """With `arena` (KunServe), the KV caches are the arena's views and `host_weights` (every
         parameter by name, on the host) feeds the peer on a drop and the arena on a restore.
         `preempt_every_layers`: how often a pure-offline forward checks the preemption flag.
         `tp`: this rank's tensor-parallel group; only rank 0 samples (every rank computes the
         gathered logits, as the gather is collective). `stage_layers`: a pipeline stage's layers
-        (dist/pipeline.py), the only ones it keeps KV for."""
+        (dist/pipeline.py), the only ones it keeps KV for. `cuda_graph_sizes`: the decode batch
+        sizes to record CUDA graphs for (cuda_graphs.py; none: every step runs eagerly), over
+        block tables `max_blocks_per_seq` wide; only a single-rank runner without an arena."""
         self.model = model
         self.tp = tp
         self.stage_layers = stage_layers
@@ -162,6 +166,11 @@ class ModelRunner:
             self.peer = LayerPeer(model, host_weights, device, arena.config.layer_pattern)
             self.kv_caches = self._arena_kv_caches()
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        sizes = sorted(set(cuda_graph_sizes))
+        if sizes and (arena is not None or tp.size > 1 or stage_layers is not None):
+            raise ValueError("CUDA graphs need a single-rank runner whose layers never change (no arena)")
+        self.graphs = (DecodeGraphs(model, self.kv_caches, backend, sizes, max_blocks_per_seq, device)
+                       if sizes else None)
 
     # -- KunServe: drop and restore layers between steps (§4.1, §4.2, §4.4) --------------------
     def _arena_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -288,21 +297,36 @@ class ModelRunner:
         if not batch.chunks:
             return ExecutorOutput()
         prepared = self.prepare(batch)
-        try:
-            # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
-            # not as a pipeline stage: the stages run different layers, so no barrier aligns them.
-            preemptible = self.stage_layers is None and all(c.request.priority is RequestClass.OFFLINE
-                                                          for c in batch.chunks)
-            hidden = self.run_model(prepared, preemptible=preemptible)
-        except ForwardPreempted:
-            return ExecutorOutput(preempted=True)
+        # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
+        # not as a pipeline stage: the stages run different layers, so no barrier aligns them.
+        preemptible = self.stage_layers is None and all(c.request.priority is RequestClass.OFFLINE
+                                                      for c in batch.chunks)
         sampling = [c.request for c in batch.chunks if c.samples]
-        if not sampling:
-            return ExecutorOutput()
-        logits = self.model.compute_logits(hidden[prepared.sample_rows])
+        if self._replayable(batch, prepared, preemptible):
+            logits = self.graphs.replay(prepared.ctx, prepared.input_ids, prepared.positions)
+        else:
+            try:
+                hidden = self.run_model(prepared, preemptible=preemptible)
+            except ForwardPreempted:
+                return ExecutorOutput(preempted=True)
+            if not sampling:
+                return ExecutorOutput()
+            logits = self.model.compute_logits(hidden[prepared.sample_rows])
         if self.tp.rank != 0:
             return ExecutorOutput()
         return self.sample(sampling, logits)
+
+    def _replayable(self, batch: SchedulerOutput, prepared: PreparedBatch, preemptible: bool) -> bool:
+        """Can a CUDA graph run this step (cuda_graphs.py)? Only every sequence decoding one
+        token it samples, left to right, with no Python to run between layers."""
+        graphs = self.graphs
+        if graphs is None or preemptible or prepared.ctx.directions is not None:
+            return False
+        if self.host_store is not None and self.host_store.has_layer_waits:
+            return False
+        num_seqs = len(batch.chunks)
+        all_decode = prepared.input_ids.shape[0] == num_seqs == len(prepared.sample_rows)
+        return graphs.can_replay(num_seqs, all_decode, prepared.ctx.block_tables.shape[1])
 
     def sample(self, sampling: list, logits: torch.Tensor) -> ExecutorOutput:
         """Draw each request's next token from its row of `logits`."""
