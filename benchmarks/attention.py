@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
-from kernels.paged_attention import paged_attention  # noqa: E402
+from kernels.paged_attention import decode_splits, paged_attention  # noqa: E402
 
 # Dense bf16 tensor-core TFLOP/s and HBM GB/s from NVIDIA's datasheets; first match wins.
 DEVICE_PEAKS = [
@@ -65,6 +65,7 @@ class Result:
     ours_ms: float
     peer_ms: float
     bidirectional_ms: float
+    unsplit_ms: float | None  # decode with split-K chosen: the same call without splitting
     achieved: float  # GB/s (decode) or TFLOP/s (prefill)
     fraction_of_peak: float | None
     max_abs_error: float
@@ -161,6 +162,10 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, repeats: int)
     flip_pages(v_cache, tables, directions.nonzero().squeeze(1))
     error = max(error, float((ours(directions).float() - out.float()).abs().max()))
     bidirectional_ms = bench(lambda: ours(directions), device, repeats)
+    unsplit_ms = None
+    if case.kind == "decode" and decode_splits(case.batch, case.kv_heads, device) > 1:
+        unsplit_ms = bench(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, None, scale,
+                                                   num_splits=1), device, repeats)
 
     _, peak_tflops, peak_gbps = device_peaks(device)
     if case.kind == "decode":
@@ -172,14 +177,14 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, repeats: int)
         pairs = case.batch * (case.chunk * prefix + case.chunk * (case.chunk + 1) // 2)  # (query, key) pairs seen
         achieved = 4 * pairs * case.heads * case.head_dim / (ours_ms * 1e-3) / 1e12
         fraction = achieved / peak_tflops if peak_tflops else None
-    return Result(case, ours_ms, peer_ms, bidirectional_ms, achieved, fraction, error)
+    return Result(case, ours_ms, peer_ms, bidirectional_ms, unsplit_ms, achieved, fraction, error)
 
 
 def cases(smoke: bool) -> list[Case]:
     if smoke:
         tiny = dict(heads=4, kv_heads=2, head_dim=64, block_size=16)
         return [Case("decode", 2, 40, 1, **tiny), Case("prefill", 1, 48, 16, **tiny)]
-    decode = [Case("decode", b, c, 1) for b in (1, 64, 256) for c in (1024, 4096, 16384)]
+    decode = [Case("decode", b, c, 1) for b in (1, 4, 16, 64, 256) for c in (1024, 4096, 16384)]
     prefill = [Case("prefill", 1, 2 * c, c) for c in (512, 1024, 2048, 4096)]
     return decode + prefill
 
@@ -188,14 +193,49 @@ def print_table(results: list[Result], device_name: str, dtype: torch.dtype, int
     print(f"device: {device_name}; {dtype}; {date.today().isoformat()}")
     if interpreted:
         print("(Triton interpreted on the CPU: a correctness check, its times say nothing about speed)")
-    print("| kind | batch | context | chunk | ours ms | SDPA ms | SDPA/ours | achieved | of peak | bidir/plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| kind | batch | context | chunk | ours ms | SDPA ms | SDPA/ours | achieved | of peak | bidir/plain "
+          "| unsplit ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         unit = "GB/s" if r.case.kind == "decode" else "TFLOP/s"
         peak = f"{r.fraction_of_peak:.0%}" if r.fraction_of_peak is not None else "n/a"
         print(f"| {r.case.kind} | {r.case.batch} | {r.case.context} | {r.case.chunk} | {r.ours_ms:.3f} | "
               f"{r.peer_ms:.3f} | {r.ratio:.2f}x | {r.achieved:.1f} {unit} | {peak} | "
-              f"{r.bidirectional_ms / r.ours_ms:.3f} |")
+              f"{r.bidirectional_ms / r.ours_ms:.3f} | "
+              f"{'' if r.unsplit_ms is None else f'{r.unsplit_ms:.3f}'} |")
+
+
+SWEEP = {  # the tile and launch settings --sweep times, per kind of case
+    "prefill": [dict(BLOCK_M=m, TILE_N=n, num_warps=w, num_stages=st)
+                for m in (64, 128) for n in (32, 64) for w in (4, 8) for st in (2, 3)],
+    "decode": [dict(BLOCK_M=16, TILE_N=n, num_warps=w, num_stages=st) for n in (32, 64, 128) for w in (2, 4)
+               for st in (2, 3)],
+}
+
+
+def sweep(dtype: torch.dtype, device: torch.device) -> list[dict]:
+    """Our kernel's time under each SWEEP setting (an error, e.g. too much shared memory, is
+    recorded as such), for two prefill and two decode cases: the data to pick defaults from."""
+    rows = []
+    for case in [Case("prefill", 1, 4096, 2048), Case("decode", 64, 1024, 1)]:
+        q, k_cache, v_cache, tables, seq_lens, qsl, _, _ = paged_inputs(case, dtype, device)
+        scale = case.head_dim ** -0.5
+        default_ms = bench(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, None, scale),
+                           device, 3)
+        for tuning in SWEEP[case.kind]:
+            try:
+                ms = bench(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, None, scale,
+                                                   tuning=tuning), device, 3)
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result
+                ms = f"{type(e).__name__}"
+            rows.append(asdict(case) | {"tuning": tuning, "ms": ms, "default_ms": default_ms})
+            print(f"{case.kind} {case.batch}x{case.context}: {tuning} {ms if isinstance(ms, str) else f'{ms:.4f}'} ms "
+                  f"(default {default_ms:.4f})", flush=True)
+        best = min((r for r in rows if r["kind"] == case.kind and r["context"] == case.context
+                    and isinstance(r["ms"], float)), key=lambda r: r["ms"], default=None)
+        print(f"{case.kind} batch {case.batch} ctx {case.context}: default {default_ms:.3f} ms, best "
+              + ("none compiled" if best is None else f"{best['ms']:.3f} ms with {best['tuning']}"), flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny cases on the CPU (interpreted); checks only")
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--sweep", help="time tile/launch settings instead, writing them to this JSON file")
     args = parser.parse_args(argv)
+    if args.sweep:
+        if not torch.cuda.is_available():
+            parser.error("--sweep needs a GPU")
+        with open(args.sweep, "w") as f:
+            json.dump(sweep(getattr(torch, args.dtype), torch.device("cuda")), f, indent=1)
+        return 0
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cpu" and not args.smoke:

@@ -11,12 +11,15 @@ speed does not depend on the weights' values.
 Steps, in order (each in its own process, under its own time limit; a failure is recorded and
 the next step runs):
 
-    env         GPU, driver, library versions
-    tests       the CUDA tests (pytest -m cuda) and the Triton kernel tests, compiled
-    attention   benchmarks/attention.py: decode/prefill vs SDPA and the HBM/TFLOP roofline
-    throughput  benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped
-    decode      1B-shaped decode step at batch 64 vs its HBM roofline (weights + KV bytes)
-    serve7b     a 7B-shaped model: start-up, KV sized from free memory, 200 requests
+    env           GPU, driver, library versions
+    tests         the CUDA tests (pytest -m cuda) and the split-K kernel tests, compiled
+    attention     benchmarks/attention.py: decode/prefill vs SDPA and the HBM/TFLOP roofline
+    sweep         benchmarks/attention.py --sweep: tile and launch settings, for the defaults
+    throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped
+    serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests
+    decode        decode step vs its HBM roofline (weights + KV bytes), eager and graphed
+    fidelity      benchmarks/sim_fidelity.py: the simulator's roofline for this GPU vs the real engine
+    kernel_tests  every test that runs a Triton kernel, compiled
 
 It writes suite.json (every step's numbers and log tail) and suite.md (a summary table).
 """
@@ -32,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "gpu_models"
-STEPS = ["env", "attention", "throughput", "serve7b", "decode", "tests"]
+STEPS = ["env", "decode", "tests", "attention", "throughput", "fidelity", "sweep", "serve7b", "kernel_tests"]
 
 
 def build_checkpoint(name: str, cache: Path) -> Path:
@@ -60,6 +63,8 @@ def build_checkpoint(name: str, cache: Path) -> Path:
     return out
 
 
+THROUGHPUT_MODELS = [("smollm2-135m", "llama-1b")]  # --throughput-models
+DECODE_MODELS = [("llama-1b", "smollm2-135m")]  # --decode-models
 DEADLINE = [float("inf")]  # time.time() by which every step must end (--minutes)
 
 
@@ -91,14 +96,26 @@ def step_env(out: Path) -> dict:
 
 
 def step_tests(out: Path) -> dict:
-    files = ["tests/test_triton_kernels.py", "tests/test_triton_backend.py", "tests/test_runner_copies.py",
-             "tests/test_copy_stream_cuda.py", "tests/test_kv_sizing.py", "tests/test_bidirectional_e2e.py"]
-    cuda_only = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+    """The CUDA-marked tests, then the split-K kernel tests compiled (new kernels first)."""
+    cuda_only = run([sys.executable, "-m", "pytest", "-q", "-rfEP", "-m", "cuda", "-p", "no:cacheprovider",
                      "--continue-on-collection-errors", "tests", f"--junitxml={out}/cuda_tests.xml"],
                     100, out / "tests_cuda.log")
-    kernels = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
-                   f"--junitxml={out}/kernel_tests.xml"], 130, out / "tests_kernels.log")
-    return {"cuda_marked": cuda_only, "kernel_files": kernels}
+    split = run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-k", "split",
+                 "tests/test_triton_kernels.py"], 60, out / "tests_split.log")
+    return {"cuda_marked": cuda_only, "split_kernels": split}
+
+
+def step_kernel_tests(out: Path) -> dict:
+    """Every test that runs a Triton kernel, compiled on the GPU."""
+    files = ["tests/test_triton_kernels.py", "tests/test_triton_backend.py", "tests/test_runner_copies.py",
+             "tests/test_bidirectional_e2e.py", "tests/test_cuda_graphs.py"]
+    return run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files,
+                f"--junitxml={out}/kernel_tests.xml"], 200, out / "tests_kernels.log")
+
+
+def step_sweep(out: Path) -> dict:
+    r = run([sys.executable, "benchmarks/attention.py", "--sweep", str(out / "sweep.json")], 120, out / "sweep.log")
+    return r
 
 
 def step_attention(out: Path) -> dict:
@@ -111,7 +128,7 @@ def step_attention(out: Path) -> dict:
 
 def step_throughput(out: Path, cache: Path) -> dict:
     results = {}
-    for name, prompts in (("smollm2-135m", 256), ("llama-1b", 256)):
+    for name, prompts in [(m, 256) for m in THROUGHPUT_MODELS[0]]:
         ckpt = build_checkpoint(name, cache)
         path = out / f"throughput_{name}.json"
         r = run([sys.executable, "benchmarks/throughput.py", "--model", str(ckpt), "--device", "cuda",
@@ -126,7 +143,7 @@ def step_throughput(out: Path, cache: Path) -> dict:
 def step_decode(out: Path, cache: Path) -> dict:
     """Eager and graphed, each in its own process, for each shape."""
     results = {}
-    for name in ("llama-1b", "smollm2-135m"):
+    for name in DECODE_MODELS[0]:
         ckpt = build_checkpoint(name, cache)
         for mode in ("eager", "graphed"):
             path = out / f"decode_{name}_{mode}.json"
@@ -136,6 +153,22 @@ def step_decode(out: Path, cache: Path) -> dict:
                 r["results"] = json.loads(path.read_text())
             results[f"{name} {mode}"] = r
     return results
+
+
+def step_fidelity(out: Path, cache: Path) -> dict:
+    """The simulator's roofline for this GPU against the real engine on the same trace."""
+    import torch
+
+    name = torch.cuda.get_device_name()
+    roofline = "H200" if "H200" in name else "H100-80G"
+    ckpt = build_checkpoint("smollm2-135m", cache)
+    path = out / "fidelity.json"
+    r = run([sys.executable, "benchmarks/sim_fidelity.py", "--model", str(ckpt), "--device", "cuda",
+             "--dtype", "bfloat16", "--roofline", roofline, "--requests", "60", "--rate", "20",
+             "--kv-tokens", "65536", "--json", str(path)], 90, out / "fidelity.log")
+    if path.exists():
+        r["results"] = json.loads(path.read_text())
+    return r
 
 
 def step_serve7b(out: Path, cache: Path) -> dict:
@@ -168,9 +201,13 @@ def main() -> None:
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--steps", default=",".join(STEPS))
     parser.add_argument("--cache", default="/tmp/nanoserve-gpu-models", help="where the random checkpoints go")
+    parser.add_argument("--throughput-models", default="smollm2-135m,llama-1b")
+    parser.add_argument("--decode-models", default="llama-1b,smollm2-135m")
     parser.add_argument("--minutes", type=float, default=20.0, help="every step ends by then (each has its own limit too)")
     args = parser.parse_args()
     DEADLINE[0] = time.time() + 60 * args.minutes
+    THROUGHPUT_MODELS[0] = tuple(args.throughput_models.split(","))
+    DECODE_MODELS[0] = tuple(args.decode_models.split(","))
     out, cache = Path(args.out), Path(args.cache)
     out.mkdir(parents=True, exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,11 @@ Arrivals are replayed in real time on the real engine: it idles until each arriv
 simulator's clock jumps.
 
     python benchmarks/sim_fidelity.py [--requests 40] [--rate 1.5] [--smoke]
+    python benchmarks/sim_fidelity.py --device cuda --dtype bfloat16 --roofline H200 --model DIR
+
+With `--roofline GPU` the simulator runs on its analytic roofline for that GPU (sim/hardware.py)
+instead of the fitted profile, as every paper experiment does: the per-iteration error is the
+roofline's prediction for each batch the real engine ran (the fitted profile's is reported too).
 """
 from __future__ import annotations
 
@@ -86,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-tokens", type=int, default=16384)
     parser.add_argument("--smoke", action="store_true", help="8 requests")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--roofline", default=None, help="simulate on this GPU's roofline (e.g. H200, H100-80G)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests = 8
     model = args.model or default_model()
-    engine_args = EngineArgs(model=model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_tokens,
+    engine_args = EngineArgs(model=model, device=args.device, dtype=args.dtype, kv_cache_tokens=args.kv_tokens,
                              calibrate_cost_model=False)
     engine = build_engine(engine_args)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "warm-up")
@@ -104,17 +112,35 @@ def main(argv: list[str] | None = None) -> int:
                        max_num_batched_tokens=engine.config.max_num_batched_tokens,
                        max_num_seqs=engine.config.max_num_seqs, fitted_policy_model=False,
                        calibrate_cost_model=False)  # as the real run above
-    sim = simulate(config, eval_trace, executor_cost=fitted)
-    # Per iteration: the fitted profile's prediction for each batch the real engine ran.
-    step_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds in real["steps"]]
+    if args.roofline:
+        from dataclasses import replace
+
+        from nanoserve.sim.hardware import gpu
+        from nanoserve.sim.roofline import Roofline
+
+        config = replace(config, gpu=args.roofline)
+        roofline = Roofline(gpu(args.roofline), config.model_config)
+        sim = simulate(config, eval_trace)  # the roofline is the simulator's own clock
+        predict = roofline.iteration_seconds
+        fitted_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds in real["steps"]]
+        print(f"fitted profile, per-iteration median error: {percentile(fitted_errors, 50):.1%}")
+    else:
+        sim = simulate(config, eval_trace, executor_cost=fitted)
+        predict = fitted.predict
+    # Per iteration: the clock's prediction for each batch the real engine ran.
+    step_errors = [abs(predict(batch) - seconds) / seconds for batch, seconds in real["steps"]]
+    real_steps = [seconds for _, seconds in real["steps"]]
+    print(f"real step: median {percentile(real_steps, 50) * 1e3:.2f} ms; predicted median "
+          f"{percentile([predict(b) for b, _ in real['steps']], 50) * 1e3:.2f} ms")
     sim_ttft = [r.ttft for r in sim.records]
     sim_throughput = sum(r.output_len for r in sim.records) / sim.duration
     rows = [("per-iteration latency (median over steps)", None, None, percentile(step_errors, 50)),
             ("TTFT p50 (s)", percentile(real["ttft"], 50), percentile(sim_ttft, 50), None),
             ("TTFT p99 (s)", percentile(real["ttft"], 99), percentile(sim_ttft, 99), None),
             ("throughput (output tok/s)", real["throughput"], sim_throughput, None)]
-    print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {Path(model).name} fp32 on "
-          f"this CPU vs the simulator with a step profile fitted here; {args.requests} requests, "
+    clock = f"{args.roofline}'s roofline" if args.roofline else "a step profile fitted here"
+    print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {Path(model).name} "
+          f"{args.dtype} on {args.device} vs the simulator with {clock}; {args.requests} requests, "
           f"{LENGTHS.label}, Poisson {args.rate}/s; fcfs")
     print("| metric | real engine | simulator | error |")
     print("|---|---|---|---|")

@@ -38,8 +38,22 @@ needs no host synchronisation; each program binary-searches `query_start_loc` fo
 sequence, and programs past the end of their sequence's tiles exit at once (vLLM's unified
 Triton attention uses the same numbering).
 
-No split-K (flash-decoding) path: the issue asks for one only with a measured gain, and no GPU
-was available to measure it (benchmarks/RESULTS.md).
+Split-K for small decode batches (flash-decoding)
+-------------------------------------------------
+A decode batch gives the grid above one program per (sequence, KV head): 8 programs for one
+Llama-3-8B sequence, on a GPU with 132 SMs. Measured on an H200 (benchmarks/RESULTS.md), batch 1
+reached 2% of HBM bandwidth, 4-20x slower than SDPA. When every sequence decodes and those
+programs would not fill the GPU, the context is cut into `num_splits` parts instead:
+
+    grid (sequence, KV head, split)        each split: its ceil(seq_len / splits) columns (rounded
+                                           to TILE_N), the same online softmax, then stores its
+                                           normalised output and log-sum-exp (base 2)
+    grid (sequence, query head)            combine: out = sum_i w_i o_i / sum_i w_i,
+                                           w_i = 2^(lse_i - max lse)
+
+The split count depends only on the batch's shape, never on context lengths (which live on the
+device), so a CUDA graph records it like any other launch; a split past a sequence's end is empty
+(lse = -inf, weight 0).
 """
 from __future__ import annotations
 
@@ -63,7 +77,10 @@ def _find_sequence(query_start_loc, num_seqs, tile_idx, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Integer arguments are specialised by value class (== 1, multiple of 16) unless told otherwise,
+# which would compile new variants mid-serving as the batch changes: the batch-dependent ones
+# are not (issue 22, defect 7).
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _paged_attention_kernel(
     out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, directions,
     scale_log2, num_seqs,
@@ -145,6 +162,120 @@ def _paged_attention_kernel(
              acc.to(out.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
+@triton.jit(do_not_specialize=["stride_table"])
+def _paged_decode_split_kernel(
+    partial_out, partial_lse, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, directions,
+    scale_log2,
+    stride_q_tok, stride_q_head,
+    stride_k_block, stride_k_slot, stride_k_head,
+    stride_v_block, stride_v_slot, stride_v_head,
+    stride_table, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
+    NUM_SPLITS: tl.constexpr, HAS_DIRECTIONS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    """One split of one decoding sequence's context for one KV head: rows are the GROUP query
+    heads of that KV head (one new token), columns the split's positions."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(seq_len, start + per_split)
+
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    token = tl.load(query_start_loc + seq).to(tl.int64)
+    queries = tl.load(q + token * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                      mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_IN_FP32:
+        queries = queries.to(tl.float32)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    if HAS_DIRECTIONS:
+        right_to_left = tl.load(directions + seq) != 0
+    table = block_tables + seq.to(tl.int64) * stride_table
+    for col_start in range(start, end, TILE_N):
+        cols = col_start + tl.arange(0, TILE_N)
+        col_valid = cols < end
+        page = tl.load(table + cols // BLOCK_SIZE, mask=col_valid, other=0).to(tl.int64)
+        slot = cols % BLOCK_SIZE
+        if HAS_DIRECTIONS:
+            slot = tl.where(right_to_left, BLOCK_SIZE - 1 - slot, slot)
+        k_offsets = page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
+        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=dim_valid[:, None] & col_valid[None, :], other=0.0)
+        if DOT_IN_FP32:
+            keys = keys.to(tl.float32)
+        scores = tl.dot(queries, keys, input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(col_valid[None, :], scores, float("-inf"))
+        # The new token sees its whole context: only the split's end masks. Column `start` is
+        # valid in every row, so the max is finite after the first tile.
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        v_offsets = page[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
+        values = tl.load(v_cache + v_offsets + dims[None, :], mask=col_valid[:, None] & dim_valid[None, :], other=0.0)
+        if DOT_IN_FP32:
+            values = values.to(tl.float32)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    nonempty = row_sum > 0
+    acc = acc / tl.where(nonempty, row_sum, 1.0)[:, None]
+    lse = tl.where(nonempty, row_max + tl.log2(tl.where(nonempty, row_sum, 1.0)), float("-inf"))
+    base = seq.to(tl.int64) * stride_po_seq + split * stride_po_split
+    tl.store(partial_out + base + head[:, None] * stride_po_head + dims[None, :], acc, mask=row_valid[:, None])
+    tl.store(partial_lse + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head + split, lse, mask=row_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out, partial_out, partial_lse, query_start_loc,
+    stride_o_tok, stride_o_head, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """out = sum_i 2^(lse_i - m) o_i / sum_i 2^(lse_i - m), m the largest lse (split 0 is never
+    empty: every sequence has a context)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    lse = tl.load(partial_lse + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head + splits,
+                  mask=splits < NUM_SPLITS, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(partial_out + seq.to(tl.int64) * stride_po_seq + head * stride_po_head
+                    + splits[:, None] * stride_po_split + dims[None, :],
+                    mask=(splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    result = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    token = tl.load(query_start_loc + seq).to(tl.int64)
+    tl.store(out + token * stride_o_tok + head * stride_o_head + dims, result.to(out.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+MAX_SPLITS = 32
+_SM_COUNT: dict[int, int] = {}
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many parts to cut each decoding context into: enough programs for about two waves
+    over the GPU's SMs, at most MAX_SPLITS; 1 (no split) once the batch fills the GPU alone, and
+    on a CPU (the interpreter has no SMs to fill; tests ask for splits explicitly)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    programs = num_seqs * num_kv_heads
+    return max(1, min(MAX_SPLITS, -(-2 * _SM_COUNT[index] // programs))) if programs < _SM_COUNT[index] else 1
+
+
 def _tile_shape(num_tokens: int, num_seqs: int, group: int, head_dim_pad: int) -> tuple[int, int]:
     """(BLOCK_M, TILE_N): a small row tile when every sequence decodes, a large one otherwise."""
     decode_only = num_tokens == num_seqs
@@ -162,6 +293,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
     directions: torch.Tensor | None,  # bool/int8 [num_seqs] or None
     scale: float,
+    num_splits: int | None = None,  # decode only: None picks `decode_splits`; 1 never splits
+    tuning: dict | None = None,  # benchmarks only: BLOCK_M, TILE_N, num_warps, num_stages overrides
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -179,10 +312,18 @@ def paged_attention(
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block_m, tile_n = _tile_shape(num_tokens, num_seqs, group, head_dim_pad)
+    tuning = dict(tuning or {})
+    block_m, tile_n = tuning.pop("BLOCK_M", block_m), tuning.pop("TILE_N", tile_n)
     block_q = block_m // group
     # Triton 3.9's interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot; on the
     # CPU those dots run in fp32 instead (compiled kernels use the tensor cores' bf16 path).
     dot_in_fp32 = q.dtype == torch.bfloat16 and triton.knobs.runtime.interpret
+    precision = "ieee" if q.dtype == torch.float32 or dot_in_fp32 else "tf32"
+    if num_tokens == num_seqs:
+        splits = decode_splits(num_seqs, num_kv_heads, q.device) if num_splits is None else num_splits
+        if splits > 1:
+            return _split_decode(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, directions,
+                                 scale, splits, group, head_dim_pad, block_m, tile_n, precision, dot_in_fp32)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -194,6 +335,34 @@ def paged_attention(
         block_tables.stride(0),
         HAS_DIRECTIONS=directions is not None, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_in_fp32 else "tf32", DOT_IN_FP32=dot_in_fp32,
+        DOT_PRECISION=precision, DOT_IN_FP32=dot_in_fp32, **tuning,
+    )
+    return out
+
+
+def _split_decode(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, directions, scale, splits,
+                  group, head_dim_pad, block_m, tile_n, precision, dot_in_fp32) -> torch.Tensor:
+    num_seqs = block_tables.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    partial_out = torch.empty((num_seqs, num_heads, splits, head_dim_pad), dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+    _paged_decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        partial_out, partial_lse, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        directions if directions is not None else seq_lens, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        NUM_SPLITS=splits, HAS_DIRECTIONS=directions is not None, GROUP=group, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=tile_n,
+        DOT_PRECISION=precision, DOT_IN_FP32=dot_in_fp32,
+    )
+    _combine_splits_kernel[(num_seqs, num_heads)](
+        out, partial_out, partial_lse, query_start_loc,
+        out.stride(0), out.stride(1), partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
     )
     return out

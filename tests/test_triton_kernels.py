@@ -84,3 +84,28 @@ def test_padding_rows_are_skipped_and_empty_batches_return():
                           torch.empty(0, dtype=torch.int32, device=DEVICE),
                           torch.zeros(1, dtype=torch.int32, device=DEVICE), None, 0.25)
     assert out.shape == (0, 2, 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case_specs(dtypes=DTYPES, max_len=80, max_seqs=3).filter(lambda s: all(q.new == 1 for q in s.seqs)),
+       st.sampled_from([2, 3, 7, 32]), st.integers(0, 2**31 - 1))
+def test_split_decode_matches_reference(spec, splits, seed):
+    """Flash-decoding: each context cut into `splits` parts (some empty for short contexts),
+    combined by their log-sum-exp; BROS directions and shared pages included."""
+    case = build_case(spec, seed, DEVICE)
+    reference.store_kv(case.new_k, case.new_v, case.k_cache, case.v_cache, case.slot_mapping)
+    ref = reference.paged_attention(*case.attention_args(case.k_cache, case.v_cache))
+    out = paged_attention(*case.attention_args(case.k_cache, case.v_cache), num_splits=splits)
+    assert_matches(case, out, ref)
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 32, 8)])
+def test_split_decode_long_contexts(head_dim, num_heads, num_kv_heads):
+    spec = CaseSpec(block_size=16, num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads,
+                    head_dim=head_dim, dtype=torch.float16,
+                    seqs=tuple(SeqSpec(n, 1, False) for n in (1, 33, 300)), with_directions=False)
+    case = build_case(spec, seed=11, device=DEVICE)
+    reference.store_kv(case.new_k, case.new_v, case.k_cache, case.v_cache, case.slot_mapping)
+    ref = reference.paged_attention(*case.attention_args(case.k_cache, case.v_cache))
+    for splits in (1, 4, 5):
+        assert_matches(case, paged_attention(*case.attention_args(case.k_cache, case.v_cache), num_splits=splits), ref)
