@@ -178,6 +178,17 @@ def test_preemption_flag_stops_only_at_safe_points():
     assert flag.num_preempted == 1
 
 
+def test_a_safe_point_waits_for_the_device_before_it_reads_the_flag():
+    """On a GPU the CPU runs ahead: the check must first let the device reach the safe point."""
+    events = []
+    flag = PreemptionFlag(every=2, num_layers=6, on_safe_point=lambda: events.append("arrivals"))
+    flag.wait_for_device = lambda: events.append("sync")
+    flag.safe_point(1)  # not checked: no sync
+    flag.safe_point(2)
+    flag.safe_point(6)  # after the last layer: nothing to stop, no sync
+    assert events == ["sync", "arrivals"]
+
+
 def test_online_arrival_stops_a_pure_offline_forward_within_k_layers(llama4_dir):
     llm = LLM(llama4_dir, device="cpu", dtype="float32", policy="conserve", kv_cache_tokens=512, block_size=B,
               preempt_every_layers=2)

@@ -171,6 +171,17 @@ class PipelineStage:
         runner, cfg = self.runner, self.runner.model_config
         sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until their sends complete
         sampling: list[list] = []
+        # The last stage sends its logits only after its loop. Interleaving them with the
+        # receives (isend(logits k), then recv(hidden k+1)) can deadlock over NCCL: P2P
+        # operations between one pair of ranks run in issue order on one stream, so with two
+        # stages rank 0's queue is [send h1, send h2, ..., recv l1, ...] and rank 1's
+        # [recv h1, send l1, recv h2, ...]. Rank 1's send l1 waits for rank 0's recv l1, which
+        # waits behind rank 0's send h2, which waits for rank 1's recv h2, behind send l1: a
+        # cycle, broken only while h2 fits NCCL's buffer (~4 MiB: 1k tokens of a 2k-wide
+        # bf16 model). Sent afterwards, both queues are [all activations, then all logits] in
+        # micro-batch order, so every operation's partner is next in the other queue. (With
+        # three or more stages the pair (0, last) carries only logits and was already safe.)
+        logits_out: list[torch.Tensor] = []
         # Each stage, for its own layers; the forward of every micro-batch follows, so all their
         # requests are this step's readers.
         runner.apply_kv_copies(microbatches[0].kv_copies, microbatches[0].landed_copies,
@@ -186,8 +197,9 @@ class PipelineStage:
             elif prepared.sample_rows:
                 logits = runner.model.compute_logits(hidden[prepared.sample_rows]).contiguous()
                 if runner.tp.rank == 0:
-                    sends.append((dist.isend(logits, dst=0), logits))
+                    logits_out.append(logits)
             self.busy_seconds += time.perf_counter() - begin
+        sends += [(dist.isend(logits, dst=0), logits) for logits in logits_out]
         out = ExecutorOutput()
         if self.rank == 0:
             rows = []
