@@ -2,7 +2,7 @@
 the policy and the attention backend. `LLM` and the server both build through here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -209,6 +209,28 @@ def build_engine(args: EngineArgs) -> Engine:
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     return Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
                   model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model)
+
+
+def shared_device_args(args: EngineArgs, sharing: int) -> EngineArgs:
+    """`args` for one of `sharing` engines on one GPU (a cluster's instances in a test): each
+    gets a 1/sharing part of `gpu_memory_utilization` of the device as a fixed KV byte budget,
+    less its weights (estimated from the checkpoint) and an activation reserve. A profile
+    would see the other engines' memory as used and their sizes would depend on start order."""
+    device = resolve_device(args.device)
+    if sharing <= 1 or device.type != "cuda" or args.kv_cache_tokens is not None or args.kv_cache_bytes is not None:
+        return args
+    path = Path(args.model) if args.model is not None and Path(args.model).is_dir() else None
+    if path is None:
+        from nanoserve.model.gguf import default_model
+
+        path = Path(default_model()) if args.model is None else resolve_model_path(args.model)
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = (int(total * args.gpu_memory_utilization / sharing) - checkpoint_bytes(path, resolve_dtype(args.dtype, device))
+              - GPU_ACTIVATION_RESERVE)
+    if budget <= 0:
+        raise ValueError(f"{sharing} engines cannot share {device}: a {1 / sharing:.0%} share of "
+                         f"gpu_memory_utilization leaves no KV beside the weights")
+    return replace(args, kv_cache_bytes=budget)
 
 
 def pipeline_microbatches(args: EngineArgs) -> int:

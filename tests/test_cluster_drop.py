@@ -188,3 +188,40 @@ def test_regrouped_pipelines_serve_every_architecture(arch, tmp_path):
         kinds = [c.kind for c in cluster.layout_changes]
     assert kinds[:2] == ["drop", "restore"], kinds
     assert_matches(expected, finished)
+
+
+def test_instances_get_their_own_gpu_or_a_share_of_one():
+    from nanoserve.dist.cluster import instance_devices
+
+    assert instance_devices("cpu", 2, 0) == [("cpu", 1), ("cpu", 1)]
+    assert instance_devices(None, 2, 4) == [(None, 1), (None, 1)]
+    assert instance_devices("cuda", 2, 4) == [("cuda:0", 1), ("cuda:1", 1)]
+    assert instance_devices("cuda:3", 2, 4) == [("cuda:3", 1), ("cuda:0", 1)]
+    # more instances than GPUs: they share, and each knows by how many
+    assert instance_devices("cuda", 3, 2) == [("cuda:0", 2), ("cuda:1", 1), ("cuda:0", 2)]
+
+
+def test_cuda_tensors_travel_over_gloo_through_the_host(monkeypatch):
+    from nanoserve.dist import p2p
+
+    class Fake:
+        device = type("D", (), {"type": "cuda"})()
+
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "gloo")
+    assert p2p.staged(Fake()) and not p2p.staged(__import__("torch").zeros(1))
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "nccl")
+    assert not p2p.staged(Fake())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_drop_and_restore_on_gpus(llama_dir, expected):
+    """Two instances on the GPU(s) (sharing one when there is one, each with its part of the
+    memory): the exchange and the pipeline's activations go through the host over gloo."""
+    args = EngineArgs(model=str(llama_dir), device="cuda", dtype="float32", kv_cache_tokens=6 * BLOCK,
+                      block_size=BLOCK)
+    with Cluster(args, 2, drop=True, chunk_bytes=2 * 2 * page_bytes()) as cluster:
+        finished = run_burst(cluster)
+        kinds = [c.kind for c in cluster.layout_changes]
+    assert_matches(expected, finished)
+    assert kinds[:2] == ["drop", "restore"], kinds

@@ -129,3 +129,20 @@ def test_a_second_gpu_serves(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert (llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
             == ref.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids)
+
+
+def test_engines_sharing_a_gpu_each_get_a_fixed_share(tiny_llama_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from nanoserve.builder import GPU_ACTIVATION_RESERVE, checkpoint_bytes, shared_device_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GiB))
+    args = EngineArgs(model=str(tiny_llama_dir), device="cuda:0", dtype="bfloat16", gpu_memory_utilization=0.9)
+    shared = shared_device_args(args, 2)
+    weights = checkpoint_bytes(tiny_llama_dir, torch.bfloat16)
+    assert 0 < weights < 1 << 20
+    assert shared.kv_cache_bytes == int(80 * GiB * 0.9 / 2) - weights - GPU_ACTIVATION_RESERVE
+    assert shared_device_args(args, 1) is args  # alone on its GPU: the profile sizes it
+    assert shared_device_args(EngineArgs(model=str(tiny_llama_dir), device="cpu"), 2).kv_cache_bytes is None
+    named = EngineArgs(model=str(tiny_llama_dir), device="cuda:0", kv_cache_tokens=64)
+    assert shared_device_args(named, 2) is named

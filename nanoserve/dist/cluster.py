@@ -104,6 +104,18 @@ class ThrottleMonitor:
                 for load in loads if load.demand_blocks > load.total_blocks}
 
 
+def instance_devices(device: str | None, num_instances: int, device_count: int) -> list[tuple[str | None, int]]:
+    """(device, how many instances share it) per instance. On CUDA each instance gets its own
+    GPU, `cuda:(first + i) % device_count`; with fewer GPUs than instances they share, and each
+    then takes a share of the memory (for tests on one GPU). Elsewhere every instance runs on
+    `device` as given."""
+    if device is None or not device.startswith("cuda") or device_count < 1:
+        return [(device, 1)] * num_instances
+    first = int(device.split(":")[1]) if ":" in device else 0
+    devices = [f"cuda:{(first + i) % device_count}" for i in range(num_instances)]
+    return [(d, devices.count(d)) for d in devices]
+
+
 class Cluster:
     """N instances of `args` (each a full engine in its own process) behind a dispatcher. With
     `drop=True` (KunServe) the instances use the arena KV manager, a throttled step triggers
@@ -134,8 +146,13 @@ class Cluster:
             for _ in range(num_instances):
                 connection = self._listener.accept()
                 self._connections[connection.recv()] = connection
-            for connection in self._connections.values():
-                connection.send((self.args, world, peer_timeout_s))
+            import torch
+
+            device = self.args.device or ("cuda" if torch.cuda.is_available() else None)
+            placed = instance_devices(device, num_instances, torch.cuda.device_count())
+            for i, connection in self._connections.items():
+                instance_device, sharing = placed[i]
+                connection.send((replace(self.args, device=instance_device), world, peer_timeout_s, sharing))
             started = {i: self._connections[i].recv() for i in range(num_instances)}
         except BaseException:
             self.shutdown()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoserve.dist import p2p
 from nanoserve.dist.drop_plan import Group
 from nanoserve.dist.executor import StepMessage
 from nanoserve.dist.pipeline import LAST_STAGE_ONLY, MissingLayer, decoder_body, run_stage
@@ -162,13 +163,13 @@ class GroupExecutor:
                 sampling.extend(c.request for c in chunks if c.samples)
             hidden, begin = run_stage(runner, prepared, self.prev, dtype)
             if not self.is_last:
-                sends.append((dist.isend(hidden, self.next), hidden))
+                sends.append(p2p.isend(hidden, self.next))
             elif prepared.sample_rows:
                 logits = runner.model.compute_logits(hidden[prepared.sample_rows]).contiguous()
                 if owner == self.me:
                     kept.append(logits)
                 else:
-                    sends.append((dist.isend(logits, owner), logits))
+                    sends.append(p2p.isend(logits, owner))
             self.busy_seconds += time.perf_counter() - begin
         out = ExecutorOutput()
         if sampling:
@@ -177,7 +178,7 @@ class GroupExecutor:
                     rows = sum(c.samples for c in chunks)
                     if rows:
                         kept.append(torch.empty(rows, cfg.vocab_size, dtype=dtype, device=runner.device))
-                        dist.recv(kept[-1], self.layout.members[-1])
+                        p2p.recv(kept[-1], self.layout.members[-1])
             out = runner.sample(sampling, torch.cat(kept))
         for handle, _ in sends:
             handle.wait()

@@ -49,10 +49,10 @@ def load_of(member: ClusterMember) -> InstanceLoad:
 
 
 def serve(connection, instance_id: int) -> None:
-    from nanoserve.builder import build_engine
+    from nanoserve.builder import build_engine, shared_device_args
 
-    args, world, timeout_s = connection.recv()
-    engine = build_engine(args)
+    args, world, timeout_s, sharing = connection.recv()
+    engine = build_engine(shared_device_args(args, sharing))
     dist.init_process_group("gloo", init_method=world[0], rank=instance_id, world_size=world[1],
                             timeout=timedelta(seconds=timeout_s))
     member = ClusterMember(instance_id, engine)

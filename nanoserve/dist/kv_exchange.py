@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
+
+from nanoserve.dist import p2p
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor] | None]  # per layer; None: not held here
 
@@ -54,7 +55,7 @@ def send_chunk(kv_caches: KVCaches, chunk: Sequence[KVMove], dst: int, group=Non
     """Send one chunk's blocks (K and V of each move's layer) as one message; returns bytes."""
     buffer = torch.stack([torch.stack((kv_caches[m.layer][0][m.src_block], kv_caches[m.layer][1][m.src_block]))
                           for m in chunk])
-    dist.send(buffer, dst=dst, group=group)
+    p2p.send(buffer, dst=dst, group=group)
     return buffer.numel() * buffer.element_size()
 
 
@@ -62,7 +63,7 @@ def recv_chunk(kv_caches: KVCaches, chunk: Sequence[KVMove], src: int, group=Non
     """Receive what `send_chunk` sent and scatter it into the moves' destination blocks."""
     k_example = next(c for c in kv_caches if c is not None)[0]
     buffer = torch.empty((len(chunk), 2, *k_example.shape[1:]), dtype=k_example.dtype, device=k_example.device)
-    dist.recv(buffer, src=src, group=group)
+    p2p.recv(buffer, src=src, group=group)
     for m, kv in zip(chunk, buffer):
         k_cache, v_cache = kv_caches[m.layer]
         k_cache[m.dst_block].copy_(kv[0])

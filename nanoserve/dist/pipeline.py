@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoserve.dist import p2p
+
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -142,7 +144,7 @@ def run_stage(runner: ModelRunner, prepared, prev: int | None, dtype: torch.dtyp
         begin = time.perf_counter()
         return runner.run_model(prepared), begin
     hidden = torch.empty(len(prepared.positions), runner.model_config.hidden_size, dtype=dtype, device=runner.device)
-    dist.recv(hidden, src=prev)
+    p2p.recv(hidden, src=prev)
     begin = time.perf_counter()
     return runner.run_model(prepared, hidden=hidden), begin
 
@@ -193,20 +195,20 @@ class PipelineStage:
             sampling.append([c.request for c in mb.chunks if c.samples])
             hidden, begin = run_stage(runner, prepared, None if self.is_first else self.prev, self.dtype)
             if not self.is_last:
-                sends.append((dist.isend(hidden, dst=self.next), hidden))
+                sends.append(p2p.isend(hidden, self.next))
             elif prepared.sample_rows:
                 logits = runner.model.compute_logits(hidden[prepared.sample_rows]).contiguous()
                 if runner.tp.rank == 0:
                     logits_out.append(logits)
             self.busy_seconds += time.perf_counter() - begin
-        sends += [(dist.isend(logits, dst=0), logits) for logits in logits_out]
+        sends += [p2p.isend(logits, 0) for logits in logits_out]
         out = ExecutorOutput()
         if self.rank == 0:
             rows = []
             for requests in sampling:  # the last stage sends them in micro-batch order
                 if requests:
                     rows.append(torch.empty(len(requests), cfg.vocab_size, dtype=self.dtype, device=runner.device))
-                    dist.recv(rows[-1], src=self.last_stage_leader)
+                    p2p.recv(rows[-1], src=self.last_stage_leader)
             requests = [r for group in sampling for r in group]
             if requests:
                 out = runner.sample(requests, torch.cat(rows))

@@ -1,0 +1,40 @@
+"""Point-to-point transfers that work on either backend.
+
+Gloo moves host tensors only; NCCL moves device tensors. The cluster's instances join one gloo
+world (they may share a GPU, which NCCL does not allow between ranks), so a CUDA tensor goes
+through a host copy there: sent from a host copy, received into a host buffer and copied to the
+device. Everything else (host tensors, NCCL) passes straight through.
+
+    GPU ──copy──► host ══gloo══► host ──copy──► GPU        (staged: a CUDA tensor over gloo)
+    GPU ═══════════════ NCCL ═══════════════► GPU        (direct)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def staged(tensor: torch.Tensor, group=None) -> bool:
+    """Must `tensor` go through host memory to travel over `group`?"""
+    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    dist.send(tensor.cpu() if staged(tensor, group) else tensor, dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    """Receive into `tensor` (on any device)."""
+    if not staged(tensor, group):
+        dist.recv(tensor, src=src, group=group)
+        return
+    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    dist.recv(host, src=src, group=group)
+    tensor.copy_(host)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None) -> tuple[dist.Work, torch.Tensor]:
+    """Start sending `tensor`; returns the handle and the tensor actually sent, which must stay
+    alive until the handle completes."""
+    payload = tensor.cpu() if staged(tensor, group) else tensor
+    return dist.isend(payload, dst=dst, group=group), payload
