@@ -14,8 +14,8 @@ A drop goes from one layout to a pipeline (layers leave, KV of the dropped layer
 peer); a restore goes back (layers return from the host copy, the peer's KV comes home); a plan
 that must fetch a layer (drop_plan's fallback) loads it from the host copy too. The same four
 phases do all three: the KV of layer l of owner O's request moves from whoever held l for O to
-whoever holds it now. Staging the KV first (a copy on the same device) is what lets a member
-free and re-carve its arena in any order; the paper remaps pages in place instead (§4.1).
+whoever holds it now. Staging the KV first (a copy in host memory) is what lets a member free
+and re-carve its arena in any order; the paper remaps pages in place instead (§4.1).
 
 A member whose group loses a peer (`recover`, §4.4) loads every layer it lacks from the host
 copy and recomputes its requests: their KV for the peer's layers died with the peer.
@@ -132,7 +132,10 @@ class ClusterMember:
         self._staging = [None] * len(self.runner.kv_caches)
         for layer in old.stage_of(self.id):
             k_cache, v_cache = self.runner.kv_caches[layer]
-            self._staging[layer] = (k_cache[rows], v_cache[rows])  # indexing by a tensor copies
+            # To the host, one layer at a time: a drop is due when the arena is full, so the
+            # device has no room for a second copy of the live KV (a GPU would run out of
+            # memory); one layer's rows pass through it at a time. On a CPU .cpu() is free.
+            self._staging[layer] = (k_cache[rows].cpu(), v_cache[rows].cpu())  # indexing by a tensor copies
         self._hold(new)
         self._relayout = relayout
         return self.arena.num_free_blocks
