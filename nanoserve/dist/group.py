@@ -165,7 +165,7 @@ class GroupExecutor:
             if not self.is_last:
                 sends.append(p2p.isend(hidden, self.next))
             elif prepared.sample_rows:
-                logits = runner.model.compute_logits(hidden[prepared.sample_rows]).contiguous()
+                logits = runner.model.compute_logits(prepared.sampled(hidden)).contiguous()
                 if owner == self.me:
                     kept.append(logits)
                 else:

@@ -197,7 +197,7 @@ class PipelineStage:
             if not self.is_last:
                 sends.append(p2p.isend(hidden, self.next))
             elif prepared.sample_rows:
-                logits = runner.model.compute_logits(hidden[prepared.sample_rows]).contiguous()
+                logits = runner.model.compute_logits(prepared.sampled(hidden)).contiguous()
                 if runner.tp.rank == 0:
                     logits_out.append(logits)
             self.busy_seconds += time.perf_counter() - begin

@@ -63,6 +63,13 @@ class PreparedBatch:
     positions: torch.Tensor
     ctx: ForwardContext
     sample_rows: list[int]  # flat-batch rows whose logits are sampled, one per sampling chunk
+    sample_index: torch.Tensor | None = None  # the same rows on the device (gather without a sync)
+
+    def sampled(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The sampling rows of `hidden`. Indexing a CUDA tensor with a Python list copies the
+        list from pageable memory, which can stall the CPU until the GPU catches up; the
+        index travelled with the step's other inputs instead."""
+        return hidden[self.sample_rows] if self.sample_index is None else hidden.index_select(0, self.sample_index)
 
 
 # -- ConServe: layer-wise preemption of a pure-offline forward (conserve.txt §4.3, §5) ---------
@@ -240,8 +247,13 @@ class ModelRunner:
         max_blocks = max(len(c.block_table) for c in batch.chunks)
         tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in batch.chunks]
 
+        pinned = self.device.type == "cuda"
+
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            # From page-locked memory a non-blocking copy is truly asynchronous: the CPU goes on
+            # preparing and launching while the inputs travel (PyTorch's pinned allocator
+            # keeps the buffer until the copy is done).
+            return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
 
         ctx = ForwardContext(
             slot_mapping=tensor(slots, torch.int64),
@@ -254,7 +266,8 @@ class ModelRunner:
             directions=(tensor([c.right_to_left for c in batch.chunks], torch.bool)
                         if any(c.right_to_left for c in batch.chunks) else None),
         )
-        return PreparedBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), ctx, sample_rows)
+        return PreparedBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), ctx, sample_rows,
+                             tensor(sample_rows, torch.int64) if pinned and sample_rows else None)
 
     def apply_kv_copies(self, groups: list, landed: Iterable[int] = (), readers: Iterable[str] = ()) -> None:
         """Issue the step's copy groups (checkpoints, swaps, restores) and make the forward over
@@ -323,7 +336,7 @@ class ModelRunner:
                 return ExecutorOutput(preempted=True)
             if not sampling:
                 return ExecutorOutput()
-            logits = self.model.compute_logits(hidden[prepared.sample_rows])
+            logits = self.model.compute_logits(prepared.sampled(hidden))
         if self.tp.rank != 0:
             return ExecutorOutput()
         return self.sample(sampling, logits)
