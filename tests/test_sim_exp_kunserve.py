@@ -101,6 +101,40 @@ def test_drop_grows_a_pair_by_the_dropped_layers_and_restore_gives_it_back():
     assert [m.clock.now for m in cluster.members.values()] == pytest.approx([pull, pull])
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_a_restore_pulls_its_weights_while_the_pipeline_serves(background):
+    """§4.4: "we overlap restoring with the normal request processing". In the background the
+    pair keeps serving while the dropped halves are pulled and switches once they are in;
+    without, each member waits for its pull at the switch."""
+    cluster = SimCluster(cluster_config(drop=True, background_restore=background), [])
+    cluster._apply(cluster.regrouper.drop({0: 1}, cluster._loads(), cluster._call), 0.0)
+    pull = gpu(GPU).link_seconds(HALF * COST.layer_bytes, "network")
+    cluster._monitor(0.0)  # demand is low: restorable
+    if background:
+        assert cluster.regrouper.groups[0].size == 2 and cluster._pending_restore is not None
+        assert [m.clock.now for m in cluster.members.values()] == [0.0, 0.0]  # nobody waits
+        cluster._monitor(pull / 2)  # still pulling: the pair serves on
+        assert cluster.regrouper.groups[0].size == 2
+        for m in cluster.members.values():
+            m.clock.advance_to(pull)
+        cluster._monitor(pull)
+    assert all(g.size == 1 for g in cluster.regrouper.groups) and cluster.events["restores"] == 1
+    # Background: the switch happened at `pull` with no wait; otherwise the members waited for it.
+    assert [m.clock.now for m in cluster.members.values()] == pytest.approx([pull, pull])
+    assert [m.pulled_bytes for m in cluster.members.values()] == [HALF * COST.layer_bytes] * 2
+
+
+def test_throttling_during_the_pull_cancels_the_restore():
+    cluster = SimCluster(cluster_config(drop=True), [])
+    cluster._apply(cluster.regrouper.drop({0: 1}, cluster._loads(), cluster._call), 0.0)
+    cluster._monitor(0.0)
+    assert cluster._pending_restore is not None and all(m.prefetched for m in cluster.members.values())
+    cluster.monitor.short_blocks = lambda loads: {0: 1}  # demand is back
+    cluster._monitor(1e-3)
+    assert cluster._pending_restore is None and cluster.events["restores_cancelled"] == 1
+    assert not any(m.prefetched for m in cluster.members.values())
+
+
 def test_drop_keeps_every_running_request_and_stalls_it_for_its_kv():
     requests = trace(40, rate=40.0)
     cluster = SimCluster(cluster_config("fcfs"), requests)  # no monitor: the test drops by hand

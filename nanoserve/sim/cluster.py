@@ -68,6 +68,11 @@ class ClusterConfig:
     # pulls and activations cross 200 Gbps RDMA.
     link: str = "network"
     restore_fraction: float = 0.5  # §4.4
+    # §4.4: "we overlap restoring with the normal request processing". True: the groups keep
+    # serving in their pipelines while the dropped layers are pulled, and switch back once the
+    # weights are in (cancelled if throttling returns first). False: every member of a
+    # restored group waits for its pull, as before (an ablation).
+    background_restore: bool = True
     redispatch_queued: bool = True  # §3, see the module docstring
     migration: MigrationConfig | None = None  # Llumnix: migrate running requests (sim/migration.py)
 
@@ -113,7 +118,9 @@ class SimCluster:
                                    self.block_bytes, restore_fraction=config.restore_fraction)
         self.dispatcher, self.monitor = Dispatcher(), ThrottleMonitor()
         self.changes: list[tuple[float, LayoutChange]] = []
-        self.events = {"throttled_steps": 0, "drops": 0, "restores": 0, "requeued": 0}
+        self.events = {"throttled_steps": 0, "drops": 0, "restores": 0, "requeued": 0, "restores_cancelled": 0}
+        # A restore whose weights are being pulled in the background: (groups, when they are in).
+        self._pending_restore: tuple[list, float] | None = None
         self._idle_steps = Counter()  # copies-only steps in a row at one instant, per instance
         self.finished: dict[str, RequestOutput] = {}
         self.placement: dict[str, int] = {}  # request id -> the instance serving it
@@ -267,6 +274,9 @@ class SimCluster:
             self.first_throttle = min(self.first_throttle, now)
         if not self.config.drop or any(load.exchanging for load in loads.values()):
             return  # one layout change at a time
+        if short and self._pending_restore is not None:
+            self._drop_pending_restore()  # demand is back: the pulled weights are not used
+            self.events["restores_cancelled"] += 1
         if short:
             involved = self._apply(self.regrouper.drop(short, loads, self._call), now)
             if involved:
@@ -276,10 +286,40 @@ class SimCluster:
                     self._redispatch(set(short) - involved, now)
             return
         groups = self.regrouper.restorable(loads)
+        if self.config.background_restore:
+            groups = self._restore_when_pulled(groups, now)
         if groups:
             self._apply(self.regrouper.restore(groups, loads, self._call), now)
             self.events["restores"] += 1
             self._report_all()
+
+    def _restore_when_pulled(self, restorable: list, now: float) -> list:
+        """§4.4's overlapped restore: the first time groups are restorable their members start
+        pulling the layers they lack (over the link, each at its own rate; §4.2's coordination
+        gives activations priority, so the pipelines are not slowed) and go on serving. The
+        groups whose pulls are in by `now` and are still restorable are returned (their members'
+        reweigh then waits for nothing); the rest wait."""
+        if self._pending_restore is None:
+            if restorable:
+                ready = max(now + self.members[i].pull_seconds() for g in restorable for i in g.instances)
+                for i in {i for g in restorable for i in g.instances}:
+                    self.members[i].prefetch_all_layers()
+                self._pending_restore = (restorable, ready)
+            return []
+        pending, ready = self._pending_restore
+        if now < ready:
+            return []
+        self._drop_pending_restore()
+        kept = [g for g in pending if g in restorable]
+        for i in {i for g in kept for i in g.instances}:
+            self.members[i].prefetched = True
+        return kept
+
+    def _drop_pending_restore(self) -> None:
+        for group in self._pending_restore[0]:
+            for i in group.instances:
+                self.members[i].prefetched = False
+        self._pending_restore = None
 
     # -- the result -------------------------------------------------------------------------
     def result(self) -> SimResult:

@@ -10,7 +10,8 @@ real drop plan (`plan_drop`, Fig. 6), pool split and restore plan unchanged:
                      what the device leaves after the embeddings and head (never dropped), its
                      stage's layers and the activation reserve, in blocks of its stage's layers
                      (§4.1's remap: a dropped layer's bytes become KV). Layers it lacks (a
-                     restore, §4.4) are pulled over the link first; the instance waits for them.
+                     restore, §4.4) were pulled in the background while it served
+                     (`background_restore`), or are pulled now while it waits.
     allocate(p)      a new paged pool of `p` blocks (its replica's capacity when alone); the
                      running requests keep as many blocks as they held
     exchange(m)      the K/V of every layer whose holder changed crosses the link (§4.2); a
@@ -126,6 +127,7 @@ class SimMember:
         self.exchange_seconds = 0.0  # summed over changes: the longest stall each caused here
         self._relayout: Relayout | None = None
         self._phase_start = 0.0
+        self.prefetched = False  # the layers a restore needs were pulled in the background
         self.schedule_for_layout()
 
     # -- capacity ---------------------------------------------------------------------------
@@ -159,6 +161,19 @@ class SimMember:
                 del self.stalled[request_id]
                 running.append(request)
 
+    # -- §4.4's restore in the background ----------------------------------------------------
+    def missing_layer_bytes(self) -> int:
+        return (self.roofline.model.num_layers - len(self.layout.stage_of(self.id))) * self.cost.layer_bytes
+
+    def pull_seconds(self) -> float:
+        """How long pulling every layer this instance lacks takes over its link."""
+        return self.roofline.gpu.link_seconds(self.missing_layer_bytes(), self.link)
+
+    def prefetch_all_layers(self) -> None:
+        """Start pulling the layers it lacks; it goes on serving (the bytes count now)."""
+        self.pulled_bytes += self.missing_layer_bytes()
+        self.prefetched = True
+
     # -- phase 1 ----------------------------------------------------------------------------
     def manifest(self) -> Manifest:
         assert not self.stalled, "a layout change started before the previous exchange ended"
@@ -175,8 +190,11 @@ class SimMember:
         self.clock.advance_to(max(self.peers[m]._phase_start for m in relayout.members()))
         old, new = relayout.old[self.id].stage_of(self.id), relayout.new[self.id].stage_of(self.id)
         pulled = len([layer for layer in new if layer not in old]) * self.cost.layer_bytes
-        self.clock.advance(self.roofline.gpu.link_seconds(pulled, self.link))
-        self.pulled_bytes += pulled
+        if self.prefetched and len(new) == self.roofline.model.num_layers:
+            self.prefetched = False  # pulled while serving (SimCluster.background_restore)
+        else:
+            self.clock.advance(self.roofline.gpu.link_seconds(pulled, self.link))
+            self.pulled_bytes += pulled
         self._relayout = relayout
         return self.blocks_for(new)
 
