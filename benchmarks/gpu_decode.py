@@ -50,7 +50,8 @@ def decode(args) -> dict:
     cfg = load_config(__import__("pathlib").Path(args.model))
     start = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype="bfloat16", max_num_seqs=args.batch,
-              max_num_batched_tokens=max(2048, args.context), enforce_eager=args.eager)
+              max_num_batched_tokens=max(2048, args.context), enforce_eager=args.eager,
+              fused_layer_ops=not args.unfused)
     startup = time.perf_counter() - start
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
@@ -75,6 +76,7 @@ def decode(args) -> dict:
     step = statistics.median(times)
     graphs = engine.executor.graphs
     return {"mode": "decode", "batch": args.batch, "context": args.context, "eager": args.eager,
+            "fused_layer_ops": not args.unfused,
             "graph_replays": 0 if graphs is None else graphs.num_replays,
             "startup_s": round(startup, 2), "step_ms_median": round(step * 1e3, 3),
             "step_ms_p10": round(sorted(times)[len(times) // 10] * 1e3, 3),
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--serve", type=int, default=0, help="serve this many requests instead")
     parser.add_argument("--device", default="cuda", help="cuda (a CPU only checks that the script runs)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    parser.add_argument("--unfused", action="store_true", help="PyTorch's layer ops, not kernels/fused.py")
     parser.add_argument("--json")
     args = parser.parse_args()
     result = serve(args) if args.serve else decode(args)

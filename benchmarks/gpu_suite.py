@@ -141,14 +141,14 @@ def step_throughput(out: Path, cache: Path) -> dict:
 
 
 def step_decode(out: Path, cache: Path) -> dict:
-    """Eager and graphed, each in its own process, for each shape."""
+    """Eager without and with the fused layer ops, and graphed, each in its own process."""
     results = {}
     for name in DECODE_MODELS[0]:
         ckpt = build_checkpoint(name, cache)
-        for mode in ("eager", "graphed"):
+        for mode, flags in (("eager-unfused", ["--eager", "--unfused"]), ("eager", ["--eager"]), ("graphed", [])):
             path = out / f"decode_{name}_{mode}.json"
             r = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--json", str(path)]
-                    + (["--eager"] if mode == "eager" else []), 90, out / f"decode_{name}_{mode}.log")
+                    + flags, 90, out / f"decode_{name}_{mode}.log")
             if path.exists():
                 r["results"] = json.loads(path.read_text())
             results[f"{name} {mode}"] = r

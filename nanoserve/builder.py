@@ -68,6 +68,8 @@ class EngineArgs:
     # runs without recording: for tests).
     enforce_eager: bool = False
     decode_graph_sizes: tuple[int, ...] | None = None
+    # The Triton backend's fused layer ops (kernels/fused.py); False: PyTorch's ops (an A/B switch)
+    fused_layer_ops: bool = True
     calibrate_cost_model: bool = True  # scale the cost model by measured step times (cost_model.py)
     online_slo: SLO | None = None  # the online class's default targets; None: DEFAULT_SLOS
     offline_slo: SLO | None = None
@@ -243,7 +245,8 @@ def pipeline_microbatches(args: EngineArgs) -> int:
 
 
 def attention_backend(args: EngineArgs, device: torch.device):
-    return get_attention_backend(args.attention_backend or default_attention_backend(device), device)
+    backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
+    return backend if args.fused_layer_ops else replace(backend, fused=None)
 
 
 def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup, stage: int = 0) -> ModelRunner:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ class AttentionBackend:
     name: str
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # The decoder layer's fused elementwise ops (kernels/fused.py: RMSNorm, residual add +
+    # RMSNorm, RoPE, SiLU·mul), or None for PyTorch's own ops (the torch backend: exact parity).
+    fused: Any = None
 
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -40,10 +43,11 @@ def get_attention_backend(name: str, device: torch.device | None = None) -> Atte
         if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton attention backend needs a CUDA device (got {device.type!r}); "
                              "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU")
+        from kernels.fused import TRITON_FUSED
         from kernels.paged_attention import paged_attention
         from kernels.store_kv import store_kv
 
-        return AttentionBackend("triton", store_kv, paged_attention)
+        return AttentionBackend("triton", store_kv, paged_attention, TRITON_FUSED)
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")
 
 

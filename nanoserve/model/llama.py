@@ -50,7 +50,8 @@ class LlamaAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.normalize_qk(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        fused = ctx.backend.fused
+        q, k = fused.rope(q, k, cos, sin) if fused is not None else (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
         out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v.contiguous(), ctx)
         return self.o_proj(out)
 
@@ -63,7 +64,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, [shard, shard])
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused=None) -> torch.Tensor:
+        if fused is not None:
+            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -79,8 +82,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        fused = ctx.backend.fused
+        if fused is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # The same layer in fewer launches (kernels/fused.py): the first norm in one kernel, the
+        # residual add and the second norm in another.
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        attended = self.self_attn(fused.rms_norm(x, norm1.weight, norm1.eps), cos, sin, ctx)
+        normed, x = fused.add_rms_norm(attended, x, norm2.weight, norm2.eps)
+        return x + self.mlp(normed, fused)
 
 
 class LlamaModel(nn.Module):
