@@ -12,7 +12,7 @@ Steps, in order (each in its own process, under its own time limit; a failure is
 the next step runs):
 
     env           GPU, driver, library versions
-    tests         the CUDA tests (pytest -m cuda) and the split-K kernel tests, compiled
+    tests         the CUDA tests (pytest -m cuda) and the newest kernels' tests (split-K, fused), compiled
     attention     benchmarks/attention.py: decode/prefill vs SDPA and the HBM/TFLOP roofline
     sweep         benchmarks/attention.py --sweep: tile and launch settings, for the defaults
     throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped
@@ -100,15 +100,15 @@ def step_tests(out: Path) -> dict:
     cuda_only = run([sys.executable, "-m", "pytest", "-q", "-rfEP", "-m", "cuda", "-p", "no:cacheprovider",
                      "--continue-on-collection-errors", "tests", f"--junitxml={out}/cuda_tests.xml"],
                     100, out / "tests_cuda.log")
-    split = run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-k", "split",
-                 "tests/test_triton_kernels.py"], 60, out / "tests_split.log")
-    return {"cuda_marked": cuda_only, "split_kernels": split}
+    new = run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-k", "split or fused",
+               "tests/test_triton_kernels.py", "tests/test_fused_kernels.py"], 90, out / "tests_new_kernels.log")
+    return {"cuda_marked": cuda_only, "new_kernels": new}
 
 
 def step_kernel_tests(out: Path) -> dict:
     """Every test that runs a Triton kernel, compiled on the GPU."""
-    files = ["tests/test_triton_kernels.py", "tests/test_triton_backend.py", "tests/test_runner_copies.py",
-             "tests/test_bidirectional_e2e.py", "tests/test_cuda_graphs.py"]
+    files = ["tests/test_triton_kernels.py", "tests/test_fused_kernels.py", "tests/test_triton_backend.py",
+             "tests/test_runner_copies.py", "tests/test_bidirectional_e2e.py", "tests/test_cuda_graphs.py"]
     return run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files,
                 f"--junitxml={out}/kernel_tests.xml"], 200, out / "tests_kernels.log")
 

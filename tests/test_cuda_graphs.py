@@ -68,3 +68,16 @@ def test_graphs_match_eager_on_the_gpu(tiny_llama_dir, dtype):
         assert_close_greedy(ref, out, f"{dtype} request {out.request_id}", max_tokens=p.max_tokens)
     assert graphed.engine.executor.graphs.num_replays > 0
     print(f"{dtype}: {exact} of {len(refs)} requests token-for-token equal to eager")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_fused_layer_ops_keep_greedy_output_on_the_gpu(tiny_llama_dir):
+    plain = LLM(str(tiny_llama_dir), device="cuda", dtype="bfloat16", kv_cache_tokens=4096, fused_layer_ops=False)
+    fused = LLM(str(tiny_llama_dir), device="cuda", dtype="bfloat16", kv_cache_tokens=4096)
+    assert plain.engine.executor.backend.fused is None and fused.engine.executor.backend.fused is not None
+    refs, params = generate(plain, 13)
+    outs, _ = generate(fused, 13)
+    for ref, out, p in zip(refs, outs, params):
+        assert_close_greedy(ref, out, f"fused request {out.request_id}", max_tokens=p.max_tokens)
+    print(f"fused: {sum(r.token_ids == o.token_ids for r, o in zip(refs, outs))} of {len(refs)} token-for-token")
