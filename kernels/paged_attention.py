@@ -77,6 +77,61 @@ def _find_sequence(query_start_loc, num_seqs, tile_idx, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _attend_columns(queries, query_pos, k_cache, v_cache, block_tables, directions, seq, kv_head, start, end,
+                    scale_log2, stride_table,
+                    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+                    CAUSAL: tl.constexpr, HAS_DIRECTIONS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """Flash attention's online softmax over the logical columns [start, end) of sequence `seq`'s
+    context for one KV head, TILE_N at a time: returns each row's max and sum (base 2) and its
+    unnormalised output. Each column finds its page in the block table and its slot from the
+    sequence's direction. CAUSAL: a row sees the columns up to its query's position
+    (`query_pos`); otherwise every column in range."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    if HAS_DIRECTIONS:
+        right_to_left = tl.load(directions + seq) != 0
+    table = block_tables + seq.to(tl.int64) * stride_table
+    for col_start in range(start, end, TILE_N):
+        cols = col_start + tl.arange(0, TILE_N)
+        col_valid = cols < end
+        page = tl.load(table + cols // BLOCK_SIZE, mask=col_valid, other=0).to(tl.int64)
+        slot = cols % BLOCK_SIZE
+        if HAS_DIRECTIONS:
+            slot = tl.where(right_to_left, BLOCK_SIZE - 1 - slot, slot)
+
+        k_offsets = page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
+        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=dim_valid[:, None] & col_valid[None, :], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
+        if DOT_IN_FP32:
+            keys = keys.to(tl.float32)
+        scores = tl.dot(queries, keys, input_precision=DOT_PRECISION) * scale_log2
+        if CAUSAL:
+            visible = (cols[None, :] <= query_pos[:, None]) & col_valid[None, :]
+        else:
+            visible = col_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        # Online softmax in base 2. The range's first column is visible to every row, so after the
+        # first tile each row's max is finite and exp2(-inf - max) cleanly gives 0 for masked columns.
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        v_offsets = page[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
+        values = tl.load(v_cache + v_offsets + dims[None, :], mask=col_valid[:, None] & dim_valid[None, :],
+                         other=0.0)  # [TILE_N, HEAD_DIM_PAD]
+        if DOT_IN_FP32:
+            values = values.to(tl.float32)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
+        row_max = new_max
+    return row_max, row_sum, acc
+
+
 # Integer arguments are specialised by value class (== 1, multiple of 16) unless told otherwise,
 # which would compile new variants mid-serving as the batch changes: the batch-dependent ones
 # are not (issue 22, defect 7).
@@ -118,44 +173,13 @@ def _paged_attention_kernel(
     if DOT_IN_FP32:
         queries = queries.to(tl.float32)
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    if HAS_DIRECTIONS:
-        right_to_left = tl.load(directions + seq) != 0
-
     # Keys after the tile's last query are masked for every row, so the loop stops there.
     kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_Q)
-    table = block_tables + seq.to(tl.int64) * stride_table
-    for col_start in range(0, kv_end, TILE_N):
-        cols = col_start + tl.arange(0, TILE_N)
-        col_valid = cols < kv_end
-        page = tl.load(table + cols // BLOCK_SIZE, mask=col_valid, other=0).to(tl.int64)
-        slot = cols % BLOCK_SIZE
-        if HAS_DIRECTIONS:
-            slot = tl.where(right_to_left, BLOCK_SIZE - 1 - slot, slot)
-
-        k_offsets = page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
-        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=dim_valid[:, None] & col_valid[None, :], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
-        if DOT_IN_FP32:
-            keys = keys.to(tl.float32)
-        scores = tl.dot(queries, keys, input_precision=DOT_PRECISION) * scale_log2
-        visible = (cols[None, :] <= query_pos[:, None]) & col_valid[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-
-        # Online softmax in base 2. Column 0 is visible to every row, so after the first tile
-        # each row's max is finite and exp2(-inf - max) cleanly gives 0 for masked columns.
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, 1)
-        v_offsets = page[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
-        values = tl.load(v_cache + v_offsets + dims[None, :], mask=col_valid[:, None] & dim_valid[None, :],
-                         other=0.0)  # [TILE_N, HEAD_DIM_PAD]
-        if DOT_IN_FP32:
-            values = values.to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
-        row_max = new_max
+    row_max, row_sum, acc = _attend_columns(
+        queries, query_pos, k_cache, v_cache, block_tables, directions, seq, kv_head, 0, kv_end, scale_log2,
+        stride_table, stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+        CAUSAL=True, HAS_DIRECTIONS=HAS_DIRECTIONS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=BLOCK_M, TILE_N=TILE_N, DOT_PRECISION=DOT_PRECISION, DOT_IN_FP32=DOT_IN_FP32)
 
     acc = acc / tl.where(row_valid, row_sum, 1.0)[:, None]
     tl.store(out + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
@@ -195,37 +219,12 @@ def _paged_decode_split_kernel(
     if DOT_IN_FP32:
         queries = queries.to(tl.float32)
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    if HAS_DIRECTIONS:
-        right_to_left = tl.load(directions + seq) != 0
-    table = block_tables + seq.to(tl.int64) * stride_table
-    for col_start in range(start, end, TILE_N):
-        cols = col_start + tl.arange(0, TILE_N)
-        col_valid = cols < end
-        page = tl.load(table + cols // BLOCK_SIZE, mask=col_valid, other=0).to(tl.int64)
-        slot = cols % BLOCK_SIZE
-        if HAS_DIRECTIONS:
-            slot = tl.where(right_to_left, BLOCK_SIZE - 1 - slot, slot)
-        k_offsets = page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
-        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=dim_valid[:, None] & col_valid[None, :], other=0.0)
-        if DOT_IN_FP32:
-            keys = keys.to(tl.float32)
-        scores = tl.dot(queries, keys, input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(col_valid[None, :], scores, float("-inf"))
-        # The new token sees its whole context: only the split's end masks. Column `start` is
-        # valid in every row, so the max is finite after the first tile.
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, 1)
-        v_offsets = page[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
-        values = tl.load(v_cache + v_offsets + dims[None, :], mask=col_valid[:, None] & dim_valid[None, :], other=0.0)
-        if DOT_IN_FP32:
-            values = values.to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
-        row_max = new_max
+    # The new token sees its whole context: only the split's end masks.
+    row_max, row_sum, acc = _attend_columns(
+        queries, 0, k_cache, v_cache, block_tables, directions, seq, kv_head, start, end, scale_log2,
+        stride_table, stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+        CAUSAL=False, HAS_DIRECTIONS=HAS_DIRECTIONS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=BLOCK_M, TILE_N=TILE_N, DOT_PRECISION=DOT_PRECISION, DOT_IN_FP32=DOT_IN_FP32)
 
     nonempty = row_sum > 0
     acc = acc / tl.where(nonempty, row_sum, 1.0)[:, None]
