@@ -147,15 +147,16 @@ def test_config_variants_match_transformers(smollm2_dir, tmp_path):
                 assert ours.decode(ids, skip) == theirs.decode(ids, skip_special_tokens=skip)
 
 
-def _stream(tok: Tokenizer, prompt: list[int], outputs: list[int], skip: bool) -> tuple[str, list[str]]:
-    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+def _stream(tok: Tokenizer, prompt: list[int], outputs: list[int], skip: bool,
+            stream: bool = True) -> tuple[str, list[str]]:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, stream=stream)
     deltas = [detok.append(t) for t in outputs]
     assert detok.text == "".join(deltas)
     return detok.text, deltas
 
 
-def _check_stream(tok, prompt, outputs, skip):
-    streamed, _ = _stream(tok, prompt, outputs, skip)
+def _check_stream(tok, prompt, outputs, skip, stream=True):
+    streamed, _ = _stream(tok, prompt, outputs, skip, stream)
     full = tok.decode(outputs, skip_special_tokens=skip)
     held_back = full[len(streamed):]
     assert full.startswith(streamed)
@@ -163,10 +164,11 @@ def _check_stream(tok, prompt, outputs, skip):
     assert held_back == "" or held_back.endswith("\ufffd"), (streamed, full)
 
 
-def test_stream_multibyte_text(tok):
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "python"])
+def test_stream_multibyte_text(tok, stream):
     text = "Hé 😀 漢字 and 👨‍👩‍👧!"
     ids = tok.encode(text)
-    streamed, deltas = _stream(tok, tok.encode("Say: "), ids, True)
+    streamed, deltas = _stream(tok, tok.encode("Say: "), ids, True, stream)
     assert streamed == text and "" in deltas  # some tokens end mid-character
     assert not any("\ufffd" in d for d in deltas)
 
@@ -181,7 +183,7 @@ def test_stream_decodes_small_windows(tok, monkeypatch):
         return original(window, skip)
 
     monkeypatch.setattr(tok, "decode_raw", spy)
-    detok = IncrementalDetokenizer(tok, ids[:30])
+    detok = IncrementalDetokenizer(tok, ids[:30], stream=False)  # the Python path
     for t in ids[30:]:
         detok.append(t)
     assert max(sizes) <= 7  # O(1) per token, not O(length)
@@ -210,4 +212,5 @@ def test_stream_concatenates_to_full_decode(tok, partial_utf8_ids, data):
     )
     prompt = tok.encode(data.draw(st.text(max_size=20), label="prompt"))
     outputs = data.draw(st.lists(token, max_size=40), label="outputs")
-    _check_stream(tok, prompt, outputs, data.draw(st.booleans(), label="skip_special_tokens"))
+    _check_stream(tok, prompt, outputs, data.draw(st.booleans(), label="skip_special_tokens"),
+                  data.draw(st.booleans(), label="DecodeStream"))
