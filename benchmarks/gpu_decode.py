@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -47,7 +48,7 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def decode(args) -> dict:
-    cfg = load_config(__import__("pathlib").Path(args.model))
+    cfg = load_config(Path(args.model))
     start = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype="bfloat16", max_num_seqs=args.batch,
               max_num_batched_tokens=max(2048, args.context), enforce_eager=args.eager,
@@ -85,7 +86,7 @@ def decode(args) -> dict:
 
 
 def serve(args) -> dict:
-    cfg = load_config(__import__("pathlib").Path(args.model))
+    cfg = load_config(Path(args.model))
     free0, total = torch.cuda.mem_get_info()
     start = time.perf_counter()
     llm = LLM(args.model, device="cuda", dtype="bfloat16")

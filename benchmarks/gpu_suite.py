@@ -31,11 +31,19 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "gpu_models"
 STEPS = ["env", "decode", "tests", "attention", "throughput", "fidelity", "sweep", "serve7b", "kernel_tests"]
+
+
+@dataclass(frozen=True)
+class Options:
+    cache: Path  # where the random checkpoints go
+    throughput_models: tuple[str, ...]
+    decode_models: tuple[str, ...]
 
 
 def build_checkpoint(name: str, cache: Path) -> Path:
@@ -63,12 +71,12 @@ def build_checkpoint(name: str, cache: Path) -> Path:
     return out
 
 
-THROUGHPUT_MODELS = [("smollm2-135m", "llama-1b")]  # --throughput-models
-DECODE_MODELS = [("llama-1b", "smollm2-135m")]  # --decode-models
 DEADLINE = [float("inf")]  # time.time() by which every step must end (--minutes)
 
 
-def run(cmd: list[str], timeout: int, log: Path) -> dict:
+def run(cmd: list[str], timeout: int, log: Path, result: Path | None = None) -> dict:
+    """Run `cmd` under its limit (and the suite's deadline), its output to `log`; with `result`,
+    the JSON the command wrote there comes back under "results"."""
     start = time.time()
     timeout = max(5, int(min(timeout, DEADLINE[0] - start)))
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
@@ -78,10 +86,13 @@ def run(cmd: list[str], timeout: int, log: Path) -> dict:
     except subprocess.TimeoutExpired as e:
         rc, output = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
     log.write_text(output)
-    return {"rc": rc, "seconds": round(time.time() - start, 1), "tail": output[-3000:]}
+    report = {"rc": rc, "seconds": round(time.time() - start, 1), "tail": output[-3000:]}
+    if result is not None and result.exists():
+        report["results"] = json.loads(result.read_text())
+    return report
 
 
-def step_env(out: Path) -> dict:
+def step_env(out: Path, options: Options) -> dict:
     import torch
     import triton
     import transformers
@@ -95,7 +106,7 @@ def step_env(out: Path) -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
-def step_tests(out: Path) -> dict:
+def step_tests(out: Path, options: Options) -> dict:
     """The CUDA-marked tests, then the split-K kernel tests compiled (new kernels first)."""
     cuda_only = run([sys.executable, "-m", "pytest", "-q", "-rfEP", "-m", "cuda", "-p", "no:cacheprovider",
                      "--continue-on-collection-errors", "tests", f"--junitxml={out}/cuda_tests.xml"],
@@ -105,7 +116,7 @@ def step_tests(out: Path) -> dict:
     return {"cuda_marked": cuda_only, "new_kernels": new}
 
 
-def step_kernel_tests(out: Path) -> dict:
+def step_kernel_tests(out: Path, options: Options) -> dict:
     """Every test that runs a Triton kernel, compiled on the GPU."""
     files = ["tests/test_triton_kernels.py", "tests/test_fused_kernels.py", "tests/test_triton_backend.py",
              "tests/test_runner_copies.py", "tests/test_bidirectional_e2e.py", "tests/test_cuda_graphs.py"]
@@ -113,74 +124,61 @@ def step_kernel_tests(out: Path) -> dict:
                 f"--junitxml={out}/kernel_tests.xml"], 200, out / "tests_kernels.log")
 
 
-def step_sweep(out: Path) -> dict:
-    r = run([sys.executable, "benchmarks/attention.py", "--sweep", str(out / "sweep.json")], 120, out / "sweep.log")
-    return r
+def step_sweep(out: Path, options: Options) -> dict:
+    return run([sys.executable, "benchmarks/attention.py", "--sweep", str(out / "sweep.json")], 120, out / "sweep.log")
 
 
-def step_attention(out: Path) -> dict:
-    r = run([sys.executable, "benchmarks/attention.py", "--json", str(out / "attention.json")], 100,
-            out / "attention.log")
-    if (out / "attention.json").exists():
-        r["results"] = json.loads((out / "attention.json").read_text())
-    return r
+def step_attention(out: Path, options: Options) -> dict:
+    return run([sys.executable, "benchmarks/attention.py", "--json", str(out / "attention.json")], 100,
+               out / "attention.log", out / "attention.json")
 
 
-def step_throughput(out: Path, cache: Path) -> dict:
+def step_throughput(out: Path, options: Options) -> dict:
     results = {}
-    for name, prompts in [(m, 256) for m in THROUGHPUT_MODELS[0]]:
-        ckpt = build_checkpoint(name, cache)
+    for name in options.throughput_models:
+        ckpt = build_checkpoint(name, options.cache)
         path = out / f"throughput_{name}.json"
         r = run([sys.executable, "benchmarks/throughput.py", "--model", str(ckpt), "--device", "cuda",
-                 "--dtype", "bfloat16", "--num-prompts", str(prompts), "--kv-cache-tokens", "0",
-                 "--json", str(path)], 90, out / f"throughput_{name}.log")
-        if path.exists():
-            r["results"] = json.loads(path.read_text())
+                 "--dtype", "bfloat16", "--num-prompts", "256", "--kv-cache-tokens", "0",
+                 "--json", str(path)], 90, out / f"throughput_{name}.log", path)
         results[name] = r
     return results
 
 
-def step_decode(out: Path, cache: Path) -> dict:
+def step_decode(out: Path, options: Options) -> dict:
     """Eager without and with the fused layer ops, and graphed, each in its own process."""
     results = {}
-    for name in DECODE_MODELS[0]:
-        ckpt = build_checkpoint(name, cache)
+    for name in options.decode_models:
+        ckpt = build_checkpoint(name, options.cache)
         for mode, flags in (("eager-unfused", ["--eager", "--unfused"]), ("eager", ["--eager"]), ("graphed", [])):
             path = out / f"decode_{name}_{mode}.json"
             r = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--json", str(path)]
-                    + flags, 90, out / f"decode_{name}_{mode}.log")
-            if path.exists():
-                r["results"] = json.loads(path.read_text())
+                    + flags, 90, out / f"decode_{name}_{mode}.log", path)
             results[f"{name} {mode}"] = r
     return results
 
 
-def step_fidelity(out: Path, cache: Path) -> dict:
+def step_fidelity(out: Path, options: Options) -> dict:
     """The simulator's roofline for this GPU against the real engine on the same trace."""
     import torch
 
     name = torch.cuda.get_device_name()
     roofline = "H200" if "H200" in name else "H100-80G"
-    ckpt = build_checkpoint("smollm2-135m", cache)
+    ckpt = build_checkpoint("smollm2-135m", options.cache)
     path = out / "fidelity.json"
-    r = run([sys.executable, "benchmarks/sim_fidelity.py", "--model", str(ckpt), "--device", "cuda",
-             "--dtype", "bfloat16", "--roofline", roofline, "--requests", "60", "--rate", "20",
-             "--kv-tokens", "65536", "--json", str(path)], 90, out / "fidelity.log")
-    if path.exists():
-        r["results"] = json.loads(path.read_text())
-    return r
+    return run([sys.executable, "benchmarks/sim_fidelity.py", "--model", str(ckpt), "--device", "cuda",
+                "--dtype", "bfloat16", "--roofline", roofline, "--requests", "60", "--rate", "20",
+                "--kv-tokens", "65536", "--json", str(path)], 90, out / "fidelity.log", path)
 
 
-def step_serve7b(out: Path, cache: Path) -> dict:
+def step_serve7b(out: Path, options: Options) -> dict:
     t = time.time()
-    ckpt = build_checkpoint("llama-7b", cache)
+    ckpt = build_checkpoint("llama-7b", options.cache)
     built = time.time() - t
     path = out / "serve7b.json"
     r = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--serve", "200",
-             "--json", str(path)], 200, out / "serve7b.log")
+             "--json", str(path)], 200, out / "serve7b.log", path)
     r["checkpoint_build_s"] = round(built, 1)
-    if path.exists():
-        r["results"] = json.loads(path.read_text())
     return r
 
 
@@ -206,18 +204,16 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=20.0, help="every step ends by then (each has its own limit too)")
     args = parser.parse_args()
     DEADLINE[0] = time.time() + 60 * args.minutes
-    THROUGHPUT_MODELS[0] = tuple(args.throughput_models.split(","))
-    DECODE_MODELS[0] = tuple(args.decode_models.split(","))
-    out, cache = Path(args.out), Path(args.cache)
+    options = Options(Path(args.cache), tuple(args.throughput_models.split(",")), tuple(args.decode_models.split(",")))
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cache.mkdir(parents=True, exist_ok=True)
+    options.cache.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     for step in args.steps.split(","):
         t = time.time()
         print(f"== {step}", flush=True)
         try:
-            fn = globals()[f"step_{step}"]
-            results[step] = fn(out, cache) if "cache" in fn.__code__.co_varnames else fn(out)
+            results[step] = globals()[f"step_{step}"](out, options)
         except Exception as e:  # noqa: BLE001 - a failed step is a result; the suite goes on
             results[step] = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(results[step], default=str)[:2000], f"({time.time() - t:.0f} s)", flush=True)

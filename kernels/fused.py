@@ -118,22 +118,26 @@ def _silu_and_mul_kernel(out, gate_up, stride_in, stride_out, n_cols, BLOCK: tl.
 
 # -- launchers -------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    rows, cols = x.shape
-    out = torch.empty_like(x)
-    if rows:
-        _rms_norm_kernel[(rows,)](out, out, x, x, weight, x.stride(0), x.stride(0), out.stride(0), out.stride(0),
-                                  cols, eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(cols))
-    return out
+    return _rms_norm(x, None, weight, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x): the layer's residual add and the next norm."""
+    return _rms_norm(x, residual, weight, eps)
+
+
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of `_rms_norm_kernel`: (the normalised rows, the rows normalised), the second
+    being `residual + x` when a residual is given, else `x` itself."""
     rows, cols = x.shape
-    out, summed = torch.empty_like(x), torch.empty_like(x)
+    out = torch.empty_like(x)
+    summed = x if residual is None else torch.empty_like(x)
     if rows:
-        _rms_norm_kernel[(rows,)](out, summed, x, residual, weight, x.stride(0), residual.stride(0), out.stride(0),
-                                  summed.stride(0), cols, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(cols))
+        r = x if residual is None else residual  # never read without HAS_RESIDUAL
+        _rms_norm_kernel[(rows,)](out, summed, x, r, weight, x.stride(0), r.stride(0), out.stride(0), summed.stride(0),
+                                  cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols))
     return out, summed
 
 

@@ -125,8 +125,8 @@ def profiled_kv_blocks(model: torch.nn.Module, cfg: ModelConfig, args: EngineArg
     snapshot = probe.snapshot()
     del runner
     # The profile's own cache is part of the peak, but the real cache replaces it: add it back.
-    return _blocks_in(kv_budget_bytes(snapshot, args.gpu_memory_utilization)
-                      + blocks * kv_block_bytes(args, cfg, dtype), kv_block_bytes(args, cfg, dtype))
+    block_bytes = kv_block_bytes(args, cfg, dtype)
+    return _blocks_in(kv_budget_bytes(snapshot, args.gpu_memory_utilization) + blocks * block_bytes, block_bytes)
 
 
 def host_kv_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device_blocks: int) -> int:
@@ -144,13 +144,17 @@ def host_kv_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, devic
     return blocks
 
 
-def build_engine(args: EngineArgs) -> Engine:
+def model_path(args: EngineArgs) -> Path:
+    """The model's HF directory: `args.model`, or the embedded SmolLM2 converted on first use."""
     if args.model is None:
         from nanoserve.model.gguf import default_model
 
-        path = Path(default_model())
-    else:
-        path = resolve_model_path(args.model)
+        return Path(default_model())
+    return resolve_model_path(args.model)
+
+
+def build_engine(args: EngineArgs) -> Engine:
+    path = model_path(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     cfg = load_config(path)
@@ -221,11 +225,7 @@ def shared_device_args(args: EngineArgs, sharing: int) -> EngineArgs:
     device = resolve_device(args.device)
     if sharing <= 1 or device.type != "cuda" or args.kv_cache_tokens is not None or args.kv_cache_bytes is not None:
         return args
-    path = Path(args.model) if args.model is not None and Path(args.model).is_dir() else None
-    if path is None:
-        from nanoserve.model.gguf import default_model
-
-        path = Path(default_model()) if args.model is None else resolve_model_path(args.model)
+    path = model_path(args)
     total = torch.cuda.get_device_properties(device).total_memory
     budget = (int(total * args.gpu_memory_utilization / sharing) - checkpoint_bytes(path, resolve_dtype(args.dtype, device))
               - GPU_ACTIVATION_RESERVE)
@@ -286,20 +286,16 @@ def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device
 
 def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
     """The weights' bytes in `dtype`, estimated from the checkpoint's safetensors headers (each
-    tensor's element count); used only where ranks size their KV before they load."""
-    import json
-    import struct
+    tensor's element count; no tensor is read); used only where engines size their KV before
+    they load."""
+    import math
+
+    from safetensors import safe_open
 
     elements = 0
     for file in path.glob("*.safetensors"):
-        with open(file, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        for name, info in header.items():
-            if name != "__metadata__":
-                count = 1
-                for dim in info["shape"]:
-                    count *= dim
-                elements += count
+        with safe_open(str(file), framework="pt") as f:
+            elements += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     return elements * torch.empty((), dtype=dtype).element_size()
 
 

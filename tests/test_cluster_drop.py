@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
@@ -208,13 +209,13 @@ def test_cuda_tensors_travel_over_gloo_through_the_host(monkeypatch):
         device = type("D", (), {"type": "cuda"})()
 
     monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "gloo")
-    assert p2p.staged(Fake()) and not p2p.staged(__import__("torch").zeros(1))
+    assert p2p.staged(Fake()) and not p2p.staged(torch.zeros(1))
     monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "nccl")
     assert not p2p.staged(Fake())
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_drop_and_restore_on_gpus(llama_dir, expected):
     """Two instances on the GPU(s) (sharing one when there is one, each with its part of the
     memory): the exchange and the pipeline's activations go through the host over gloo."""

@@ -32,6 +32,8 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Listener
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+import torch
+
 from nanoserve.dist.regroup import Regrouper
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
@@ -146,8 +148,6 @@ class Cluster:
             for _ in range(num_instances):
                 connection = self._listener.accept()
                 self._connections[connection.recv()] = connection
-            import torch
-
             device = self.args.device or ("cuda" if torch.cuda.is_available() else None)
             placed = instance_devices(device, num_instances, torch.cuda.device_count())
             for i, connection in self._connections.items():

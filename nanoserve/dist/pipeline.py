@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoserve.dist import p2p
-
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:

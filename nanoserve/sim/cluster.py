@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from nanoserve.dist.cluster import Dispatcher, InstanceLoad, ThrottleMonitor
 from nanoserve.dist.instance import load_of
@@ -309,15 +309,15 @@ class SimCluster:
         pending, ready = self._pending_restore
         if now < ready:
             return []
-        self._drop_pending_restore()
         kept = [g for g in pending if g in restorable]
-        for i in {i for g in kept for i in g.instances}:
-            self.members[i].prefetched = True
+        self._drop_pending_restore(keep=kept)
         return kept
 
-    def _drop_pending_restore(self) -> None:
+    def _drop_pending_restore(self, keep: Sequence = ()) -> None:
+        """End the pending restore; its members' pulled layers are discarded, `keep`'s excepted."""
+        kept = {i for g in keep for i in g.instances}
         for group in self._pending_restore[0]:
-            for i in group.instances:
+            for i in set(group.instances) - kept:
                 self.members[i].prefetched = False
         self._pending_restore = None
 
