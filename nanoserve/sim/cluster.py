@@ -298,7 +298,9 @@ class SimCluster:
         pulling the layers they lack (over the link, each at its own rate; §4.2's coordination
         gives activations priority, so the pipelines are not slowed) and go on serving. The
         groups whose pulls are in by `now` and are still restorable are returned (their members'
-        reweigh then waits for nothing); the rest wait."""
+        reweigh then waits for nothing); the rest wait. Assumption: where the pulled weights sit
+        until the switch is not modelled (the paper restores below 50% KV usage, so the memory
+        is free), and a pull does not slow the activations sharing the link."""
         if self._pending_restore is None:
             if restorable:
                 ready = max(now + self.members[i].pull_seconds() for g in restorable for i in g.instances)
