@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shard the model over this many processes (under torchrun: the world size)")
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
                    help="split the layers into this many pipeline stages, one process (group) each")
+    p.add_argument("--async-pipeline", action="store_true",
+                   help="with --pp: keep one micro-batch per stage in flight across steps (fcfs, kunserve)")
     p.add_argument("--online-ttft", type=float, default=DEFAULT_SLOS["online"].ttft,
                    help="seconds to the first token an online request is promised (its class default)")
     p.add_argument("--online-tpot", type=float, default=DEFAULT_SLOS["online"].tpot,
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         preempt_every_layers=args.preempt_every_layers, layerwise_kv_copies=args.layerwise_kv_copies,
         tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, async_pipeline=args.async_pipeline,
         online_slo=SLO(ttft=args.online_ttft, tpot=args.online_tpot),
     ))
     async_engine = AsyncEngine(engine)

@@ -62,6 +62,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
     pipeline_parallel_size: int = 1  # stages of consecutive layers, one process (group) each
     pipeline_microbatches: int | None = None  # per pipelined step; None: twice the stages
+    # Keep micro-batches in flight across steps (engine.py's pipelined step; vLLM v1's batch
+    # queue): each step is one micro-batch and `pipeline_microbatches` (default: the stages) are
+    # in flight. Off: each step's micro-batches fill and drain the pipeline. fcfs and kunserve.
+    async_pipeline: bool = False
     # Decode steps replay CUDA graphs (model/cuda_graphs.py) on one CUDA device unless this is
     # set (vLLM's enforce_eager). `decode_graph_sizes`: the batch sizes to record; None: 1, 2, 4,
     # 8, then every 8 up to max_num_seqs on CUDA, none elsewhere (given on a CPU, the same path
@@ -160,7 +164,9 @@ def build_engine(args: EngineArgs) -> Engine:
     cfg = load_config(path)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
 
-    scheduler_class(args.policy)  # an unknown policy fails before any memory is allocated
+    policy = scheduler_class(args.policy)  # an unknown policy fails before any memory is allocated
+    if microbatches_in_flight(args) > 1 and not policy.ASYNC_PIPELINE:
+        raise ValueError(f"policy {args.policy!r} cannot schedule for an asynchronous pipeline (fcfs and kunserve can)")
     kv_manager = args.kv_manager or POLICY_MEMORY[args.policy]
     topology = Topology(args.tensor_parallel_size, args.pipeline_parallel_size)
     if device.type == "cuda":
@@ -201,7 +207,7 @@ def build_engine(args: EngineArgs) -> Engine:
     if kv_manager != "arena":
         kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, runner.host_store,
                                                         args.kv_manager_options or {}))
-    microbatches = pipeline_microbatches(args)
+    microbatches = 1 if args.async_pipeline else pipeline_microbatches(args)
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                         kv.max_request_tokens)
     sched_config = SchedulerConfig(
@@ -209,12 +215,14 @@ def build_engine(args: EngineArgs) -> Engine:
         max_model_len=max_model_len, policy=args.policy,
         online_slo=args.online_slo or DEFAULT_SLOS[RequestClass.ONLINE],
         offline_slo=args.offline_slo or DEFAULT_SLOS[RequestClass.OFFLINE],
-        pipeline_microbatches=microbatches, policy_options=dict(args.policy_options or {}),
+        pipeline_microbatches=microbatches, microbatches_in_flight=microbatches_in_flight(args),
+        policy_options=dict(args.policy_options or {}),
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     return Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
-                  model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model)
+                  model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model,
+                  pipeline=executor if args.async_pipeline else None)
 
 
 def shared_device_args(args: EngineArgs, sharing: int) -> EngineArgs:
@@ -233,6 +241,16 @@ def shared_device_args(args: EngineArgs, sharing: int) -> EngineArgs:
         raise ValueError(f"{sharing} engines cannot share {device}: a {1 / sharing:.0%} share of "
                          f"gpu_memory_utilization leaves no KV beside the weights")
     return replace(args, kv_cache_bytes=budget)
+
+
+def microbatches_in_flight(args: EngineArgs) -> int:
+    """Micro-batches an asynchronous pipeline keeps in flight: one per stage by default (vLLM's
+    virtual engines, one per stage); 1 for synchronous steps."""
+    if not args.async_pipeline:
+        return 1
+    if args.pipeline_parallel_size == 1:
+        raise ValueError("async_pipeline needs pipeline_parallel_size > 1")
+    return args.pipeline_microbatches or args.pipeline_parallel_size
 
 
 def pipeline_microbatches(args: EngineArgs) -> int:
@@ -302,6 +320,7 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
 def _start_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, Executor]:
     """Become rank 0 (starting ranks 1..N-1 unless torchrun did), send the workers the plan, and
     wrap this rank's runner in the executor that sends them each step."""
+    from nanoserve.dist.channel import StepChannel
     from nanoserve.dist.executor import DriverExecutor
     from nanoserve.dist.launch import WorkerPool, join_group, rank_device, send_plan, stop_driver, torchrun_rank
 
@@ -313,10 +332,12 @@ def _start_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, 
     pool = None if launched else WorkerPool(topology, device)
     device = rank_device(device, 0)
     tp, control = join_group(0, topology, device, None if pool is None else pool.init_method)
+    channel = StepChannel(control, topology.world_size, topology.pipeline_parallel_size > 1)
     try:
         send_plan(plan, control)
         runner = build_rank_runner(plan, device, tp)
     except BaseException:
-        stop_driver(control, pool)
+        stop_driver(channel, pool)
         raise
-    return runner, DriverExecutor(runner, control, pool, topology, pipeline_microbatches(plan.args))
+    return runner, DriverExecutor(runner, channel, pool, topology, pipeline_microbatches(plan.args),
+                                  async_pipeline=plan.args.async_pipeline, depth=microbatches_in_flight(plan.args))

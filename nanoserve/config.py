@@ -70,6 +70,10 @@ class SchedulerConfig:
     # Micro-batches a pipelined step runs (nanoserve/dist/pipeline.py; 1: no pipeline). A policy
     # that cuts its own (KunServe) gives each step up to this many.
     pipeline_microbatches: int = 1
+    # Micro-batches an asynchronous pipeline keeps in flight (1: every step waits for its
+    # result). Above 1, each step is one micro-batch (`Engine`'s pipelined step) and the policy
+    # gives it at most its share, 1/this, of the running requests (`Scheduler.running_share`).
+    microbatches_in_flight: int = 1
     # Knobs of the chosen policy, by name; each policy declares the ones it takes
     # (`Scheduler.OPTIONS`) and refuses any other.
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -83,6 +87,8 @@ class SchedulerConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.pipeline_microbatches < 1:
             raise ValueError("pipeline_microbatches must be >= 1")
+        if self.microbatches_in_flight < 1:
+            raise ValueError("microbatches_in_flight must be >= 1")
 
     def slo_for(self, priority: RequestClass | str) -> SLO:
         # ==, not is: the engine asks before the Request it builds has coerced a raw string.

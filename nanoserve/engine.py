@@ -5,19 +5,31 @@
              result = executor.execute(batch)    real model (ModelRunner) or simulator
              postprocess(batch, result)          append tokens, detokenize, stop, free KV
 
-The engine is single-threaded and synchronous. The server drives it from one background
-thread (`async_engine.py`); `LLM.generate` drives it in a plain loop.
+The engine is single-threaded. The server drives it from one background thread
+(`async_engine.py`); `LLM.generate` drives it in a plain loop.
+
+With an asynchronous pipeline (`pipeline`, under pipeline parallelism with `async_pipeline`)
+a step is one micro-batch, and the engine keeps `depth` of them in flight, as vLLM v1's batch
+queue does: while the later stages run micro-batch k, rank 0 schedules and starts k+1 instead
+of waiting for k to drain. A synchronous pipelined step fills and drains the pipeline every
+time, which idles (S − 1) / (m + S − 1) of its stage-time (KunServe's Fig. 8 bubbles come on
+top of that); in flight, the next step's micro-batches fill what the last one's drain leaves.
+
+    submit  ┌───┐┌───┐                    stage 0   [k  ][k+1][k+2][k+3]
+            │k+1││ k │ ─► stages ─►          stage 1        [k  ][k+1][k+2]
+            └───┘└───┘    collect k ─► postprocess, schedule k+2, submit it
 """
 from __future__ import annotations
 
 import itertools
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.manager import KVManager
-from nanoserve.model.runner import Executor, ExecutorOutput
+from nanoserve.model.runner import Executor, ExecutorOutput, MicrobatchPipeline
 from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
@@ -63,16 +75,24 @@ class EngineStats:
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer | None,
                  eos_token_ids: frozenset[int] = frozenset(), model_name: str = "model",
-                 calibrate_cost_model: bool = False, stream_outputs: bool = True):
+                 calibrate_cost_model: bool = False, stream_outputs: bool = True,
+                 pipeline: MicrobatchPipeline | None = None):
         """`calibrate_cost_model`: scale the policy's cost model by how long steps really take
         (`sched.cost_model.Calibration`); for a real executor, not a mock one. Without
         `stream_outputs`, `step` returns only the requests that finished (the simulator's
-        choice: an output per token is a third of a simulated step's cost)."""
+        choice: an output per token is a third of a simulated step's cost). `pipeline`: run
+        steps through it asynchronously (see the module docstring); the scheduler must be
+        configured with `microbatches_in_flight` equal to its depth."""
         self.model_name = model_name
         self.stream_outputs = stream_outputs
         self.calibrate_cost_model = calibrate_cost_model
         self.scheduler = scheduler
         self.executor = executor
+        self.pipeline = pipeline
+        if pipeline is not None and scheduler.config.microbatches_in_flight != pipeline.depth:
+            raise ValueError(f"the scheduler plans for {scheduler.config.microbatches_in_flight} micro-batches in "
+                             f"flight, the pipeline keeps {pipeline.depth}")
+        self._in_flight: deque[SchedulerOutput] = deque()  # submitted to `pipeline`, oldest first
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
@@ -170,6 +190,8 @@ class Engine:
         """Hand a request over to another engine (Llumnix's migration): it leaves this engine's
         queues and KV unfinished; its tokens and timings travel with the `Request`, its stream
         position and detokenizer in the `Handover` that `attach_request` takes."""
+        if any(c.request.request_id == request_id for batch in self._in_flight for c in batch.chunks):
+            raise ValueError(f"{request_id} is in a micro-batch still in flight; detach it after that lands")
         request = self.requests.pop(request_id)
         self.scheduler.detach(request)
         return Handover(request, self._emitted.pop(request_id), self._detokenizers.pop(request_id, None))
@@ -193,7 +215,7 @@ class Engine:
             stop()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -212,6 +234,8 @@ class Engine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one step; return outputs of those that changed."""
+        if self.pipeline is not None:
+            return self._pipelined_step(self.pipeline)
         # The scheduler's clock: wall time in a server, virtual time in the simulator, where the
         # policy's cost model is calibrated against the simulated GPU as it is against a real one.
         started = self.clock()
@@ -239,6 +263,39 @@ class Engine:
                 self.scheduler.calibrate(predicted, measured)
         if not self.has_unfinished_requests():
             self.scheduler.settle()  # idle from here: free what the last copies held
+        if self.check_invariants:
+            self.kv.check_invariants()
+        return outputs
+
+    def _pipelined_step(self, pipeline: MicrobatchPipeline) -> list[RequestOutput]:
+        """Submit one more micro-batch if the pipeline has room and the policy has work; when it
+        is full (or nothing else can run until a token lands), collect the oldest and
+        postprocess it. Returns [] while it is still filling. The cost model is not calibrated
+        here: with steps overlapping, no interval measures one step's cost."""
+        try:
+            if len(self._in_flight) < pipeline.depth:
+                batch = self.scheduler.schedule()
+                if not batch.is_empty:
+                    self.scheduler.update_after_submit(batch)
+                    self._in_flight.append(batch)
+                    pipeline.submit(batch)
+                    if len(self._in_flight) < pipeline.depth:
+                        return []
+            if not self._in_flight:
+                self.scheduler.settle()  # nothing runs and nothing is in flight: as `step` does
+                return []
+            result = pipeline.collect()
+        except BaseException:
+            # The pipeline failed (a worker is gone): what was in flight never comes back. The
+            # caller aborts the requests; nothing may wait for their tokens.
+            self._in_flight.clear()
+            self.scheduler.awaiting_token.clear()
+            raise
+        batch = self._in_flight.popleft()
+        self.scheduler.update_after_landing(batch)
+        outputs = self._postprocess(batch, result, self.clock())
+        if not self.has_unfinished_requests():
+            self.scheduler.settle()
         if self.check_invariants:
             self.kv.check_invariants()
         return outputs

@@ -179,15 +179,19 @@ def test_a_pipelined_step_is_cut_into_microbatches_of_equal_cost():
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     for i, n in enumerate((40, 9, 30, 5)):
         scheduler.add_request(Request(f"r{i}", [1 + i] * n, params))
-    cut_steps = 0
+    cut_steps = two_way = 0
     for _ in range(40):
         out = scheduler.schedule()
         if not out.chunks:
             break
         if out.microbatches is not None:
             cut_steps += 1
-            assert len(out.microbatches) == min(2, out.num_tokens)
+            # Fig. 11 lines 4-5: no micro-batch under MIN (budget / m = 16) tokens, so fewer cuts
+            # for a small step (a decode step is not cut at all).
+            assert len(out.microbatches) == max(1, min(2, out.num_tokens // 16))
+            assert len(out.microbatches) == 1 or all(sum(p.num_tokens for p in mb) >= 16 for mb in out.microbatches)
             if len(out.microbatches) == 2:  # the balance point: no token moved across is better
+                two_way += 1
                 costs = [microbatch_cost([(p.request.request_id, p.start, p.num_tokens) for p in mb],
                                          scheduler.cost_model) for mb in out.microbatches]
                 assert abs(costs[0] - costs[1]) <= max(scheduler.cost_model.chunk_cost(0, 64), 1e-9)
@@ -200,4 +204,4 @@ def test_a_pipelined_step_is_cut_into_microbatches_of_equal_cost():
         for chunk in out.chunks:  # "sample" so decodes follow
             if chunk.samples:
                 chunk.request.append_token(7, 0.0)
-    assert cut_steps > 0
+    assert cut_steps > 0 and two_way > 0

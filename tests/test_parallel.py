@@ -133,31 +133,37 @@ def test_a_step_survives_its_wire_message(tiny_dirs):
 
 
 # -- several processes: same answers, failures, shutdown -----------------------------------------
-@pytest.mark.parametrize("arch,tp_size,pp_size", [
-    ("llama", 2, 1), ("llama", 4, 1), ("qwen2", 2, 1), ("qwen3", 2, 1), ("opt", 2, 1),
-    ("llama", 1, 2), ("qwen2", 1, 2), ("opt", 1, 2), ("llama", 2, 2),
+@pytest.mark.parametrize("arch,tp_size,pp_size,async_pipeline", [
+    ("llama", 2, 1, False), ("llama", 4, 1, False), ("qwen2", 2, 1, False), ("qwen3", 2, 1, False),
+    ("opt", 2, 1, False), ("llama", 1, 2, False), ("qwen2", 1, 2, False), ("opt", 1, 2, False),
+    ("llama", 2, 2, False), ("llama", 1, 2, True), ("qwen2", 1, 2, True), ("llama", 2, 2, True),
 ])
-def test_greedy_outputs_match_a_single_process(tiny_dirs, arch, tp_size, pp_size):
+def test_greedy_outputs_match_a_single_process(tiny_dirs, arch, tp_size, pp_size, async_pipeline):
     directory = str(tiny_dirs[arch])
     expected = LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024,
                    max_num_batched_tokens=8).generate(PROMPTS, PARAMS, use_tqdm=False)
     # A small token budget chunks the prompts, so micro-batches cut chunks and mix prefill pieces
-    # with decodes.
+    # with decodes; in flight, a prompt's next chunk runs while its previous one is still in
+    # the pipeline.
     with LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=8,
-             tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size) as llm:
+             tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size, async_pipeline=async_pipeline) as llm:
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         executor = llm.engine.executor
         stats = executor.pipeline_stats() if pp_size > 1 else None
     for ref, out in zip(expected, outputs):
-        assert_close_greedy(ref, out, f"{arch} tp={tp_size} pp={pp_size}", max_tokens=PARAMS.max_tokens)
+        assert_close_greedy(ref, out, f"{arch} tp={tp_size} pp={pp_size} async={async_pipeline}",
+                            max_tokens=PARAMS.max_tokens)
     assert executor.failed == "the engine was shut down"
     if stats is not None:
         assert len(stats["stage_busy_seconds"]) == pp_size and all(b > 0 for b in stats["stage_busy_seconds"])
         assert 0.0 <= stats["bubble_ratio"] < 1.0
+        assert stats["most_in_flight"] == (pp_size if async_pipeline else 0)
 
 
-def test_a_dead_worker_is_an_error_not_a_hang(tiny_dirs):
-    llm = LLM(str(tiny_dirs["llama"]), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2)
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(pipeline_parallel_size=2, async_pipeline=True)])
+def test_a_dead_worker_is_an_error_not_a_hang(tiny_dirs, parallel):
+    llm = LLM(str(tiny_dirs["llama"]), device="cpu", dtype="float32", kv_cache_tokens=1024, **parallel)
     try:
         assert len(llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)) == 1
         executor = llm.engine.executor
@@ -169,6 +175,7 @@ def test_a_dead_worker_is_an_error_not_a_hang(tiny_dirs):
             llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
         assert time.monotonic() - started < 60
         assert llm.engine.kv.num_used_blocks == 0  # the failed request was aborted, its blocks freed
+        assert not llm.engine.has_unfinished_requests()  # nothing left waiting in flight
     finally:
         llm.shutdown()
 

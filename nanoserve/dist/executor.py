@@ -13,7 +13,13 @@ cache; the collectives inside the model keep the ranks in step, and rank 0 sampl
 gathered logits.
 
 The messages go over a gloo group even when the model's collectives use NCCL: they are small
-Python objects, and a gloo broadcast from a dead peer fails instead of hanging.
+Python objects, and a gloo broadcast from a dead peer fails instead of hanging. Under pipeline
+parallelism they are sent point to point instead, so rank 0 need not wait for a stage still
+busy with an earlier micro-batch (channel.py).
+
+With `async_pipeline` the driver is also the engine's `MicrobatchPipeline`: `submit` sends one
+micro-batch and runs stage 0 on it, `collect` takes back the oldest one's logits; up to
+`depth` (default: one per stage) are in flight.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from nanoserve.dist.channel import StepChannel
 from nanoserve.dist.launch import Topology, WorkerPool, stop_driver
 from nanoserve.dist.pipeline import PipelineStage, split_microbatches
 from nanoserve.memory.host import KVCopy
@@ -107,27 +114,24 @@ class StepRequest:
         self.num_tokens = end if m.samples else end + 1  # what makes `ScheduledChunk.samples` agree
 
 
-def broadcast_message(message: StepMessage | str | None, group: Any) -> StepMessage | str | None:
-    holder = [message]
-    dist.broadcast_object_list(holder, src=0, group=group)
-    return holder[0]
-
-
 class DriverExecutor:
     """Rank 0's executor: send the step to the workers, then run this rank's part of it (its
     shard, or as a pipeline, stage 0 of every micro-batch, then sample what the last stage sends
     back)."""
 
-    def __init__(self, runner: ModelRunner, control_group: Any, pool: WorkerPool | None,
-                 topology: Topology = Topology(), microbatches_per_step: int = 1):
+    def __init__(self, runner: ModelRunner, channel: StepChannel, pool: WorkerPool | None,
+                 topology: Topology = Topology(), microbatches_per_step: int = 1, async_pipeline: bool = False,
+                 depth: int | None = None):
         self.runner = runner
-        self.control_group = control_group
+        self.channel = channel
         self.pool = pool  # None under torchrun: the workers are not this process's children
         self.topology = topology
         # Token-count chunking's micro-batches per step when the scheduler gives none
         # (`builder.pipeline_microbatches`).
         self.microbatches_per_step = microbatches_per_step
         self.stage = PipelineStage(runner, 0, topology)
+        # `MicrobatchPipeline.depth`: micro-batches in flight (1: synchronous steps).
+        self.depth = (depth or topology.pipeline_parallel_size) if async_pipeline else 1
         self.failed: str | None = None
         self._stopped = False
         atexit.register(self.shutdown)  # an engine never shut down still lets its workers go
@@ -135,61 +139,96 @@ class DriverExecutor:
     def __getattr__(self, name: str) -> Any:  # model_config, preemption, ... as the runner has them
         return getattr(self.runner, name)
 
-    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+    def _check_workers(self) -> None:
         if self.failed is not None:
             raise WorkerFailure(self.failed)
         if self.pool is not None and not self.pool.alive():
             self.failed = "a worker process has died; restart the engine"
             raise WorkerFailure(self.failed)
+
+    def _lost(self, exc: RuntimeError) -> WorkerFailure:  # gloo reports a lost peer as a RuntimeError
+        self.failed = f"a parallel step failed, a worker is gone: {exc}"
+        return WorkerFailure(self.failed)
+
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        self._check_workers()
         try:
             if self.topology.pipeline_parallel_size == 1:
-                broadcast_message(StepMessage.of(batch), self.control_group)
+                self.channel.post(StepMessage.of(batch))
                 return self.runner.execute(batch)
             microbatches = batch.microbatches or split_microbatches(batch.chunks, self.microbatches_per_step)
-            message = StepMessage.of(batch, microbatches)
-            broadcast_message(message, self.control_group)
-            # Rank 0 runs stage 0 on the real requests (their params and generators sample).
-            # A copies-only step (ConServe's prefetch ahead) has no micro-batch: an empty one
-            # carries its copies.
-            outputs = [SchedulerOutput(mb) for mb in microbatches] or [SchedulerOutput()]
-            outputs[0].kv_copies, outputs[0].landed_copies = batch.kv_copies, batch.landed_copies
-            return self.stage.run(outputs)
-        except RuntimeError as exc:  # gloo reports a lost peer as a RuntimeError
-            self.failed = f"a parallel step failed, a worker is gone: {exc}"
-            raise WorkerFailure(self.failed) from exc
+            self.channel.post(StepMessage.of(batch, microbatches))
+            return self.stage.run(self._stage_batches(batch, microbatches))
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
+
+    @staticmethod
+    def _stage_batches(batch: SchedulerOutput, microbatches: list[list[ScheduledChunk]]) -> list[SchedulerOutput]:
+        # Rank 0 runs stage 0 on the real requests (their params and generators sample). A
+        # copies-only step (ConServe's prefetch ahead) has no micro-batch: an empty one carries
+        # its copies.
+        outputs = [SchedulerOutput(mb) for mb in microbatches] or [SchedulerOutput()]
+        outputs[0].kv_copies, outputs[0].landed_copies = batch.kv_copies, batch.landed_copies
+        return outputs
+
+    # -- MicrobatchPipeline: the engine's asynchronous pipeline -------------------------------
+    def submit(self, batch: SchedulerOutput) -> None:
+        """Send the step to the workers as one micro-batch and run stage 0 on it."""
+        self._check_workers()
+        try:
+            self.channel.post(StepMessage.of(batch))
+            self.stage.submit(self._stage_batches(batch, [batch.chunks] if batch.chunks else []))
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
+
+    def collect(self) -> ExecutorOutput:
+        self._check_workers()
+        try:
+            return self.stage.finish()
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
 
     def pipeline_stats(self) -> dict[str, Any]:
         """Busy seconds of each stage (its tensor-parallel rank 0) over the steps so far, rank
-        0's step span, and the bubble ratio: 1 − Σ busy / (stages · span)."""
-        broadcast_message(STATS, self.control_group)
+        0's span (time with a micro-batch in flight), the bubble ratio, 1 − Σ busy / (stages ·
+        span), and the most steps the asynchronous pipeline had in flight at once."""
+        if self.stage.in_flight:
+            raise RuntimeError("pipeline_stats with micro-batches in flight: step the engine until it is idle")
+        self.channel.post(STATS)
         busy: list[Any] = [None] * self.topology.world_size
-        dist.gather_object(self.stage.busy_seconds, busy, dst=0, group=self.control_group)
+        dist.gather_object(self.stage.busy_seconds, busy, dst=0, group=self.channel.group)
         per_stage = [busy[ranks[0]] for ranks in map(self.topology.stage_ranks,
                                                       range(self.topology.pipeline_parallel_size))]
         span = self.stage.span_seconds
         ratio = 1.0 - sum(per_stage) / (len(per_stage) * span) if span > 0 else None
-        return {"stage_busy_seconds": per_stage, "span_seconds": span, "bubble_ratio": ratio}
+        return {"stage_busy_seconds": per_stage, "span_seconds": span, "bubble_ratio": ratio,
+                "most_in_flight": self.stage.most_in_flight}
 
     def shutdown(self) -> None:
         if not self._stopped:
             self._stopped = True
+            try:  # take back what is in flight, so no stage is left holding an unreceived send
+                while self.stage.in_flight and self.failed is None and (self.pool is None or self.pool.alive()):
+                    self.stage.finish()
+            except RuntimeError:
+                pass
             self.failed = self.failed or "the engine was shut down"
-            stop_driver(self.control_group, self.pool)
+            stop_driver(self.channel, self.pool)
 
 
 STATS = "stats"  # a control message: every rank reports its pipeline busy time
 
 
-def worker_loop(runner: ModelRunner, control_group: Any, rank: int = 0, topology: Topology = Topology()) -> None:
-    """Run every step rank 0 broadcasts until it sends None (shutdown)."""
+def worker_loop(runner: ModelRunner, channel: StepChannel, rank: int = 0, topology: Topology = Topology()) -> None:
+    """Run every step rank 0 posts until it sends None (shutdown)."""
     stage = PipelineStage(runner, rank, topology)
     while True:
-        message = broadcast_message(None, control_group)
+        message = channel.receive()
         if message is None:
             return
         if message == STATS:
-            dist.gather_object(stage.busy_seconds, None, dst=0, group=control_group)
+            dist.gather_object(stage.busy_seconds, None, dst=0, group=channel.group)
         elif topology.pipeline_parallel_size == 1:
             runner.execute(message.batch())
         else:
-            stage.run(message.outputs())
+            stage.start(message.outputs())

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nanoserve.dist.channel import StepChannel
 from nanoserve.dist.parallel import TPGroup
 
 if TYPE_CHECKING:
@@ -124,7 +125,8 @@ def run_worker(rank: int, topology: Topology, device: torch.device, init_method:
         holder: list[Any] = [None]
         dist.broadcast_object_list(holder, src=0, group=control)
         runner = build_rank_runner(holder[0], device, tp, topology.stage_of(rank))
-        worker_loop(runner, control, rank, topology)
+        worker_loop(runner, StepChannel(control, topology.world_size, topology.pipeline_parallel_size > 1),
+                    rank, topology)
     finally:
         dist.destroy_process_group()
 
@@ -166,13 +168,14 @@ def exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="nanoserve-parent-watch", daemon=True).start()
 
 
-def stop_driver(control_group: Any, pool: WorkerPool | None) -> None:
+def stop_driver(channel: StepChannel, pool: WorkerPool | None) -> None:
     """Rank 0's shutdown: tell the workers to stop (if they can still hear it), wait, leave."""
     if not dist.is_initialized():
         return
     try:
         if pool is None or pool.alive():
-            dist.broadcast_object_list([None], src=0, group=control_group)  # the stop message
+            channel.post(None)  # the stop message
+            channel.flush()
     except RuntimeError:
         pass  # a worker is already gone: nothing to tell it
     if pool is not None:

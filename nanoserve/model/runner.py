@@ -57,6 +57,21 @@ class Executor(Protocol):
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput: ...
 
 
+class MicrobatchPipeline(Protocol):
+    """An executor that takes a step and returns before its result is ready, so that up to
+    `depth` steps are in flight at once (a pipeline's stages each working on a different one).
+    Results come back in submission order. nanoserve/dist/executor.py's `DriverExecutor` is one
+    under pipeline parallelism; the engine's pipelined step drives it."""
+
+    depth: int
+
+    def submit(self, batch: SchedulerOutput) -> None: ...
+
+    def collect(self) -> ExecutorOutput:
+        """The result of the oldest step submitted and not yet collected (waits for it)."""
+        ...
+
+
 @dataclass(frozen=True)
 class PreparedBatch:
     input_ids: torch.Tensor

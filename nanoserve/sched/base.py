@@ -70,6 +70,11 @@ class SchedulerOutput:
 class Scheduler(ABC):
     # The `SchedulerConfig.policy_options` this policy takes (name -> what it sets); none by default.
     OPTIONS: dict[str, str] = {}
+    # Can this policy schedule while earlier steps are still in an asynchronous pipeline
+    # (`SchedulerConfig.microbatches_in_flight` > 1)? Its `plan` must skip `awaiting_token`
+    # requests and give a step at most `running_share` running requests; FCFS (and KunServe,
+    # which reuses its pass) does. Policies with more state per request do not claim it.
+    ASYNC_PIPELINE: bool = False
 
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -78,6 +83,9 @@ class Scheduler(ABC):
         if unknown:
             raise ValueError(f"policy {config.policy!r} takes no option {', '.join(sorted(unknown))} "
                              f"(it takes: {', '.join(sorted(self.OPTIONS)) or 'none'})")
+        if config.microbatches_in_flight > 1 and not self.ASYNC_PIPELINE:
+            raise ValueError(f"policy {config.policy!r} cannot schedule for an asynchronous pipeline "
+                             f"(fcfs and kunserve can)")
         self.kv = PagedKV(kv) if isinstance(kv, BlockPool) else kv
         # Policies that budget time (BROS, ConServe, KunServe, EcoServe) ask the cost model what a
         # batch would take and the clock what time it is; tests pass a mock clock.
@@ -89,6 +97,9 @@ class Scheduler(ABC):
         self.num_preemptions = 0
         self._copies: list[list[KVCopy]] = []  # this step's copy groups, in call order
         self._landed: tuple[int, ...] = ()  # landed tickets not yet sent to the executor
+        # Asynchronous pipeline: requests whose next token is being sampled by a step still in
+        # flight. They have nothing to compute until it lands (`update_after_landing`).
+        self.awaiting_token: set[str] = set()
 
     # -- what a policy implements --------------------------------------------------------
     @abstractmethod
@@ -135,6 +146,31 @@ class Scheduler(ABC):
         """The executor has written K/V for every scheduled token."""
         for chunk in output.chunks:
             chunk.request.num_computed_tokens = chunk.end
+
+    # -- an asynchronous pipeline (Engine's pipelined step) ------------------------------
+    def update_after_submit(self, output: SchedulerOutput) -> None:
+        """The step has entered the pipeline: count its tokens as computed now, as vLLM v1
+        does. Every stage runs steps in the order they were submitted, so each layer's K/V is
+        read and written in scheduling order, as if each step had finished before the next: the
+        next step may run a prompt's following chunk, and may reuse blocks a preemption or
+        abort freed. What it may not do is run a request whose sampled token is still on its
+        way: those wait in `awaiting_token`."""
+        self.update_after_step(output)
+        self.awaiting_token.update(c.request.request_id for c in output.chunks if c.samples)
+
+    def update_after_landing(self, output: SchedulerOutput) -> None:
+        """The step's sampled tokens are back (the engine appends them next)."""
+        self.awaiting_token.difference_update(c.request.request_id for c in output.chunks if c.samples)
+
+    def running_share(self) -> int:
+        """How many running requests one step may advance: all of them, or under an
+        asynchronous pipeline of d micro-batches in flight, ⌈running / d⌉, so that the d steps in
+        flight each carry a share of the decodes (vLLM's virtual engines give each of the S
+        pipeline engines 1/S of the requests for the same reason; ours rebalance every step
+        instead of pinning a request to an engine). Without the cap one step would take every
+        decode and the next would find none ready: the pipeline would run one step at a time."""
+        depth = self.config.microbatches_in_flight
+        return len(self.running) if depth == 1 else -(-len(self.running) // depth)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the queues for good and release its KV."""

@@ -13,6 +13,10 @@ again after a preemption), and each step lets requests catch up under one token 
 Decode tokens and prefill chunks therefore share one batch (Sarathi-Serve's stall-free
 batching, Agrawal et al., OSDI'24), and a long prompt never blocks running decodes for more
 than its chunk.
+
+Under an asynchronous pipeline (`SchedulerConfig.microbatches_in_flight` > 1) each step is one
+micro-batch of the pipeline: requests whose sampled token is still in flight are skipped, and a
+step advances at most its share of the running requests (`Scheduler.running_share`).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from nanoserve.sched.base import Scheduler, SchedulerOutput
 
 
 class FCFSScheduler(Scheduler):
+    ASYNC_PIPELINE = True
     def tokens_wanted(self, request: Request) -> int:
         """How many tokens `request` would advance by with no budget limit: all it lacks.
         A subclass may offer less (KunServe: its share of this step's micro-batch); 0 stops
@@ -32,9 +37,12 @@ class FCFSScheduler(Scheduler):
         budget = self.config.max_num_batched_tokens
         self.running = self.kv.order(self.running)
 
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, share = 0, self.running_share()
+        while i < len(self.running) and budget > 0 and share > 0:
             request = self.running[i]
+            if request.request_id in self.awaiting_token:  # its next token is still in flight
+                i += 1
+                continue
             num_new = min(self.tokens_wanted(request), budget)
             if num_new == 0:
                 break
@@ -50,12 +58,15 @@ class FCFSScheduler(Scheduler):
                 break  # the request itself was preempted: nothing after it remains
             out.chunks.append(chunk)
             budget -= num_new
+            share -= 1
             i += 1
 
         # Admitting new work in a step that had to preempt would only thrash.
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.request_id in self.awaiting_token:  # preempted with a token in flight
+                break
             num_new = min(self.tokens_wanted(request), budget)
             chunk = self.try_chunk(request, num_new) if num_new else None
             if chunk is None:

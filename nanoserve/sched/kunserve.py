@@ -45,9 +45,16 @@ chunking into as many micro-batches, so the gain can be reported (`last_bubble_r
 
 Under pipeline parallelism (`SchedulerConfig.pipeline_microbatches` = m > 1,
 nanoserve/dist/pipeline.py) the step is FCFS's (the token budget says how much is in flight) and
-the lookahead's balancing (`_balance` with m fixed) cuts it into m micro-batches of equal cost;
+the lookahead's balancing cuts it into up to m micro-batches of equal cost, each of at least
+MIN tokens (Fig. 11 lines 4-5, "Don't chunk if with few tokens": a decode step of 87 requests
+is not cut into four micro-batches of 22, each re-reading every weight);
 `SchedulerOutput.microbatches` hands that cut to the executor, which would otherwise cut by
-token count (`_plan_pipelined`).
+token count (`_plan_pipelined`). Assumption: the paper profiles MIN offline and says only that
+it "ensures that each microbatch has sufficient tokens to fully utilize the GPU"; our default is
+the share of one of the m micro-batches of a full step, budget / m, and `pipeline_min_tokens`
+(a policy option) sets it (benchmarks/pipeline.py --sim sweeps it). Under an asynchronous
+pipeline (`microbatches_in_flight` > 1) each step is one micro-batch: the first of the
+lookahead over the queue, as on one device.
 
 Left out: the paper's discussion notes lookahead needs a queue to look ahead into; we never wait
 for one (normal serving just gets one micro-batch, the FCFS step, when the queue is short).
@@ -214,11 +221,17 @@ class KunServeScheduler(FCFSScheduler):
     """FCFS whose step is the first cost-balanced lookahead micro-batch (see the module docstring).
 
     `num_stages`: the pipeline depth the bubble estimate assumes. `min_tokens`: MIN of Fig. 11,
-    default half the token budget, so that a micro-batch is usually no more than one step."""
+    default half the token budget, so that a micro-batch is usually no more than one step.
+    `pipeline_min_tokens`: MIN when a pipelined step is cut (default: budget / m)."""
+
+    OPTIONS = {"pipeline_min_tokens": "Fig. 11's MIN when a pipelined step is cut (default: budget / micro-batches)"}
 
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic, num_stages: int = 2, min_tokens: int | None = None):
         super().__init__(config, kv, cost_model, clock)
+        self.pipeline_min_tokens: int | None = config.policy_options.get("pipeline_min_tokens")
+        if self.pipeline_min_tokens is not None and self.pipeline_min_tokens < 1:
+            raise ValueError(f"pipeline_min_tokens must be >= 1, got {self.pipeline_min_tokens}")
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.num_stages = num_stages
@@ -239,7 +252,7 @@ class KunServeScheduler(FCFSScheduler):
         room = max(0, self.config.max_num_seqs - len(self.running))
         queued = self.running + list(islice(self.waiting, room))
         work = [(r.request_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
-                for r in queued if r.num_tokens > r.num_computed_tokens]
+                for r in queued if r.num_tokens > r.num_computed_tokens and r.request_id not in self.awaiting_token]
         mbs = lookahead_microbatches(work, self.cost_model, self.min_tokens)
         self.last_microbatches = mbs
         if mbs:
@@ -267,13 +280,14 @@ class KunServeScheduler(FCFSScheduler):
 
     def _plan_pipelined(self) -> SchedulerOutput:
         """Under pipeline parallelism: FCFS's step (the token budget says how much work is in
-        flight), cut by the lookahead's balancing into m micro-batches of equal cost, where
-        token-count chunking would give them equal tokens."""
+        flight), cut by the lookahead's balancing into up to m micro-batches of equal cost and
+        at least MIN tokens, where token-count chunking would give them equal tokens."""
         self._allotted = None
         out = super().plan()
         work = [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
         if work:
-            mbs = lookahead_microbatches(work, self.cost_model, 1, self.microbatches_per_step)
+            min_tokens = self.pipeline_min_tokens or max(1, self.config.max_num_batched_tokens // self.microbatches_per_step)
+            mbs = lookahead_microbatches(work, self.cost_model, min_tokens, self.microbatches_per_step)
             out.microbatches = self._cut(out, mbs)
             self.last_microbatches = mbs
             self.last_bubble_ratio = bubble_ratio([microbatch_cost(b, self.cost_model) for b in mbs], self.num_stages)

@@ -75,6 +75,10 @@ class ClusterConfig:
     background_restore: bool = True
     redispatch_queued: bool = True  # §3, see the module docstring
     migration: MigrationConfig | None = None  # Llumnix: migrate running requests (sim/migration.py)
+    # Ours, for benchmarks/pipeline.py --sim: in a pipeline, a step the policy did not cut runs
+    # as token-count micro-batches (KunServe's Fig. 17 (a) baseline, `PipelineExecutor`), not
+    # as one micro-batch.
+    token_count_cut: bool = False
 
     def __post_init__(self) -> None:
         if self.instance.tp != 1:
@@ -107,7 +111,9 @@ class SimCluster:
             engine, built, roofline = build(config.instance, output_lens, clock)
             alone = StagePipeline(roofline, [range(roofline.model.num_layers)], config.link, [start])
             executor = PipelineExecutor(clock, roofline, output_lens, alone, host_store=built.host_store,
-                                        layerwise_copies=config.instance.layerwise_copies)
+                                        layerwise_copies=config.instance.layerwise_copies,
+                                        token_count_budget=config.instance.max_num_batched_tokens
+                                        if config.token_count_cut else None)
             engine.executor = executor
             self.pipelines.append(executor.pipeline)
             self.members[i] = SimMember(i, engine, executor, clock, config.instance, config.link, self.members)

@@ -44,6 +44,7 @@ from nanoserve.builder import EngineArgs, pipeline_microbatches
 from nanoserve.dist.drop_plan import Group
 from nanoserve.dist.group import GroupLayout
 from nanoserve.dist.member import Manifest, Relayout
+from nanoserve.dist.pipeline import split_microbatches
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
@@ -87,20 +88,36 @@ class StagePipeline:
         return done
 
 
+def member_microbatches(stages: int) -> int:
+    """Micro-batches a member of a `stages`-deep group cuts each step into: what the engine
+    builder gives a pipeline of that depth (two per stage)."""
+    return max(2, pipeline_microbatches(EngineArgs(pipeline_parallel_size=stages)))
+
+
 class PipelineExecutor(SimExecutor):
     """`SimExecutor` whose forward pass runs through its instance's `StagePipeline`; the clock
     advances until the step's last micro-batch is out (waits for busy stages included)."""
 
     def __init__(self, clock: VirtualClock, roofline: Roofline, output_lens: Mapping[str, int],
-                 pipeline: StagePipeline, host_store: HostKVStore | None = None, layerwise_copies: bool = False):
+                 pipeline: StagePipeline, host_store: HostKVStore | None = None, layerwise_copies: bool = False,
+                 token_count_budget: int | None = None):
         """`host_store` and `layerwise_copies` as for `SimExecutor` (a swapping baseline's
-        instance files its copies in its manager's store)."""
+        instance files its copies in its manager's store). `token_count_budget`: in a pipeline,
+        a step the policy did not cut runs as token-count micro-batches of at most this budget
+        / m tokens (m = `member_microbatches`, KunServe's cut; Sarathi-Serve's micro-batch
+        budget, KunServe's Fig. 17 (a)); None: as one (vLLM's virtual engines, where each
+        engine's step is one micro-batch)."""
         super().__init__(clock, roofline, output_lens, host_store=host_store, layerwise_copies=layerwise_copies)
         self.pipeline = pipeline
+        self.token_count_budget = token_count_budget
 
     def forward_seconds(self, batch: SchedulerOutput) -> float:
         # One stage runs a step as one forward: micro-batches only pay off between stages.
-        parts = batch.microbatches if batch.microbatches and len(self.pipeline.stages) > 1 else [batch.chunks]
+        stages = len(self.pipeline.stages)
+        parts = batch.microbatches if batch.microbatches and stages > 1 else [batch.chunks]
+        if self.token_count_budget and stages > 1 and not batch.microbatches:
+            per_microbatch = max(1, self.token_count_budget // member_microbatches(stages))
+            parts = split_microbatches(batch.chunks, -(-batch.num_tokens // per_microbatch))
         work = [([(c.start, c.num_tokens) for c in part], sum(c.samples for c in part)) for part in parts if part]
         # The engine's per-step CPU work (scheduling, input preparation, sampling) precedes stage 0.
         start = self.clock.now + self.cost.gpu.efficiency.iteration_overhead_s
@@ -225,7 +242,7 @@ class SimMember:
         if isinstance(scheduler, KunServeScheduler):
             stages = len(self.layout.members)
             scheduler.num_stages = stages
-            scheduler.microbatches_per_step = max(2, pipeline_microbatches(EngineArgs(pipeline_parallel_size=stages)))
+            scheduler.microbatches_per_step = member_microbatches(stages)
 
     # -- phase 4 ----------------------------------------------------------------------------
     def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
