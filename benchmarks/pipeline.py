@@ -64,7 +64,8 @@ def run(policy: str, model: str, prompts: list[list[int]], args, in_flight: bool
     budget, microbatches = args.budget, args.microbatches
     if in_flight:  # the synchronous runs' micro-batch size (see the docstring); one per stage in flight
         budget, microbatches = (args.budget // m) * (2 if policy == "kunserve" else 1), None
-    with LLM(model, device="cpu", dtype="float32", policy=policy, kv_cache_tokens=args.long * 2 + 4096,
+    options = {"pipeline_min_tokens": args.pipeline_min_tokens} if policy == "kunserve" and args.pipeline_min_tokens else {}
+    with LLM(model, device="cpu", dtype="float32", policy=policy, kv_cache_tokens=args.long * 2 + 4096, policy_options=options,
              max_num_batched_tokens=budget, pipeline_parallel_size=args.pp, pipeline_microbatches=microbatches,
              async_pipeline=in_flight) as llm:
         llm.generate([[100, 200, 300]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync-only", action="store_true", help="only synchronous steps")
     parser.add_argument("--async-only", action="store_true", help="only micro-batches in flight")
+    parser.add_argument("--pipeline-min-tokens", type=int, default=None,
+                        help="kunserve's MIN for a synchronous step's cut (default: budget / micro-batches; 1: always cut)")
     parser.add_argument("--sim", action="store_true", help="the simulated comparison at the paper's scale instead")
     parser.add_argument("--smoke", action="store_true", help="a tiny run: a 96-token prompt and 4 short ones")
     parser.add_argument("--json", help="also write the results to this file")
