@@ -63,10 +63,11 @@ def run(policy: str, model: str, prompts: list[list[int]], args, in_flight: bool
     m = pipeline_microbatches(EngineArgs(pipeline_parallel_size=args.pp, pipeline_microbatches=args.microbatches))
     budget, microbatches = args.budget, args.microbatches
     if in_flight:  # the synchronous runs' micro-batch size (see the docstring); one per stage in flight
-        budget, microbatches = (args.budget // m) * (2 if policy == "kunserve" else 1), None
-    options = {"pipeline_min_tokens": args.pipeline_min_tokens} if policy == "kunserve" and args.pipeline_min_tokens else {}
-    with LLM(model, device="cpu", dtype="float32", policy=policy, kv_cache_tokens=args.long * 2 + 4096, policy_options=options,
-             max_num_batched_tokens=budget, pipeline_parallel_size=args.pp, pipeline_microbatches=microbatches,
+        budget, microbatches = (args.budget // m) * (2 if policy == "kunserve" else 1), args.depth
+    use_min = policy == "kunserve" and args.pipeline_min_tokens
+    options = {"pipeline_min_tokens": args.pipeline_min_tokens} if use_min else {}
+    with LLM(model, device="cpu", dtype="float32", policy=policy, kv_cache_tokens=args.long * 2 + 4096,
+             policy_options=options, max_num_batched_tokens=budget, pipeline_parallel_size=args.pp, pipeline_microbatches=microbatches,
              async_pipeline=in_flight) as llm:
         llm.generate([[100, 200, 300]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         executor = llm.engine.executor
@@ -77,7 +78,8 @@ def run(policy: str, model: str, prompts: list[list[int]], args, in_flight: bool
         after = executor.pipeline_stats()
     busy = [b - a for a, b in zip(before["stage_busy_seconds"], after["stage_busy_seconds"])]
     span = after["span_seconds"] - before["span_seconds"]
-    return {"policy": policy, "async": in_flight, "budget": budget, "wall_seconds": wall, "stage_busy_seconds": busy,
+    return {"policy": policy, "async": in_flight, "budget": budget,
+            "depth": after["most_in_flight"] if in_flight else 1, "wall_seconds": wall, "stage_busy_seconds": busy,
             "span_seconds": span, "bubble_ratio": 1.0 - sum(busy) / (len(busy) * span)}
 
 
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync-only", action="store_true", help="only synchronous steps")
     parser.add_argument("--async-only", action="store_true", help="only micro-batches in flight")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="micro-batches in flight for the in-flight runs (default: one per stage)")
     parser.add_argument("--pipeline-min-tokens", type=int, default=None,
                         help="kunserve's MIN for a synchronous step's cut (default: budget / micro-batches; 1: always cut)")
     parser.add_argument("--sim", action="store_true", help="the simulated comparison at the paper's scale instead")
