@@ -76,7 +76,9 @@ CEILING_KV_FACTOR = 10  # the ceiling run's KV, in replicas' worth
 # give vLLM `--swap-space 64` (GiB per GPU) for its 13B model on two GPUs, 128 for 6B on one.
 INFERCEPT_SWAP_GIB = 64
 INFERCEPT_SWAP_TOKENS = INFERCEPT_SWAP_GIB * (1 << 30) // ModelCost(model(MODEL)).kv_bytes_per_token
-SCALES = {"paper": Scale(8, 240.0), "ci": Scale(2, 240.0, bursts=2)}
+# "long": §5.4's long run of BurstGPT (Fig. 15, "a long run (640s)"; §2.2 saw two throttling
+# events on vLLM in it), BurstGPT only.
+SCALES = {"paper": Scale(8, 240.0), "ci": Scale(2, 240.0, bursts=2), "long": Scale(8, 640.0)}
 
 
 def configs(num_instances: int) -> dict[str, ClusterConfig]:
@@ -253,7 +255,7 @@ def timeline(part: DatasetRun) -> dict[str, dict[str, list[tuple[float, float]]]
 
 
 def run(scale: str = "paper", seed: int = 0, datasets: Sequence[str] | None = None) -> ExperimentResult:
-    """Every dataset of `DATASETS` at paper scale (`datasets` picks some), BurstGPT at ci."""
+    """Every dataset of `DATASETS` at paper scale (`datasets` picks some), BurstGPT at ci and long."""
     check_scale(scale)
     setup = SCALES[scale]
     names = list(datasets or (DATASETS if scale == "paper" else ("BurstGPT",)))
