@@ -20,15 +20,16 @@ import sys
 import time
 from pathlib import Path
 
-from nanoserve.sim.experiments import EXPERIMENTS, SCALES, run_experiment
+from nanoserve.sim.experiments import EXPERIMENTS, EXTRA_SCALES, SCALES, run_experiment
 from nanoserve.sim.experiments.report import format_report, save_json, save_plots, seeds_table
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=list(EXPERIMENTS))
-    parser.add_argument("--scale", choices=SCALES, default="paper",
-                        help="paper: the paper's setup; ci: a few hundred requests (default: paper)")
+    parser.add_argument("--scale", choices=(*SCALES, *EXTRA_SCALES), default="paper",
+                        help="paper: the paper's setup; ci: a few hundred requests; long: kunserve's 640 s "
+                             "BurstGPT run (Fig. 15) (default: paper)")
     parser.add_argument("--seed", type=int, nargs="+", default=[0],
                         help="the workload's seed, or several: each runs, then a table of every ratio over them "
                              "(default 0)")

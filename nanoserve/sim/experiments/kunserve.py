@@ -256,7 +256,7 @@ def timeline(part: DatasetRun) -> dict[str, dict[str, list[tuple[float, float]]]
 
 def run(scale: str = "paper", seed: int = 0, datasets: Sequence[str] | None = None) -> ExperimentResult:
     """Every dataset of `DATASETS` at paper scale (`datasets` picks some), BurstGPT at ci and long."""
-    check_scale(scale)
+    check_scale(scale, "kunserve")
     setup = SCALES[scale]
     names = list(datasets or (DATASETS if scale == "paper" else ("BurstGPT",)))
     parts = [run_dataset(name, setup, seed) for name in names]
