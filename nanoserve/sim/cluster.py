@@ -67,7 +67,7 @@ class ClusterConfig:
     # KunServe's 14B cluster (Table 2, cluster A) has one GPU per server, so KV exchange, weight
     # pulls and activations cross 200 Gbps RDMA.
     link: str = "network"
-    restore_fraction: float = 0.5  # §4.4
+    restore_fraction: float = 0.5  # §4.4; below 0 a group never restores (Fig. 15's ablation)
     # §4.4: "we overlap restoring with the normal request processing". True: the groups keep
     # serving in their pipelines while the dropped layers are pulled, and switch back once the
     # weights are in (cancelled if throttling returns first). False: every member of a

@@ -68,6 +68,7 @@ class Scale:
     num_instances: int
     duration: float  # seconds of trace
     bursts: int | None = None  # cut the trace TAIL seconds after this many bursts (None: keep all)
+    restore_ablation: bool = False  # also run KunServe without restoration (§5.4, Fig. 15)
 
 
 TAIL = 10.0
@@ -78,10 +79,12 @@ INFERCEPT_SWAP_GIB = 64
 INFERCEPT_SWAP_TOKENS = INFERCEPT_SWAP_GIB * (1 << 30) // ModelCost(model(MODEL)).kv_bytes_per_token
 # "long": §5.4's long run of BurstGPT (Fig. 15, "a long run (640s)"; §2.2 saw two throttling
 # events on vLLM in it), BurstGPT only.
-SCALES = {"paper": Scale(8, 240.0), "ci": Scale(2, 240.0, bursts=2), "long": Scale(8, 640.0)}
+SCALES = {"paper": Scale(8, 240.0), "ci": Scale(2, 240.0, bursts=2),
+          "long": Scale(8, 640.0, restore_ablation=True)}
+NO_RESTORE = "KunServe w/o restore"
 
 
-def configs(num_instances: int) -> dict[str, ClusterConfig]:
+def configs(num_instances: int, restore_ablation: bool = False) -> dict[str, ClusterConfig]:
     def instance(policy: str) -> SimConfig:
         return SimConfig(policy=policy, gpu=GPU, model=MODEL)
 
@@ -94,6 +97,9 @@ def configs(num_instances: int) -> dict[str, ClusterConfig]:
         # §5.1: "Llumnix adopts load balancing ... and migrates KVCache between instances to free
         # sufficient memory": replicas, fcfs with recompute, and Llumnix v0.1.0's migration.
         "Llumnix-like": ClusterConfig(instance("fcfs"), num_instances, migration=MigrationConfig()),
+        # §5.4: "without restoration, KunServe falls back to vLLM (PP)": groups stay pipelines.
+        **({NO_RESTORE: ClusterConfig(instance("kunserve"), num_instances, drop=True, restore_fraction=-1.0)}
+           if restore_ablation else {}),
     }
 
 
@@ -199,7 +205,7 @@ def run_dataset(name: str, setup: Scale, seed: int) -> DatasetRun:
     lengths = DATASETS[name]
     rate, probes = rate_for_demand(setup, seed, lengths=lengths)
     trace = workload(rate * setup.num_instances, setup, seed, lengths)
-    cluster = configs(setup.num_instances)
+    cluster = configs(setup.num_instances, setup.restore_ablation)
     runs = {label: simulate_cluster(config, trace) for label, config in cluster.items()}
     ceiling = simulate_cluster(unbounded_kv(cluster["vLLM (fcfs)"]), trace)
     return DatasetRun(name, seed, rate, probes, trace, runs, ceiling)
@@ -232,6 +238,18 @@ def _comparisons(part: DatasetRun) -> list[Comparison]:
                                                                                   free.ttft_p99),
         "12.7x over vLLM needs memory to explain at least that much (Fig. 12: TTFT rises with KV demand)", 12.7,
         PAPER_BASELINES["vLLM (fcfs)"]))
+    if NO_RESTORE in stats:  # §5.4 (Fig. 15): what restoring gives, over KunServe without it
+        off = stats[NO_RESTORE]
+        fig15 = "KunServe without restoration (Fig. 15, §5.4)"
+        comparisons += [
+            Comparison(f"{name} P99 TTFT: {NO_RESTORE} / KunServe", _ratio(off.ttft_p99, kun.ttft_p99),
+                       "6.4x lower with restoration", 6.4, fig15),
+            # "reduces the P50 latencies of TTFT and TPOT by 28% and 23%": 1/0.72 and 1/0.77.
+            Comparison(f"{name} P50 TTFT: {NO_RESTORE} / KunServe", _ratio(off.ttft_p50, kun.ttft_p50),
+                       "28% lower with restoration", 1 / 0.72, fig15),
+            Comparison(f"{name} P50 TPOT: {NO_RESTORE} / KunServe", _ratio(off.tpot_p50, kun.tpot_p50),
+                       "23% lower with restoration", 1 / 0.77, fig15),
+        ]
     return comparisons
 
 
