@@ -238,3 +238,25 @@ def test_ci_experiment_kunserve(monkeypatch, tmp_path):
     pytest.importorskip("matplotlib")
     paths = save_plots(result, tmp_path)
     assert any(p.name == "kunserve-timeline.png" and p.stat().st_size > 0 for p in paths)
+
+
+def test_the_long_scale_is_fig_15s_run_with_the_restore_ablation():
+    from nanoserve.sim.experiments import check_scale
+    from nanoserve.sim.experiments.kunserve import NO_RESTORE, SCALES, configs
+
+    long = SCALES["long"]
+    assert long.duration == 640.0 and long.restore_ablation and not SCALES["paper"].restore_ablation
+    check_scale("long", "kunserve")
+    with pytest.raises(ValueError, match="scale"):
+        check_scale("long", "bros")  # only KunServe's experiment has a 640 s run
+    ablation = configs(2, restore_ablation=True)[NO_RESTORE]
+    assert ablation.drop and ablation.restore_fraction < 0 and NO_RESTORE not in configs(2)
+
+
+def test_a_negative_restore_fraction_never_restores():
+    """Fig. 15's "w/o restoration": the pair stays a pipeline even with nothing to serve."""
+    cluster = SimCluster(cluster_config(drop=True, restore_fraction=-1.0), [])
+    cluster._apply(cluster.regrouper.drop({0: 1}, cluster._loads(), cluster._call), 0.0)
+    assert cluster.regrouper.restorable(cluster._loads()) == []
+    cluster._monitor(1000.0)
+    assert cluster.regrouper.groups[0].size == 2 and cluster.events["restores"] == 0
