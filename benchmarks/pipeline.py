@@ -10,8 +10,9 @@ queued with many short prompts. Both runs use the same engine and token budget:
 - `fcfs`: the executor cuts each step into `--microbatches` (default 2 per stage) by token count;
 - `kunserve`: the scheduler cuts each step along its lookahead micro-batches of equal cost.
 
-With `--async` (the default runs both), the same two cuts with micro-batches kept in flight
-across steps (`async_pipeline`: each step is one micro-batch, one per stage in flight), at the
+Then (unless `--sync-only`; `--async-only` skips the synchronous runs) the same two cuts with
+micro-batches kept in flight across steps (`async_pipeline`: each step is one micro-batch, one
+per stage in flight, `--depth` to change that), at the
 same micro-batch size as the synchronous runs (the budget / the micro-batches per step): token
 count gets that as its step budget; the lookahead gets it as MIN (Fig. 11) and twice it as its
 budget, so a cheap micro-batch may hold more tokens and a costly one fewer.
@@ -28,8 +29,9 @@ engines: each schedules its own step once its previous one has come back, so ste
 two overlap in the stages (the asynchronous pipeline above). Three cuts of a member's step:
 one micro-batch (vLLM's pipeline parallelism), token count with a micro-batch budget of a
 quarter of the step's (Sarathi-Serve, Fig. 17 (a)), and KunServe's lookahead into up to 4 of
-equal cost and at least MIN tokens, MIN swept (Fig. 11's "profiled off-line" threshold). Printed: GPU busy seconds, makespan, the
-bubble ratio (1 − busy / (GPUs · makespan)) and the mean TPOT, three seeds.
+equal cost and at least MIN tokens, MIN swept (Fig. 11's "profiled off-line" threshold).
+Printed: GPU busy seconds, makespan, the bubble ratio (1 − busy / (GPUs · makespan)) and the
+mean TPOT, three seeds.
 
     python benchmarks/pipeline.py [--pp 2] [--long 1536] [--short 24] [--budget 512] [--smoke]
                                   [--sync-only | --async-only] [--sim]
@@ -67,8 +69,8 @@ def run(policy: str, model: str, prompts: list[list[int]], args, in_flight: bool
     use_min = policy == "kunserve" and args.pipeline_min_tokens
     options = {"pipeline_min_tokens": args.pipeline_min_tokens} if use_min else {}
     with LLM(model, device="cpu", dtype="float32", policy=policy, kv_cache_tokens=args.long * 2 + 4096,
-             policy_options=options, max_num_batched_tokens=budget, pipeline_parallel_size=args.pp, pipeline_microbatches=microbatches,
-             async_pipeline=in_flight) as llm:
+             policy_options=options, max_num_batched_tokens=budget, pipeline_parallel_size=args.pp,
+             pipeline_microbatches=microbatches, async_pipeline=in_flight) as llm:
         llm.generate([[100, 200, 300]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         executor = llm.engine.executor
         before = executor.pipeline_stats()
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=None,
                         help="micro-batches in flight for the in-flight runs (default: one per stage)")
     parser.add_argument("--pipeline-min-tokens", type=int, default=None,
-                        help="kunserve's MIN for a synchronous step's cut (default: budget / micro-batches; 1: always cut)")
+                        help="kunserve's MIN for a synchronous step's cut "
+                             "(default: budget / micro-batches; 1: always cut)")
     parser.add_argument("--sim", action="store_true", help="the simulated comparison at the paper's scale instead")
     parser.add_argument("--smoke", action="store_true", help="a tiny run: a 96-token prompt and 4 short ones")
     parser.add_argument("--json", help="also write the results to this file")
@@ -157,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     m = pipeline_microbatches(EngineArgs(pipeline_parallel_size=args.pp, pipeline_microbatches=args.microbatches))
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; SmolLM2 fp32, {args.pp} stages "
           f"(gloo, 1 thread each); a {args.long}-token prompt and {args.short} short ones; synchronous: budget "
-          f"{args.budget} in {m} micro-batches per step; in flight: {args.pp} micro-batches of ~{args.budget // m} tokens")
+          f"{args.budget} in {m} micro-batches per step; in flight: {args.pp} micro-batches of "
+          f"~{args.budget // m} tokens")
     print("| steps | micro-batches | budget | stage busy (s) | span (s) | bubble ratio | wall (s) |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
@@ -168,13 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(0, len(results), 2):
         base, mine = results[i], results[i + 1]
         print(f"{'in flight' if base['async'] else 'synchronous'}: bubble ratio lookahead / token count "
-              f"{mine['bubble_ratio'] / base['bubble_ratio']:.2f}x; wall time {mine['wall_seconds'] / base['wall_seconds']:.2f}x")
+              f"{mine['bubble_ratio'] / base['bubble_ratio']:.2f}x; "
+              f"wall time {mine['wall_seconds'] / base['wall_seconds']:.2f}x")
     if len(modes) == 2:
         for k, policy in enumerate(("fcfs", "kunserve")):
             sync, flight = results[k], results[2 + k]
-            print(f"{policy}: in flight / synchronous: bubble ratio {flight['bubble_ratio'] / sync['bubble_ratio']:.2f}x, "
+            print(f"{policy}: in flight / synchronous: "
+                  f"bubble ratio {flight['bubble_ratio'] / sync['bubble_ratio']:.2f}x, "
                   f"wall time {flight['wall_seconds'] / sync['wall_seconds']:.2f}x")
-    print(f"the fill-and-drain floor of a synchronous step with {m} equal micro-batches: {(args.pp - 1) / (m + args.pp - 1):.1%}")
+    floor = (args.pp - 1) / (m + args.pp - 1)
+    print(f"the fill-and-drain floor of a synchronous step with {m} equal micro-batches: {floor:.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": date.today().isoformat(), "args": vars(args), "results": results}, f, indent=2)

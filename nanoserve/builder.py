@@ -340,4 +340,4 @@ def _start_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, 
         stop_driver(channel, pool)
         raise
     return runner, DriverExecutor(runner, channel, pool, topology, pipeline_microbatches(plan.args),
-                                  async_pipeline=plan.args.async_pipeline, depth=microbatches_in_flight(plan.args))
+                                  depth=microbatches_in_flight(plan.args))

@@ -261,6 +261,9 @@ class Engine:
             self.predicted_step_seconds_total += predicted
             if self.calibrate_cost_model:
                 self.scheduler.calibrate(predicted, measured)
+        return self._end_step(outputs)
+
+    def _end_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         if not self.has_unfinished_requests():
             self.scheduler.settle()  # idle from here: free what the last copies held
         if self.check_invariants:
@@ -293,12 +296,7 @@ class Engine:
             raise
         batch = self._in_flight.popleft()
         self.scheduler.update_after_landing(batch)
-        outputs = self._postprocess(batch, result, self.clock())
-        if not self.has_unfinished_requests():
-            self.scheduler.settle()
-        if self.check_invariants:
-            self.kv.check_invariants()
-        return outputs
+        return self._end_step(self._postprocess(batch, result, self.clock()))
 
     def _postprocess(self, batch: SchedulerOutput, result: ExecutorOutput, now: float) -> list[RequestOutput]:
         outputs = []

@@ -19,7 +19,7 @@ busy with an earlier micro-batch (channel.py).
 
 With `async_pipeline` the driver is also the engine's `MicrobatchPipeline`: `submit` sends one
 micro-batch and runs stage 0 on it, `collect` takes back the oldest one's logits; up to
-`depth` (default: one per stage) are in flight.
+`depth` (`builder.microbatches_in_flight`: one per stage by default) are in flight.
 """
 from __future__ import annotations
 
@@ -120,8 +120,7 @@ class DriverExecutor:
     back)."""
 
     def __init__(self, runner: ModelRunner, channel: StepChannel, pool: WorkerPool | None,
-                 topology: Topology = Topology(), microbatches_per_step: int = 1, async_pipeline: bool = False,
-                 depth: int | None = None):
+                 topology: Topology = Topology(), microbatches_per_step: int = 1, depth: int = 1):
         self.runner = runner
         self.channel = channel
         self.pool = pool  # None under torchrun: the workers are not this process's children
@@ -130,8 +129,9 @@ class DriverExecutor:
         # (`builder.pipeline_microbatches`).
         self.microbatches_per_step = microbatches_per_step
         self.stage = PipelineStage(runner, 0, topology)
-        # `MicrobatchPipeline.depth`: micro-batches in flight (1: synchronous steps).
-        self.depth = (depth or topology.pipeline_parallel_size) if async_pipeline else 1
+        # `MicrobatchPipeline.depth`: micro-batches in flight (1: synchronous steps), as
+        # `builder.microbatches_in_flight` decides.
+        self.depth = depth
         self.failed: str | None = None
         self._stopped = False
         atexit.register(self.shutdown)  # an engine never shut down still lets its workers go

@@ -12,7 +12,8 @@ layer after the earlier piece has written its K/V there. A synchronous step ends
 micro-batch leaves the last stage, so each step pays the fill and drain bubble, (S − 1) / (m +
 S − 1) of the stage-time with m equal micro-batches; unequal ones add more (Fig. 8 of
 KunServe). The asynchronous pipeline (engine.py) keeps micro-batches in flight across steps
-instead, each step one micro-batch; the same in-order rule makes that safe. The scheduler decides the cut where it can (`SchedulerOutput.microbatches`:
+instead, each step one micro-batch; the same in-order rule makes that safe. The scheduler
+decides the cut where it can (`SchedulerOutput.microbatches`:
 KunServe's cost-balanced lookahead, §4.3); otherwise it is by token count, as Sarathi-Serve and
 vLLM cut, into `EngineArgs.pipeline_microbatches` (default 2 per stage).
 

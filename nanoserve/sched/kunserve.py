@@ -252,7 +252,8 @@ class KunServeScheduler(FCFSScheduler):
         room = max(0, self.config.max_num_seqs - len(self.running))
         queued = self.running + list(islice(self.waiting, room))
         work = [(r.request_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
-                for r in queued if r.num_tokens > r.num_computed_tokens and r.request_id not in self.awaiting_token]
+                for r in queued
+                if r.num_tokens > r.num_computed_tokens and r.request_id not in self.awaiting_token]
         mbs = lookahead_microbatches(work, self.cost_model, self.min_tokens)
         self.last_microbatches = mbs
         if mbs:
@@ -286,7 +287,8 @@ class KunServeScheduler(FCFSScheduler):
         out = super().plan()
         work = [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
         if work:
-            min_tokens = self.pipeline_min_tokens or max(1, self.config.max_num_batched_tokens // self.microbatches_per_step)
+            min_tokens = (self.pipeline_min_tokens
+                          or max(1, self.config.max_num_batched_tokens // self.microbatches_per_step))
             mbs = lookahead_microbatches(work, self.cost_model, min_tokens, self.microbatches_per_step)
             out.microbatches = self._cut(out, mbs)
             self.last_microbatches = mbs

@@ -333,7 +333,8 @@ def _notes(setup: Scale, part: DatasetRun) -> list[str]:
         f"{kun_run.extra['kv_exchange_bytes'] / 1e9:.0f} GB of KV exchanged and "
         f"{kun_run.extra['weight_pull_bytes'] / 1e9:.0f} GB of weights pulled back over the network. A drop adds "
         "KV, not compute: a pair's micro-batches (a step of at least 2 x MIN tokens is cut) each re-read a "
-        "stage's weights and members' batches of unequal cost idle a stage, yet the dispatcher, which balances KV demand, sends each member more (its pool is "
+        "stage's weights and members' batches of unequal cost idle a stage, yet the dispatcher, which balances "
+        "KV demand, sends each member more (its pool is "
         f"{growth:.2f}x a replica's), and the pair restores only once its demand is under 50%.",
         "The largest share of the slowest 1% on one instance: " + ", ".join(
             f"{k} {r.extra['tail_on_one_instance']:.0%}" for k, r in runs.items())
