@@ -102,6 +102,58 @@ def test_restore_from_host_copy_is_bit_identical():
     assert torch.equal(logits(model), expected)
 
 
+def test_a_background_restore_fills_pages_as_their_blocks_leave():
+    """§4.4's overlapped restore: the free home pages are filled while KV still lives on the
+    others; a page under a live block waits for its block to be freed; the switch copies only
+    what the pull did not reach, and the model is bit-identical to before the drop."""
+    model = tiny_llama()
+    expected, host = logits(model), host_copy(model)
+    arena = MemoryArena(model, arena_config())
+    arena.drop_layers([1, 2])
+    free_after_drop = arena.num_free_blocks
+    first = arena.allocate("a", 2 * BLOCK)  # lowest pages first: on layer 1's old home
+    arena.allocate("b", BLOCK)
+    assert any(arena.overlaps_restore(b) for b in first) is False  # no restore yet
+    arena.begin_restore([1, 2], host)
+    assert any(arena.overlaps_restore(b) for b in first)
+    assert arena.num_free_blocks < free_after_drop - 3  # the free home pages are reserved
+    with pytest.raises(NoFreeBlocksError):
+        arena.allocate("c", (free_after_drop - 2) * BLOCK)  # ... so no block is carved there
+    left = arena.pull_pages_left
+    assert left > 0 and arena.fill_restore(arena.config.page_bytes) > 0
+    assert arena.pull_pages_left == left - 1
+    arena.fill_restore(None)
+    arena.check_invariants()
+    arena.release_blocks("a", first[:1])  # a group member gives a block back: its pages join the pull
+    assert arena.pull_pages_left > 0
+    arena.free("a")
+    arena.free("b")
+    arena.check_invariants()
+    pulled = arena.pulled_bytes
+    change = arena.restore_layers([1, 2], host)
+    arena.check_invariants()
+    weights = sum(host[n].numel() * host[n].element_size() for n in host if ".1." in n or ".2." in n)
+    assert 0 < change.copied_bytes < weights and pulled + change.copied_bytes == weights
+    assert torch.equal(logits(model), expected)
+
+
+def test_a_cancelled_restore_gives_the_pages_back():
+    model = tiny_llama()
+    host = host_copy(model)
+    arena = MemoryArena(model, arena_config())
+    arena.drop_layers([2])
+    free_after_drop = arena.num_free_blocks
+    blocks = arena.allocate("a", 3 * BLOCK)
+    arena.begin_restore([2], host)
+    arena.fill_restore(None)
+    arena.release_blocks("a", blocks[:1])
+    arena.cancel_restore()
+    arena.adopt("a", blocks[0])  # the member takes its block back
+    arena.check_invariants()
+    assert arena.num_free_blocks == free_after_drop - 3 and not arena.restoring
+    arena.drop_layers([1])  # a drop is allowed again
+
+
 def test_a_stray_write_into_a_live_weight_is_caught():
     model = tiny_llama()
     arena = MemoryArena(model, arena_config())
@@ -232,7 +284,7 @@ class ArenaMachine(RuleBasedStateMachine):
     def drop(self, layers):
         arena = self.arena
         layers = layers & set(arena.resident_layers)
-        if len(layers) == len(arena.resident_layers):
+        if len(layers) == len(arena.resident_layers) or arena.restoring:
             with pytest.raises(ValueError):
                 arena.drop_layers(layers)
             return
@@ -256,9 +308,55 @@ class ArenaMachine(RuleBasedStateMachine):
                 arena.restore_layers(layers, self.originals)
             assert arena.resident_layers == resident_before
             return
-        arena.restore_layers(layers, self.originals)
+        change = arena.restore_layers(layers, self.originals)
+        assert not arena.restoring and change.copied_bytes <= change.weight_bytes
         for stored in self.kv.values():  # no sequence owns a block, so none has K/V
             stored.update({layer: (self._unique(0), self._unique(0)) for layer in layers})
+
+    @rule(layers=LAYER_SETS)
+    def begin_restore(self, layers):
+        """§4.4's overlapped restore: reserve the dropped layers' home pages while KV lives on."""
+        arena = self.arena
+        layers = layers - set(arena.resident_layers)
+        if not layers or arena.restoring:
+            with pytest.raises(ValueError):
+                arena.begin_restore(layers, self.originals)
+            return
+        free_before = arena.num_free_blocks
+        arena.begin_restore(layers, self.originals)
+        assert arena.restoring == tuple(sorted(layers))
+        assert arena.num_free_blocks <= free_before  # reserved pages are carved no more
+
+    @rule(pages=st.integers(1, 12))
+    def fill_restore(self, pages):
+        arena = self.arena
+        left = arena.pull_pages_left
+        copied = arena.fill_restore(pages * arena.config.page_bytes)
+        assert arena.pull_pages_left == max(0, left - pages)
+        assert copied <= pages * arena.config.page_bytes
+
+    @rule()
+    def cancel_restore(self):
+        self.arena.cancel_restore()
+        assert not self.arena.restoring and self.arena.pull_pages_left == 0
+
+    @rule(seq=SEQS)
+    def release_last_block(self, seq):
+        """A group member gives back a lookup table's block (dist/member.py): the last one here,
+        so the sequence keeps its first tokens."""
+        arena = self.arena
+        table = arena.block_table(seq)
+        if not table:
+            return
+        last = table[-1]
+        arena.release_blocks(seq, [last])
+        kept = len(arena.block_table(seq)) * BLOCK
+        assert arena._reserved[seq] == kept
+        for layer, (k, v) in self.kv.get(seq, {}).items():
+            self.kv[seq][layer] = (k[:kept], v[:kept])
+        if kept == 0:
+            arena.free(seq)
+            self.kv.pop(seq, None)
 
     @invariant()
     def arena_is_consistent(self):

@@ -47,6 +47,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = BlockPool(num_blocks=16, block_size=4)
         self.reserved: dict[str, int] = {}
+        self.retiring: set[int] = set()
 
     @rule(seq=SEQS, extra=st.integers(0, 24))
     def allocate(self, seq, extra):
@@ -82,9 +83,27 @@ class BlockPoolMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.reserved)))
         owned = len(self.pool.block_table(seq))
         free_before = self.pool.num_free_blocks
+        retiring = len(set(self.pool.block_table(seq)) & self.retiring)
         assert self.pool.free(seq) == owned
-        assert self.pool.num_free_blocks == free_before + owned
+        assert self.pool.num_free_blocks == free_before + owned - retiring  # retired ones stay out
         del self.reserved[seq]
+
+    @rule(blocks=st.sets(st.integers(0, 15), max_size=6))
+    def retire(self, blocks):
+        """KunServe's background restore retires the blocks the returning weights need."""
+        free = set(self.pool._free)
+        self.pool.retire(blocks)
+        self.retiring |= blocks
+        assert self.pool.num_retiring_blocks == len(self.retiring)
+        assert free & blocks <= self.pool.retired_free and not set(self.pool._free) & blocks
+        owned = {b for s in self.reserved for b in self.pool.block_table(s)}
+        assert self.pool.retired_free == frozenset(self.retiring - owned)
+
+    @rule()
+    def unretire(self):
+        self.pool.unretire()
+        self.retiring = set()
+        assert self.pool.num_retiring_blocks == 0 and not self.pool.retired_free
 
     @rule(seq=SEQS)
     def free_unknown_is_noop(self, seq):
@@ -98,7 +117,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def owned_plus_free_is_total(self):
         owned = sum(len(self.pool.block_table(s)) for s in self.reserved)
-        assert owned + self.pool.num_free_blocks == self.pool.num_blocks
+        retired = len(self.pool.retired_free)
+        assert owned + self.pool.num_free_blocks + retired == self.pool.num_blocks
+        assert self.pool.num_used_blocks == owned
 
     @invariant()
     def slot_mapping_matches_tables(self):
@@ -115,6 +136,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def teardown(self):
         for seq in list(self.reserved):
             self.pool.free(seq)
+        self.pool.unretire()
         assert self.pool.num_free_blocks == self.pool.num_blocks  # all free once all are gone
         self.pool.check_invariants()
 

@@ -31,6 +31,15 @@ dropped layers' KV is discarded: §4.2 ships it to the peer first (`owned_blocks
 never computed (the peer did), so `restore_layers` refuses with `BlocksInUseError` while any
 KV block is owned; with none owned, the home pages are free and the weights are copied back.
 
+Restore in the background (§4.4, "we overlap restoring with the normal request processing"):
+`begin_restore` reserves the dropped layers' home pages: the free ones at once, the rest as the
+blocks on them are freed; no block is carved there again. `fill_restore` copies the weights into
+reserved pages a chunk at a time between steps, and `restore_layers` then copies only the pages
+still unfilled (none if the pull is done). `cancel_restore` hands the reserved pages back.
+
+    home of a dropped layer:  | filled | filled | to fill | KV block (still owned) |
+                                 `-- reserved: neither free nor owned --'   `-- reserved when freed
+
 Allocation: the arena is its own `BlockPool`-like allocator (drop compacts exactly the blocks
 it hands out); block ids are page numbers, not [0, num_blocks). `capacity_tokens` counts
 non-weight bytes as if unfragmented (the paper's accounting); `num_free_blocks` is exact.
@@ -43,7 +52,10 @@ Invariants (checked by `check_invariants`):
      loaded (fingerprint); dropped parameters are empty tensors, so nothing reads freed bytes.
   4. Capacity: capacity_tokens == (total - weight bytes) // block bytes * B, and
      block bytes == kv_bytes_per_token(resident layers) * B.
-  5. Nothing leaked: free runs are maximal, and with no blocks owned every non-weight page is free.
+  5. Nothing leaked: free runs are maximal, and with no blocks owned every non-weight page is
+     free or reserved for a restore.
+  6. A restore's reserved pages lie inside the home pages of the layers it restores; filled
+     and unfilled ones are disjoint.
 """
 from __future__ import annotations
 
@@ -76,6 +88,7 @@ class CapacityChange:
     tokens: int  # KV tokens `weight_bytes` hold at the new geometry
     capacity_before: int
     capacity_after: int
+    copied_bytes: int = 0  # restore: bytes copied by the call itself (less if pulled in the background)
 
 
 class MemoryArena:
@@ -103,6 +116,12 @@ class MemoryArena:
         self._tables: dict[Hashable, list[int]] = {}
         self._reserved: dict[Hashable, int] = {}
         self.history: list[CapacityChange] = []  # every drop and restore, in order
+        # A restore in the background (`begin_restore`): its layers, their weights' source, and
+        # the reserved pages of their homes, unfilled and filled.
+        self._pull_layers: tuple[int, ...] = ()
+        self._pull_source: Mapping[str, torch.Tensor] = {}
+        self._pull_todo, self._pull_done = PageRuns(), PageRuns()
+        self.pulled_bytes = 0  # weight bytes `fill_restore` has copied, over the arena's life
 
     # -- geometry and accounting ---------------------------------------------------------
     @property
@@ -156,6 +175,8 @@ class MemoryArena:
             raise ValueError(f"layers {sorted(set(layers) - set(self._resident))} are not resident")
         if len(layers) == len(self._resident):
             raise ValueError("cannot drop every resident layer")
+        if self._pull_layers:
+            raise ValueError(f"layers {list(self._pull_layers)} are being restored: cancel_restore first")
         before, old_block_pages = self.capacity_tokens, self.block_pages
         old_ranks = {layer: r for r, layer in enumerate(self._resident)}
         self._resident = tuple(layer for layer in self._resident if layer not in layers)
@@ -186,28 +207,132 @@ class MemoryArena:
         if owners:
             raise BlocksInUseError(f"cannot restore layers {list(layers)}: sequences {owners[:8]} own "
                                    f"{self.num_used_blocks} KV blocks whose KV for those layers only the peer has")
+        if self._pull_layers and layers != self._pull_layers:
+            self.cancel_restore()
         before = self.capacity_tokens
-        for layer in layers:
-            self._free.take(*self._home[layer])  # free: no block is owned, no weight is there
-            self._load(layer, source)
+        if self._pull_layers:  # the pull reserved every home page once its block was freed
+            assert self._pull_todo.num_pages + self._pull_done.num_pages == sum(b - a for a, b in self._pull_homes())
+            copied = self._fill(self._pull_todo.num_pages)  # what the background did not reach
+            self._pull_layers, self._pull_source, self._pull_done = (), {}, PageRuns()
+            for layer in layers:
+                self._load(layer, source, copy=False)
+        else:
+            copied = sum(slot.nbytes for layer in layers for slot in self._slots[layer])
+            for layer in layers:
+                self._free.take(*self._home[layer])  # free: no block is owned, no weight is there
+                self._load(layer, source)
         self._resident = tuple(sorted((*self._resident, *layers)))
-        return self._change("restore", layers, before)
+        return self._change("restore", layers, before, copied)
 
-    def _load(self, group: int, source: Mapping[str, torch.Tensor]) -> None:
+    # -- restore in the background (§4.4) ------------------------------------------------
+    @property
+    def restoring(self) -> tuple[int, ...]:
+        """The layers a background restore is pulling (empty: none)."""
+        return self._pull_layers
+
+    @property
+    def pull_pages_left(self) -> int:
+        """Reserved pages not yet filled: what `fill_restore` can still do now."""
+        return self._pull_todo.num_pages
+
+    def begin_restore(self, layer_ids: Iterable[int], source: Mapping[str, torch.Tensor]) -> None:
+        """§4.4: "we overlap restoring with the normal request processing". Reserve the home pages
+        of `layer_ids` (dropped layers): the free ones now, each page under a KV block when that
+        block is freed. Serving goes on; `fill_restore` pulls the weights in between steps."""
+        layers = tuple(sorted(set(layer_ids)))
+        dropped = set(self.layer_ids) - set(self._resident)
+        if not layers or not set(layers) <= dropped:
+            raise ValueError(f"layers {sorted(set(layers) - dropped) or '[]'} are not dropped")
+        if self._pull_layers:
+            raise ValueError(f"layers {list(self._pull_layers)} are already being restored")
+        check_restore_source([s for layer in layers for s in self._slots[layer]], source)
+        self._pull_layers, self._pull_source = layers, source
+        for start, end in self._pull_homes():
+            for run_start, length in list(self._free):
+                lo, hi = max(start, run_start), min(end, run_start + length)
+                if lo < hi:
+                    self._free.take(lo, hi - lo)
+                    self._pull_todo.release(lo, hi - lo)
+
+    def fill_restore(self, max_bytes: int | None) -> int:
+        """Copy the weights into up to `max_bytes` of reserved, unfilled pages (None: all of
+        them), lowest first; returns the bytes copied. Our choice: between steps from the host
+        copy, one chunk a step; on a GPU the copy would go on a copy stream (§4.4 puts pulls
+        behind the pipeline's activations)."""
+        page = self.config.page_bytes
+        copied = self._fill(self._pull_todo.num_pages if max_bytes is None else max(1, max_bytes // page))
+        self.pulled_bytes += copied
+        return copied
+
+    def _fill(self, pages: int) -> int:
+        copied, page = 0, self.config.page_bytes
+        while pages and self._pull_todo.num_pages:
+            start, length = next(iter(self._pull_todo))
+            length = min(length, pages)
+            self._pull_todo.take(start, length)
+            copied += self._copy_weight_bytes(start * page, (start + length) * page)
+            self._pull_done.release(start, length)
+            pages -= length
+        return copied
+
+    def cancel_restore(self) -> None:
+        """Throttling came back: the reserved pages, filled or not, are free KV pages again."""
+        for runs in (self._pull_todo, self._pull_done):
+            for start, length in list(runs):
+                runs.take(start, length)
+                self._free.release(start, length)
+        self._pull_layers, self._pull_source = (), {}
+
+    def overlaps_restore(self, block: int) -> bool:
+        """Whether KV block `block` lies (partly) on a page a background restore wants."""
+        end = block + self.block_pages
+        return any(start < end and block < stop for start, stop in self._pull_homes())
+
+    def _pull_homes(self) -> list[tuple[int, int]]:
+        """[first page, end) of each home a background restore fills."""
+        return [(self._home[layer][0], self._home[layer][0] + self._home[layer][1]) for layer in self._pull_layers]
+
+    def _copy_weight_bytes(self, lo: int, hi: int) -> int:
+        """Copy every restored parameter's bytes that fall in arena bytes [lo, hi) from the
+        source; returns how many (alignment gaps between parameters hold no weight)."""
+        copied = 0
+        for layer in self._pull_layers:
+            for slot in self._slots[layer]:
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.nbytes)
+                if a < b:
+                    flat = self._pull_source[slot.name].detach().contiguous().view(-1).view(torch.uint8)
+                    self._arena[a:b].copy_(flat[a - slot.offset : b - slot.offset])
+                    copied += b - a
+        return copied
+
+    def _release_pages(self, start: int, length: int) -> None:
+        """Free [start, start + length), except the pages a background restore wants: those
+        become reserved for it."""
+        cuts = sorted({start, start + length, *(x for home in self._pull_homes() for x in home
+                                                 if start < x < start + length)})
+        homes = self._pull_homes()
+        for lo, hi in zip(cuts, cuts[1:]):
+            wanted = any(a <= lo and hi <= b for a, b in homes)
+            (self._pull_todo if wanted else self._free).release(lo, hi - lo)
+
+    def _load(self, group: int, source: Mapping[str, torch.Tensor], copy: bool = True) -> None:
+        """Point `group`'s parameters at their home bytes, copying `source` there first unless
+        a background restore already did."""
         for slot in self._slots[group]:
             view = self._arena[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-            self._params[slot.name].data = view.copy_(source[slot.name])
+            self._params[slot.name].data = view.copy_(source[slot.name]) if copy else view
         self._fingerprints[group] = fingerprint(self._home_bytes(group))
 
     def _home_bytes(self, group: int) -> torch.Tensor:
         start, pages = self._home[group]
         return self._arena[start * self.config.page_bytes : (start + pages) * self.config.page_bytes]
 
-    def _change(self, kind: str, layers: tuple[int, ...], before: int) -> CapacityChange:
+    def _change(self, kind: str, layers: tuple[int, ...], before: int, copied: int = 0) -> CapacityChange:
         weight_bytes = sum(self._home[g][1] for g in layers) * self.config.page_bytes
         block_bytes = self.block_pages * self.config.page_bytes
         change = CapacityChange(kind, layers, weight_bytes, self.kv_bytes_per_token,
-                                weight_bytes // block_bytes * self.config.block_size, before, self.capacity_tokens)
+                                weight_bytes // block_bytes * self.config.block_size, before, self.capacity_tokens,
+                                copied)
         self.history.append(change)
         return change
 
@@ -259,8 +384,26 @@ class MemoryArena:
         table = self._tables.pop(seq_id, [])
         self._reserved.pop(seq_id, None)
         for block in table:
-            self._free.release(block, self.block_pages)
+            self._release_pages(block, self.block_pages)
         return len(table)
+
+    def release_blocks(self, seq_id: Hashable, blocks: Iterable[int]) -> None:
+        """Free some of `seq_id`'s blocks, shrinking its reservation by a block each (a group
+        member gives back the blocks of a lookup table whose logical ids its owner retired)."""
+        blocks, table = set(blocks), self._tables[seq_id]
+        if not blocks <= set(table):
+            raise ValueError(f"blocks {sorted(blocks - set(table))} are not {seq_id!r}'s")
+        table[:] = [b for b in table if b not in blocks]
+        self._reserved[seq_id] = len(table) * self.config.block_size
+        for block in blocks:
+            self._release_pages(block, self.block_pages)
+
+    def adopt(self, seq_id: Hashable, block: int) -> None:
+        """Give `seq_id` block `block` again; its pages must all be free (the inverse of
+        `release_blocks` after a cancelled restore)."""
+        self._free.take(block, self.block_pages)
+        self._tables.setdefault(seq_id, []).append(block)
+        self._reserved[seq_id] = len(self._tables[seq_id]) * self.config.block_size
 
     def free_all(self) -> int:
         """Free every sequence's blocks (a regroup re-carves them all, dist/member.py)."""
@@ -283,7 +426,15 @@ class MemoryArena:
         self._free.check()
         assert_tiles([(*self._home[g], f"weights of group {g}") for g in live]
                      + [(b, self.block_pages, f"KV block {b}") for b in owned]
-                     + [(start, n, "free run") for start, n in self._free], self.num_pages)
+                     + [(start, n, "free run") for start, n in self._free]
+                     + [(start, n, "page reserved for a restore") for runs in (self._pull_todo, self._pull_done)
+                        for start, n in runs], self.num_pages)
+        wanted = {p for a, b in self._pull_homes() for p in range(a, b)}
+        for runs in (self._pull_todo, self._pull_done):
+            runs.check()
+            assert all(p in wanted for start, n in runs for p in range(start, start + n)), \
+                "a reserved page lies outside the homes being restored"
+        assert bool(self._pull_layers) or not (self._pull_todo.num_pages or self._pull_done.num_pages)
         assert self._tables.keys() == self._reserved.keys()
         for seq_id, table in self._tables.items():
             assert len(table) == self.blocks_for(self._reserved[seq_id]), f"{seq_id}: table size != reservation"
@@ -304,4 +455,5 @@ class MemoryArena:
         assert self.num_free_blocks == sum(n // self.block_pages for _, n in self._free), "free-block count is stale"
         assert len(owned) + self.num_free_blocks <= self.capacity_blocks, "more blocks than bytes"
         if not owned:
-            assert self._free.num_pages * self.config.page_bytes == self.total_bytes - self.weight_bytes
+            reserved = self._pull_todo.num_pages + self._pull_done.num_pages
+            assert (self._free.num_pages + reserved) * self.config.page_bytes == self.total_bytes - self.weight_bytes

@@ -10,9 +10,13 @@ A block a sequence gave up while an in-flight copy still reads or writes it (a c
 save, memory/copies.py) is *held*: out of every table and off the free list, until `unhold`
 returns it once the copy has landed.
 
+A *retired* block leaves circulation: `retire` takes the free ones off the free list at once
+and each owned or held one when it is freed; `unretire` puts them back. KunServe's background
+restore retires the logical blocks whose pages the returning weights need (dist/member.py).
+
 Invariants (checked by `check_invariants`):
-  1. Every block id in [0, num_blocks) is free, held, or in exactly one table, never two of
-     these: free + held + owned == total, and no id appears twice.
+  1. Every block id in [0, num_blocks) is free, held, retired-and-free, or in exactly one table,
+     never two of these: free + held + retired + owned == total, and no id appears twice.
   2. A sequence reserving n token slots owns exactly ceil(n / block_size) blocks.
   3. `slot_mapping` is consistent with the tables: position p maps into block table[p // B].
   4. With no sequences and nothing held, every block is free.
@@ -37,6 +41,8 @@ class BlockPool:
         self._tables: dict[Hashable, list[int]] = {}
         self._reserved: dict[Hashable, int] = {}  # token slots each sequence has reserved
         self._held: set[int] = set()  # freed by their sequence, waiting for a copy to land
+        self._retiring: set[int] = set()  # out of circulation once free (`retire`)
+        self._retired: set[int] = set()  # retiring and free: neither owned nor on the free list
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -45,8 +51,18 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks not free: in a table or held for an in-flight copy."""
-        return self.num_blocks - len(self._free)
+        """Blocks in a table or held for an in-flight copy (retired ones are neither)."""
+        return self.num_blocks - len(self._free) - len(self._retired)
+
+    @property
+    def num_retiring_blocks(self) -> int:
+        """Blocks retired, free or not yet: what the pool's capacity has lost."""
+        return len(self._retiring)
+
+    @property
+    def retired_free(self) -> frozenset[int]:
+        """Retired blocks no sequence holds any more."""
+        return frozenset(self._retired)
 
     @property
     def num_held_blocks(self) -> int:
@@ -112,14 +128,16 @@ class BlockPool:
         Returns how many blocks left the table."""
         table = self._tables.pop(seq_id, [])
         self._reserved.pop(seq_id, None)
+        count = len(table)
         if hold:
             held = set(hold) & set(table)
             self._held |= held
             table = [b for b in table if b not in held]
-            self._free.extend(reversed(table))
-            return len(table) + len(held)
+        if self._retiring:
+            self._retired.update(b for b in table if b in self._retiring)
+            table = [b for b in table if b not in self._retiring]
         self._free.extend(reversed(table))
-        return len(table)
+        return count
 
     def unhold(self, blocks: Iterable[int]) -> None:
         """The copy that held `blocks` landed: they are free again."""
@@ -127,7 +145,23 @@ class BlockPool:
         if not set(blocks) <= self._held:
             raise ValueError(f"blocks {sorted(set(blocks) - self._held)} are not held")
         self._held -= set(blocks)
-        self._free.extend(reversed(blocks))
+        self._retired.update(b for b in blocks if b in self._retiring)
+        self._free.extend(reversed([b for b in blocks if b not in self._retiring]))
+
+    def retire(self, blocks: Iterable[int]) -> None:
+        """Take `blocks` out of circulation: the free ones now, the others when freed."""
+        blocks = set(blocks)
+        if not all(0 <= b < self.num_blocks for b in blocks):
+            raise ValueError(f"block ids out of [0, {self.num_blocks})")
+        self._retiring |= blocks
+        now = blocks & set(self._free)
+        self._retired |= now
+        self._free = [b for b in self._free if b not in now]
+
+    def unretire(self) -> None:
+        """Every retired block returns: the free ones to the free list."""
+        self._free.extend(sorted(self._retired, reverse=True))
+        self._retiring, self._retired = set(), set()
 
     # -- invariants ----------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -136,10 +170,14 @@ class BlockPool:
         assert len(set(self._free)) == len(self._free), "a block is on the free list twice"
         assert not set(owned) & set(self._free), "a block is both owned and free"
         assert not self._held & (set(owned) | set(self._free)), "a held block is also owned or free"
-        assert len(owned) + len(self._free) + len(self._held) == self.num_blocks, "blocks were lost or invented"
+        assert not self._retired & (set(owned) | set(self._free) | self._held), "a retired block is in use or free"
+        assert self._retired <= self._retiring, "a block is retired without being retiring"
+        assert not (self._retiring - self._retired) & set(self._free), "a retiring block went back to the free list"
+        assert len(owned) + len(self._free) + len(self._held) + len(self._retired) == self.num_blocks, \
+            "blocks were lost or invented"
         assert all(0 <= b < self.num_blocks for b in owned + self._free + list(self._held)), "block id out of range"
         assert self._tables.keys() == self._reserved.keys()
         for seq_id, table in self._tables.items():
             assert len(table) == self.blocks_for(self._reserved[seq_id]), f"{seq_id}: table size != reservation"
         if not self._tables and not self._held:
-            assert len(self._free) == self.num_blocks
+            assert len(self._free) + len(self._retired) == self.num_blocks
