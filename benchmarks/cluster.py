@@ -9,6 +9,8 @@ Printed, each as ours next to its reference:
 - the time from throttling detected to the first queued request's first token, with the drop
   (drop + remap + KV exchange, then the step) and without it (waiting for memory to free);
   the drop's own time (the paper: about 5 ms with CUDA virtual memory on a GPU);
+- the restore's stop, with the weights pulled while the pipeline serves (§4.4's overlap, the
+  default) and, unless --smoke, in a third run that loads them at the switch (waiting);
 - TTFT p50 / p99 of the burst, with and without the drop;
 - the pipeline bubble with lookahead micro-batches against token-count chunking
   (benchmarks/pipeline.py's run; the paper: 21.9% -> 8.3%).
@@ -40,11 +42,11 @@ def burst(args) -> list[list[int]]:
     return [[rng.randrange(17, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests)]
 
 
-def run(drop: bool, model: str, prompts: list[list[int]], args) -> dict:
+def run(drop: bool, model: str, prompts: list[list[int]], args, background_restore: bool = True) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine_args = EngineArgs(model=model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_tokens,
                              max_num_batched_tokens=args.budget)
-    with Cluster(engine_args, 2, drop=drop) as cluster:
+    with Cluster(engine_args, 2, drop=drop, background_restore=background_restore) as cluster:
         cluster.generate([[100, 200, 300]], SamplingParams(max_tokens=2))  # warm-up
         ids = [f"burst-{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(ids, prompts):
@@ -63,6 +65,7 @@ def run(drop: bool, model: str, prompts: list[list[int]], args) -> dict:
                 detected, queued = now, [i for i in ids if i not in first_token]
         changes = cluster.layout_changes
         regrouper = cluster.regrouper
+        pulls = cluster.restore_pulls
     ttfts = [finished[i].metrics.ttft for i in ids]
     result = {"drop": drop, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
               "preemptions": sum(finished[i].metrics.num_preemptions for i in ids),
@@ -80,6 +83,11 @@ def run(drop: bool, model: str, prompts: list[list[int]], args) -> dict:
     restores = [c for c in changes if c.kind == "restore"]
     if restores:
         result["restore_seconds"] = restores[0].seconds
+        result["restore_weights_copied"] = restores[0].weights_copied
+    switched = [p for p in pulls if p["outcome"] == "switched"]
+    if switched:
+        result["pull"] = switched[0]
+    result["pulls_cancelled"] = sum(p["outcome"] == "cancelled" for p in pulls)
     return result
 
 
@@ -116,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model()
     prompts = burst(args)
     base, mine = run(False, model, prompts, args), run(True, model, prompts, args)
+    waiting = None if args.smoke else run(True, model, prompts, args, background_restore=False)
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {os.path.basename(model)} fp32, "
           f"2 instances (1 thread each); a burst of {args.requests} prompts of {args.prompt} tokens, "
           f"{args.max_tokens} output tokens; {args.kv_tokens}-token KV pool per instance")
@@ -124,13 +133,18 @@ def main(argv: list[str] | None = None) -> int:
               f"(measured / theory {mine['measured_gain'] / mine['theory_gain']:.3f})")
         print(f"drop + remap: {mine['drop_seconds'] * 1e3:.1f} ms; then the KV exchange, "
               f"{mine['drop_kv_bytes_sent'] / 2**20:.1f} MiB in {mine['exchange_steps']} steps (a chunk per step)")
-    if "restore_seconds" in mine:
-        print(f"restore (layers from the host copy, the KV then comes home a chunk per step): "
-              f"{mine['restore_seconds'] * 1e3:.1f} ms")
+    for r, label in ((mine, "weights pulled in the background"), (waiting, "weights loaded at the switch")):
+        if r is not None and "restore_seconds" in r:
+            pull = r.get("pull")
+            print(f"restore stop, {label}: {r['restore_seconds'] * 1e3:.1f} ms, "
+                  f"{r['restore_weights_copied'] / 2**20:.1f} MiB of weights copied in it"
+                  + (f"; {pull['pulled_bytes'] / 2**20:.1f} MiB pulled over {pull['steps']} steps before"
+                     if pull else "") + f" (the KV then comes home a chunk per step)")
     print("| cluster | throttle detected -> a queued request's first token (s) | TTFT p50 (s) | TTFT p99 (s) "
           "| preemptions |")
     print("|---|---|---|---|---|")
-    for r, label in ((base, "no drop (recompute)"), (mine, "KunServe drop")):
+    rows = ((base, "no drop (recompute)"), (mine, "KunServe drop"), (waiting, "KunServe drop, waiting restore"))
+    for r, label in [(r, label) for r, label in rows if r is not None]:
         wait = r["detect_to_queued_first_token"]
         print(f"| {label} | {'-' if wait is None else f'{wait:.2f}'} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} "
               f"| {r['preemptions']} |")
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"queued request's wait, no drop / drop: "
               f"{base['detect_to_queued_first_token'] / mine['detect_to_queued_first_token']:.2f}x; "
               f"TTFT p99 no drop / drop: {base['ttft_p99'] / mine['ttft_p99']:.2f}x")
-    results = {"date": date.today().isoformat(), "args": vars(args), "no_drop": base, "drop": mine}
+    results = {"date": date.today().isoformat(), "args": vars(args), "no_drop": base, "drop": mine,
+               "drop_waiting_restore": waiting}
     if not args.no_pipeline:
         import pipeline  # benchmarks/pipeline.py, beside this file
 

@@ -45,6 +45,11 @@ def checked_instances(monkeypatch):
     monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "1")  # every instance checks its KV every step
 
 
+def LLM_PARAMS(llama_dir):
+    from safetensors.torch import load_file
+    return [(n, t) for f in sorted(llama_dir.glob("*.safetensors")) for n, t in load_file(f).items()]
+
+
 def small_pools(llama_dir) -> EngineArgs:
     return EngineArgs(model=str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=6 * BLOCK,
                       block_size=BLOCK)
@@ -94,6 +99,7 @@ def test_drop_exchange_serve_restore_on_two_instances(llama_dir, expected):
         finished = run_burst(cluster, on_step=watch)
         changes = cluster.layout_changes
         groups = cluster.regrouper.groups
+        pulls = cluster.restore_pulls
         assert not cluster.has_unfinished_requests()
     assert_matches(expected, finished)
     kinds = [c.kind for c in changes]
@@ -116,6 +122,40 @@ def test_drop_exchange_serve_restore_on_two_instances(llama_dir, expected):
     assert restore.kv_bytes_sent == restore.kv_bytes_kept == restore.blocks_in_use * 2 * page_bytes()
     assert restore.capacity_after == 12
     assert all(g.size == 1 for g in groups), "restore must leave independent instances"
+    # §4.4: the weights were pulled while the pipeline served; the switch copied only the pages
+    # that live KV blocks still held.
+    assert pulls[-1]["outcome"] == "switched" and pulls[-1]["steps"] > 1
+    assert 0 <= restore.weights_copied < pulls[-1]["pulled_bytes"]
+
+
+def test_a_restore_without_the_background_pull_copies_every_weight(llama_dir, expected):
+    with Cluster(small_pools(llama_dir), 2, drop=True, background_restore=False) as cluster:
+        finished = run_burst(cluster)
+        changes, pulls = cluster.layout_changes, cluster.restore_pulls
+    assert_matches(expected, finished)
+    restore = next(c for c in changes if c.kind == "restore")
+    layers = sum(p.numel() * 4 for n, p in LLM_PARAMS(llama_dir) if ".layers." in n)
+    assert not pulls and restore.weights_copied == layers  # each instance's dropped layer, whole
+
+
+def test_throttling_during_the_pull_cancels_it_and_the_answers_hold(llama_dir, expected):
+    """A second burst while the weights come back: the pull is given back (its pages and
+    blocks return to the KV) and the group serves the burst as a pipeline again."""
+    second: list[str] = []
+
+    def burst_again(cluster: Cluster, outputs) -> None:
+        if not second and cluster.pending_restore is not None:
+            for i, (prompt, params) in enumerate(BURST):
+                second.append(f"burst1-{i}")
+                cluster.add_request(second[-1], prompt, params)
+
+    with Cluster(small_pools(llama_dir), 2, drop=True, chunk_bytes=2 * 2 * page_bytes()) as cluster:
+        finished = run_burst(cluster, on_step=burst_again)
+        while cluster.has_unfinished_requests():
+            finished.update({o.request_id: o for o in cluster.step() if o.finished})
+        pulls = cluster.restore_pulls
+    assert second and "cancelled" in [p["outcome"] for p in pulls], pulls
+    assert_matches(expected, finished, copies=2)
 
 
 def test_four_instances_regroup_in_pairs_and_come_back(llama_dir, expected):
@@ -149,7 +189,8 @@ def _exchanging_after(kind: str):
     (_serving_in_a_group, 32 << 20),  # the pipeline's peer dies
     (_exchanging_after("drop"), 2 * 2 * page_bytes()),  # ...in the middle of the KV exchange
     (_exchanging_after("restore"), 2 * 2 * page_bytes()),  # the ex-peer dies while the KV comes home
-], ids=["serving", "drop-exchange", "restore-exchange"])
+    (lambda cluster: cluster.pending_restore is not None, 2 * 2 * page_bytes()),  # ...while weights come
+], ids=["serving", "drop-exchange", "restore-exchange", "restore-pull"])
 def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expected, moment, chunk):
     killed = []
 

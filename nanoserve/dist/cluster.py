@@ -18,7 +18,7 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
 - `Cluster` starts the instances in one gloo world (instance id = rank), routes requests,
   steps them in lockstep, gathers outputs and, with `drop=True`, answers throttling by dropping
   layers and regrouping instances into pipelines, and restores them when the burst has passed
-  (dist/regroup.py). A dead instance's group recovers from the host copy and its requests
+  (dist/regroup.py), pulling the weights back while the pipelines serve (dist/restore.py). A dead instance's group recovers from the host copy and its requests
   are retried on the live instances (§4.4).
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from nanoserve.dist.regroup import Regrouper
+from nanoserve.dist.restore import BackgroundRestore
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.slo import RequestClass
@@ -57,6 +58,9 @@ class InstanceLoad:
     num_running: int
     replica_blocks: int = 0  # capacity with every layer held (before any drop)
     exchanging: bool = False  # still moving KV after a drop or restore (no new change starts)
+    retired_free: frozenset[int] = frozenset()  # its pool's blocks a background restore may take
+    pull_pages_left: int = 0  # reserved pages its background restore can still fill now
+    pulled_bytes: int = 0  # weight bytes pulled in the background, over its life
 
     @property
     def demand_blocks(self) -> int:
@@ -123,10 +127,12 @@ class Cluster:
     `drop=True` (KunServe) the instances use the arena KV manager, a throttled step triggers
     a drop and a quiet one a restore. `chunk_bytes` sizes the KV exchange's chunks, one per step
     (§4.2: about what the link moves in one stage's execution time; the default suits gloo over
-    loopback, ~2 GiB/s measured here, so ~15 ms a chunk, and CPU steps of 50-300 ms)."""
+    loopback, ~2 GiB/s measured here, so ~15 ms a chunk, and CPU steps of 50-300 ms), and the
+    weights a background restore pulls per step (`background_restore`, §4.4; off: the restore
+    loads them while every member waits)."""
 
     def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 32 << 20,
-                 restore_fraction: float = 0.5, peer_timeout_s: float = 60.0):
+                 restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True):
         if num_instances < 1:
             raise ValueError("a cluster needs at least one instance")
         if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
@@ -167,6 +173,9 @@ class Cluster:
         self.throttle_events: list[dict[int, int]] = []  # the monitor's reports, one per throttled step
         self.retried: list[str] = []  # requests restarted on a live instance after theirs died
         self.dead: set[int] = set()
+        self.background_restore = background_restore
+        self.pending_restore: BackgroundRestore | None = None
+        self.restore_pulls: list[dict[str, object]] = []  # per background restore: steps, bytes, outcome
 
     @property
     def layout_changes(self) -> list[LayoutChange]:
@@ -227,14 +236,47 @@ class Cluster:
         if any(load.exchanging for load in self.loads.values()):
             return outputs  # one layout change at a time
         if self.drop_enabled and short:
+            if self.pending_restore is not None:  # demand is back: the pulled weights are not used
+                self._cancel_pull(self.pending_restore.groups)
             if self.regrouper.drop(short, self.loads, self.call_all) is not None:
                 self._refresh_loads()
         elif self.drop_enabled:
             groups = self.regrouper.restorable(self.loads)
+            if self.background_restore:
+                groups = self._restore_when_pulled(groups)
             if groups:
                 self.regrouper.restore(groups, self.loads, self.call_all)
                 self._refresh_loads()
         return outputs
+
+    def _restore_when_pulled(self, restorable: list) -> list:
+        """§4.4's overlapped restore (dist/restore.py): the first time groups are restorable their
+        members start pulling; the groups are returned once the pull has nothing left to fill,
+        those still restorable then (the others give their pull back)."""
+        pending = self.pending_restore
+        if pending is None:
+            if restorable:
+                self.pending_restore = BackgroundRestore(restorable, self.regrouper.chunk_bytes, self.loads,
+                                                         self.call_all)
+                self._refresh_loads()
+            return []
+        if not pending.ready(self.loads, self.call_all):
+            return []
+        kept = [g for g in pending.groups if g in restorable]
+        if len(kept) < len(pending.groups):
+            pending.cancel(self.call_all, [g for g in pending.groups if g not in kept])
+        self.restore_pulls.append({"steps": pending.steps, "pulled_bytes": pending.pulled_bytes(self.loads),
+                                   "groups": len(kept), "outcome": "switched" if kept else "cancelled"})
+        self.pending_restore = None
+        return kept
+
+    def _cancel_pull(self, groups, skip: set[int] = frozenset()) -> None:
+        pending = self.pending_restore
+        assert pending is not None
+        pending.cancel(self.call_all, groups, skip)
+        self.restore_pulls.append({"steps": pending.steps, "pulled_bytes": pending.pulled_bytes(self.loads),
+                                   "groups": 0, "outcome": "cancelled"})
+        self.pending_restore = None
 
     def _refresh_loads(self) -> None:
         for instance, reply in self.call_all({i: ("load",) for i in self.loads}).items():
@@ -245,6 +287,8 @@ class Cluster:
         """§4.4: the dead leave, their groups' survivors reload from the host copy, and the dead
         instances' unfinished requests start again on live ones."""
         self.dead |= gone
+        if self.pending_restore is not None:  # a recovery reloads every layer anyway
+            self._cancel_pull(self.pending_restore.groups, skip=gone)
         for instance in gone:
             self.loads.pop(instance, None)
             self.processes[instance].kill()

@@ -15,6 +15,8 @@ to stop:
     ("manifest",) ("reweigh", Relayout) ("allocate", pools) ("exchange", manifests, chunk_bytes)
                                                       -> a drop's or restore's phases (dist/member.py)
     ("recover",)                                      -> requests requeued (a group peer died)
+    ("begin_restore", chunk_bytes) ("retire", ids) ("release", [(owner, ids)]) ("cancel_restore",)
+                                                      -> a restore in the background (dist/restore.py)
     ("stop",)                                         -> None, then exits
 
 A step runs one engine step (if there is work, or if its group's peers have some) and reports
@@ -43,9 +45,13 @@ def load_of(member: ClusterMember) -> InstanceLoad:
     engine: Engine = member.engine
     kv, waiting = engine.kv, engine.scheduler.waiting
     needs = [-(-request.num_tokens // kv.block_size) for request in waiting]
-    return InstanceLoad(member.id, kv.num_blocks, kv.num_used_blocks, needs[0] if needs else 0, sum(needs),
-                        len(waiting), engine.scheduler.num_running + len(member.stalled), member.replica_blocks,
-                        member.exchanging)
+    pool, arena = member.owner_pool, member.arena
+    return InstanceLoad(member.id, member.capacity_blocks, kv.num_used_blocks, needs[0] if needs else 0,
+                        sum(needs), len(waiting), engine.scheduler.num_running + len(member.stalled),
+                        member.replica_blocks, member.exchanging,
+                        pool.retired_free if pool is not None else frozenset(),
+                        arena.pull_pages_left if arena is not None else 0,
+                        arena.pulled_bytes if arena is not None else 0)
 
 
 def serve(connection, instance_id: int) -> None:
@@ -79,7 +85,8 @@ def serve(connection, instance_id: int) -> None:
                 member.unstall(rest[0])
                 engine.abort_request(rest[0])
                 reply = None
-            elif kind in ("manifest", "reweigh", "allocate", "exchange", "recover"):
+            elif kind in ("manifest", "reweigh", "allocate", "exchange", "recover",
+                          "begin_restore", "retire", "release", "cancel_restore"):
                 reply = getattr(member, kind)(*rest)
             elif kind == "stop":
                 engine.shutdown()

@@ -17,13 +17,21 @@ phases do all three: the KV of layer l of owner O's request moves from whoever h
 whoever holds it now. Staging the KV first (a copy in host memory) is what lets a member free
 and re-carve its arena in any order; the paper remaps pages in place instead (§4.1).
 
+A restore can also run in the background first (§4.4, "we overlap restoring with the normal
+request processing"; dist/restore.py drives it): `begin_restore` reserves the home pages of the
+layers this member lacks and names the logical blocks of each owner's pool that lie on them;
+each owner `retire`s those (no request gets them again); once an owner's retired blocks are
+free, every member `release`s their pages to the pull, and each step fills a chunk of them
+(`step`, after the step's activations and KV chunk). The restore's reweigh then copies only
+what is left. `cancel_restore` undoes it all when throttling comes back first.
+
 A member whose group loses a peer (`recover`, §4.4) loads every layer it lacks from the host
 copy and recomputes its requests: their KV for the peer's layers died with the peer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -38,6 +46,7 @@ from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import SchedulerOutput
 
 Manifest = tuple[tuple[str, tuple[int, ...]], ...]  # an owner's (request id, block table) pairs
+LUT = "group lookup tables"  # the arena sequence that owns every block of a group's pools
 
 
 @dataclass
@@ -95,6 +104,10 @@ class ClusterMember:
         self._transfers: list[Transfer] = []
         self._rounds = 0
         self.stalled: dict[str, tuple[Request, int]] = {}  # waiting for their K/V: (request, rounds)
+        self.owner_pool: BlockPool | None = None  # this member's logical pool while in a group
+        self._released: dict[int, set[int]] = {}  # owner -> logical blocks given to a restore's pull
+        self._pull_chunk = 0  # weight bytes a background restore copies per step
+        self.weights_copied = 0  # by the latest layout change itself (not in the background)
 
     # -- serving ---------------------------------------------------------------------------
     def step(self) -> list:
@@ -106,7 +119,15 @@ class ClusterMember:
         if isinstance(executor, GroupExecutor) and executor.steps == taken:
             executor.execute(SchedulerOutput([]))
         self.advance()  # the step's activations went first
+        if self.arena is not None and self.arena.restoring:
+            self.arena.fill_restore(self._pull_chunk)  # §4.4: "prioritizing the pipeline network"
         return outputs
+
+    @property
+    def capacity_blocks(self) -> int:
+        """KV blocks this member's requests can have: its pool, less the retired blocks."""
+        retired = len(self.owner_pool.retired_free) if self.owner_pool is not None else 0
+        return self.engine.kv.num_blocks - retired
 
     def layer_bytes(self) -> list[int]:
         return [self.arena.layer_bytes(layer) for layer in self.arena.layer_ids] if self.arena else []
@@ -145,10 +166,13 @@ class ClusterMember:
         holds this member's stage of `layout`, and run the model and the caches as that stage."""
         self.arena.free_all()
         held, keep = set(self.arena.resident_layers), set(layout.stage_of(self.id))
+        self.weights_copied = 0
         if held - keep:
+            if self.arena.restoring:
+                self.cancel_restore()
             self.arena.drop_layers(held - keep)
         if keep - held:
-            self.arena.restore_layers(keep - held, self.runner.host_weights)
+            self.weights_copied = self.arena.restore_layers(keep - held, self.runner.host_weights).copied_bytes
         if layout.solo:
             self.stage.release()
         else:
@@ -161,16 +185,16 @@ class ClusterMember:
         assert self._relayout is not None
         new, size = self._relayout.new[self.id], self.arena.block_size
         requests = {r.request_id: r for r in self.engine.scheduler.running}
+        self._released, self.owner_pool = {}, None
         if new.solo:
             self.luts = {}
             kv: PagedKV = ArenaKV(self.arena)
             self.engine.executor = self.runner
         else:
             assert pools is not None
-            for owner in new.members:
-                self.arena.allocate(("lut", owner), pools[owner] * size)
-            self.luts = {owner: list(self.arena.block_table(("lut", owner))) for owner in new.members}
-            kv = PagedKV(BlockPool(pools[self.id], size))
+            self.luts = self._deal_blocks(new.members, pools)
+            self.owner_pool = BlockPool(pools[self.id], size)
+            kv = PagedKV(self.owner_pool)
             self.engine.executor = GroupExecutor(self.runner, new, self.id, self.luts)
         tables = []
         for request_id, table in self._relayout.manifests.get(self.id, ()):
@@ -179,6 +203,24 @@ class ClusterMember:
         self.engine.scheduler.kv = kv
         self.layout = new
         return tuple(tables)
+
+    def _deal_blocks(self, members: tuple[int, ...], pools: Mapping[int, int]) -> dict[int, list[int]]:
+        """Carve the group's blocks from the arena (one table, `LUT`) and deal them out: owner ->
+        logical -> physical block. Ours: the blocks on the dropped layers' homes are dealt last
+        and evenly, so they are every owner's highest logical ids, which a fresh pool hands out
+        last: a later background restore then finds them free more often, and retiring them
+        leaves each owner about its share of the rest."""
+        self.arena.allocate(LUT, sum(pools[o] for o in members) * self.arena.block_size)
+        dropped = set(self.arena.layer_ids) - set(self.arena.resident_layers)
+        blocks = sorted(self.arena.block_table(LUT), key=lambda b: self.arena.overlaps_restore(b, dropped))
+        luts: dict[int, list[int]] = {o: [] for o in members}
+        turn = 0
+        for block in blocks:
+            while len(luts[members[turn % len(members)]]) == pools[members[turn % len(members)]]:
+                turn += 1
+            luts[members[turn % len(members)]].append(block)
+            turn += 1
+        return luts
 
     # -- phase 4, then one chunk per step -----------------------------------------------------
     def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
@@ -192,7 +234,7 @@ class ClusterMember:
         new_tables = {(o, r): table for o, manifest in new_manifests.items() for r, table in manifest}
         members = relayout.members()
         kv_block_bytes = block_bytes(self.runner.kv_caches)  # one layer's K and V of one block
-        report = {"sent": 0, "kept": 0, "rounds": 0}
+        report = {"sent": 0, "kept": 0, "rounds": 0, "weights_copied": self.weights_copied}
         ready: dict[str, int] = {}  # this member's request -> exchange rounds before it may run
         self._transfers = []
         for src in members:
@@ -270,6 +312,40 @@ class ClusterMember:
             copied += 2 * k_stage[m.src_block].numel() * k_stage.element_size()
         return copied
 
+    # -- §4.4 restore in the background ------------------------------------------------------
+    def begin_restore(self, chunk_bytes: int) -> dict[int, tuple[int, ...]]:
+        """Start pulling every layer this member lacks (from the host copy; the paper pulls
+        from peers "whenever possible"): reserve their home pages, and return, per owner, the
+        logical blocks of its pool whose pages here lie on them."""
+        lacking = set(self.arena.layer_ids) - set(self.arena.resident_layers)
+        self.arena.begin_restore(lacking, self.runner.host_weights)
+        self._pull_chunk = chunk_bytes
+        return {owner: tuple(i for i, block in enumerate(lut) if self.arena.overlaps_restore(block))
+                for owner, lut in self.luts.items()}
+
+    def retire(self, logical: Iterable[int]) -> None:
+        """No request of this member's gets these logical blocks again (the others' pulls want
+        their pages); the ones in use leave as their requests free them."""
+        assert self.owner_pool is not None, "only a group member has a logical pool"
+        self.owner_pool.retire(logical)
+
+    def release(self, freed: Iterable[tuple[int, Iterable[int]]]) -> None:
+        """(owner, logical blocks) its owner no longer uses: their pages here go to the pull."""
+        for owner, logical in freed:
+            ids = set(logical) - self._released.setdefault(owner, set())
+            self.arena.release_blocks(LUT, [self.luts[owner][i] for i in ids])
+            self._released[owner] |= ids
+
+    def cancel_restore(self) -> None:
+        """Throttling is back before the switch: pages and logical blocks return to the KV."""
+        self.arena.cancel_restore()
+        for owner, ids in self._released.items():
+            for i in ids:
+                self.arena.adopt(LUT, self.luts[owner][i])
+        self._released = {}
+        if self.owner_pool is not None:
+            self.owner_pool.unretire()
+
     # -- §4.4 faults -----------------------------------------------------------------------
     def recover(self) -> int:
         """A peer of this member's group died: become a full replica again from the host copy
@@ -279,7 +355,8 @@ class ClusterMember:
             self.unstall(request_id)
         self._transfers, self._staging, self._index = [], [], {}
         self.luts, self.layout = {}, GroupLayout.of(Group.replica(self.id, len(self.arena.layer_ids)))
-        self._hold(self.layout)
+        self._released, self.owner_pool = {}, None
+        self._hold(self.layout)  # a background restore's pulled pages count: the rest is copied
         scheduler.kv = ArenaKV(self.arena)
         self.engine.executor = self.runner
         running = list(scheduler.running)

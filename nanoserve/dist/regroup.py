@@ -45,6 +45,7 @@ class LayoutChange:
     kv_bytes_kept: int  # staged and installed on the same member
     capacity_before: int  # blocks of the involved members' pools, before and after
     capacity_after: int
+    weights_copied: int = 0  # weight bytes loaded back during the change (not pulled before it)
 
 
 def split_pool(pool: int, used: Mapping[int, int], members: Sequence[int]) -> dict[int, int]:
@@ -112,9 +113,9 @@ class Regrouper:
         old = {i: GroupLayout.of(g) for g in self.groups for i in g.instances}
         new = {i: GroupLayout.of(g) for g in after for i in g.instances}
         involved = sorted(i for i in new if new[i] != old.get(i))
-        manifests: dict[int, Manifest] = _expect(call({i: ("manifest",) for i in involved}))
+        manifests: dict[int, Manifest] = expect_replies(call({i: ("manifest",) for i in involved}))
         relayout = Relayout({i: old[i] for i in involved}, {i: new[i] for i in involved}, manifests)
-        free = _expect(call({i: ("reweigh", relayout) for i in involved}))
+        free = expect_replies(call({i: ("reweigh", relayout) for i in involved}))
         used = {i: sum(len(table) for _, table in manifests[i]) for i in involved}  # blocks each owner holds
         pools: dict[int, dict[int, int] | None] = {}
         for group in {new[i] for i in involved}:
@@ -124,19 +125,20 @@ class Regrouper:
             split = split_pool(min(free[m] for m in group.members), {m: used[m] for m in group.members},
                                group.members)
             pools.update({m: split for m in group.members})
-        new_manifests = _expect(call({i: ("allocate", pools[i]) for i in involved}))
-        moved = _expect(call({i: ("exchange", new_manifests, self.chunk_bytes) for i in involved}))
+        new_manifests = expect_replies(call({i: ("allocate", pools[i]) for i in involved}))
+        moved = expect_replies(call({i: ("exchange", new_manifests, self.chunk_bytes) for i in involved}))
         before, self.groups = self.groups, tuple(after)
         capacity_after = sum(pools[i][i] if pools[i] else loads[i].replica_blocks for i in involved)
         change = LayoutChange(kind, before, self.groups, time.perf_counter() - started, sum(used.values()),
                               sum(m["sent"] for m in moved.values()), max(m["rounds"] for m in moved.values()),
                               sum(m["kept"] for m in moved.values()),
-                              sum(loads[i].total_blocks for i in involved), capacity_after)
+                              sum(loads[i].total_blocks for i in involved), capacity_after,
+                              sum(m["weights_copied"] for m in moved.values()))
         self.history.append(change)
         return change
 
 
-def _expect(replies: dict[int, object]) -> dict:
+def expect_replies(replies: dict[int, object]) -> dict:
     for instance, reply in replies.items():
         if isinstance(reply, BaseException):
             raise RuntimeError(f"instance {instance} failed a layout change: {reply!r}") from reply

@@ -283,14 +283,16 @@ class MemoryArena:
                 self._free.release(start, length)
         self._pull_layers, self._pull_source = (), {}
 
-    def overlaps_restore(self, block: int) -> bool:
-        """Whether KV block `block` lies (partly) on a page a background restore wants."""
+    def overlaps_restore(self, block: int, layers: Iterable[int] | None = None) -> bool:
+        """Whether KV block `block` lies (partly) on a page a background restore wants (or on
+        the home of one of `layers`)."""
         end = block + self.block_pages
-        return any(start < end and block < stop for start, stop in self._pull_homes())
+        return any(start < end and block < stop for start, stop in self._pull_homes(layers))
 
-    def _pull_homes(self) -> list[tuple[int, int]]:
-        """[first page, end) of each home a background restore fills."""
-        return [(self._home[layer][0], self._home[layer][0] + self._home[layer][1]) for layer in self._pull_layers]
+    def _pull_homes(self, layers: Iterable[int] | None = None) -> list[tuple[int, int]]:
+        """[first page, end) of each home a background restore fills (or of `layers`)."""
+        return [(self._home[layer][0], self._home[layer][0] + self._home[layer][1])
+                for layer in (self._pull_layers if layers is None else layers)]
 
     def _copy_weight_bytes(self, lo: int, hi: int) -> int:
         """Copy every restored parameter's bytes that fall in arena bytes [lo, hi) from the
