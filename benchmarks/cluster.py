@@ -15,7 +15,10 @@ Printed, each as ours next to its reference:
 - the pipeline bubble with lookahead micro-batches against token-count chunking
   (benchmarks/pipeline.py's run; the paper: 21.9% -> 8.3%).
 
-    python benchmarks/cluster.py [--requests 24] [--prompt 96-192] [--kv-tokens 1024] [--smoke]
+    python benchmarks/cluster.py [--requests 24] [--prompt 96-192] [--kv-tokens 1024] [--tail 2] [--smoke]
+
+`--tail N` adds N requests that decode `--tail-tokens` tokens, so the cluster is still serving
+when the burst has passed and the restore is due (without them it restores in the last step).
 """
 from __future__ import annotations
 
@@ -39,18 +42,19 @@ from nanoserve.slo import percentile  # noqa: E402
 def burst(args) -> list[list[int]]:
     rng = random.Random(args.seed)
     lo, hi = map(int, args.prompt.split("-"))
-    return [[rng.randrange(17, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests)]
+    return [[rng.randrange(17, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests + args.tail)]
 
 
 def run(drop: bool, model: str, prompts: list[list[int]], args, background_restore: bool = True) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    tail = SamplingParams(temperature=0, max_tokens=args.tail_tokens, ignore_eos=True)
     engine_args = EngineArgs(model=model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_tokens,
                              max_num_batched_tokens=args.budget)
     with Cluster(engine_args, 2, drop=drop, background_restore=background_restore) as cluster:
         cluster.generate([[100, 200, 300]], SamplingParams(max_tokens=2))  # warm-up
         ids = [f"burst-{i}" for i in range(len(prompts))]
-        for request_id, prompt in zip(ids, prompts):
-            cluster.add_request(request_id, prompt, params)
+        for k, (request_id, prompt) in enumerate(zip(ids, prompts)):
+            cluster.add_request(request_id, prompt, params if k < args.requests else tail)
         first_token: dict[str, float] = {}
         finished: dict = {}
         detected = None
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--prompt", default="96-192", help="prompt length range")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--tail", type=int, default=0, help="requests that decode on after the burst")
+    parser.add_argument("--tail-tokens", type=int, default=256)
     parser.add_argument("--kv-tokens", type=int, default=1024, help="each instance's KV pool")
     parser.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens")
     parser.add_argument("--seed", type=int, default=0)
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     waiting = None if args.smoke else run(True, model, prompts, args, background_restore=False)
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {os.path.basename(model)} fp32, "
           f"2 instances (1 thread each); a burst of {args.requests} prompts of {args.prompt} tokens, "
-          f"{args.max_tokens} output tokens; {args.kv_tokens}-token KV pool per instance")
+          f"{args.max_tokens} output tokens" + (f", and {args.tail} decoding {args.tail_tokens}" if args.tail else "")
+          + f"; {args.kv_tokens}-token KV pool per instance")
     if "measured_gain" in mine:
         print(f"KV capacity after the drop: {mine['measured_gain']:.2f}x; theory {mine['theory_gain']:.2f}x "
               f"(measured / theory {mine['measured_gain'] / mine['theory_gain']:.3f})")

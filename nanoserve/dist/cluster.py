@@ -252,15 +252,17 @@ class Cluster:
     def _restore_when_pulled(self, restorable: list) -> list:
         """§4.4's overlapped restore (dist/restore.py): the first time groups are restorable their
         members start pulling; the groups are returned once the pull has nothing left to fill,
-        those still restorable then (the others give their pull back)."""
-        pending = self.pending_restore
+        those still restorable then (the others give their pull back). Ours: an idle cluster
+        switches at once, pulled or not (no step would come to pull in)."""
+        pending, idle = self.pending_restore, not self.has_unfinished_requests()
         if pending is None:
-            if restorable:
+            if restorable and not idle:
                 self.pending_restore = BackgroundRestore(restorable, self.regrouper.chunk_bytes, self.loads,
                                                          self.call_all)
                 self._refresh_loads()
-            return []
-        if not pending.ready(self.loads, self.call_all):
+                return []
+            return restorable  # idle: nothing to overlap with, and the stop delays no one
+        if not pending.ready(self.loads, self.call_all) and not idle:
             return []
         kept = [g for g in pending.groups if g in restorable]
         if len(kept) < len(pending.groups):

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from nanoserve.memory.arena_layout import (
-    SHARED, ArenaConfig, PageRuns, assert_tiles, check_restore_source, fingerprint, plan_weights,
+    SHARED, ArenaConfig, PageRuns, assert_tiles, check_restore_source, combine, fingerprint, plan_weights,
 )
 from nanoserve.memory.blocks import NoFreeBlocksError
 
@@ -121,6 +121,7 @@ class MemoryArena:
         self._pull_layers: tuple[int, ...] = ()
         self._pull_source: Mapping[str, torch.Tensor] = {}
         self._pull_todo, self._pull_done = PageRuns(), PageRuns()
+        self._pull_prints: dict[int, tuple[int, int]] = {}  # layer -> fingerprint of its filled pages
         self.pulled_bytes = 0  # weight bytes `fill_restore` has copied, over the arena's life
 
     # -- geometry and accounting ---------------------------------------------------------
@@ -213,9 +214,10 @@ class MemoryArena:
         if self._pull_layers:  # the pull reserved every home page once its block was freed
             assert self._pull_todo.num_pages + self._pull_done.num_pages == sum(b - a for a, b in self._pull_homes())
             copied = self._fill(self._pull_todo.num_pages)  # what the background did not reach
-            self._pull_layers, self._pull_source, self._pull_done = (), {}, PageRuns()
+            prints = self._pull_prints
+            self._pull_layers, self._pull_source, self._pull_done, self._pull_prints = (), {}, PageRuns(), {}
             for layer in layers:
-                self._load(layer, source, copy=False)
+                self._load(layer, source, copy=False, fingerprinted=prints.get(layer))
         else:
             copied = sum(slot.nbytes for layer in layers for slot in self._slots[layer])
             for layer in layers:
@@ -265,12 +267,21 @@ class MemoryArena:
         return copied
 
     def _fill(self, pages: int) -> int:
+        """Fill up to `pages` reserved pages, lowest first, and fingerprint each as it is filled
+        (nothing writes a reserved page again, so the switch need not read the layer back)."""
         copied, page = 0, self.config.page_bytes
         while pages and self._pull_todo.num_pages:
             start, length = next(iter(self._pull_todo))
             length = min(length, pages)
             self._pull_todo.take(start, length)
             copied += self._copy_weight_bytes(start * page, (start + length) * page)
+            if page % 8 == 0:  # whole words: a page's fingerprint adds to its home's
+                for layer in self._pull_layers:
+                    home, n = self._home[layer]
+                    lo, hi = max(start, home), min(start + length, home + n)
+                    if lo < hi:
+                        piece = fingerprint(self._arena[lo * page : hi * page], first=(lo - home) * page // 8)
+                        self._pull_prints[layer] = combine(self._pull_prints.get(layer, (0, 0)), piece)
             self._pull_done.release(start, length)
             pages -= length
         return copied
@@ -281,7 +292,7 @@ class MemoryArena:
             for start, length in list(runs):
                 runs.take(start, length)
                 self._free.release(start, length)
-        self._pull_layers, self._pull_source = (), {}
+        self._pull_layers, self._pull_source, self._pull_prints = (), {}, {}
 
     def overlaps_restore(self, block: int, layers: Iterable[int] | None = None) -> bool:
         """Whether KV block `block` lies (partly) on a page a background restore wants (or on
@@ -317,13 +328,14 @@ class MemoryArena:
             wanted = any(a <= lo and hi <= b for a, b in homes)
             (self._pull_todo if wanted else self._free).release(lo, hi - lo)
 
-    def _load(self, group: int, source: Mapping[str, torch.Tensor], copy: bool = True) -> None:
+    def _load(self, group: int, source: Mapping[str, torch.Tensor], copy: bool = True,
+              fingerprinted: tuple[int, int] | None = None) -> None:
         """Point `group`'s parameters at their home bytes, copying `source` there first unless
-        a background restore already did."""
+        a background restore already did (and fingerprinted them, page by page)."""
         for slot in self._slots[group]:
             view = self._arena[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
             self._params[slot.name].data = view.copy_(source[slot.name]) if copy else view
-        self._fingerprints[group] = fingerprint(self._home_bytes(group))
+        self._fingerprints[group] = fingerprinted or fingerprint(self._home_bytes(group))
 
     def _home_bytes(self, group: int) -> torch.Tensor:
         start, pages = self._home[group]
@@ -431,10 +443,15 @@ class MemoryArena:
                      + [(start, n, "free run") for start, n in self._free]
                      + [(start, n, "page reserved for a restore") for runs in (self._pull_todo, self._pull_done)
                         for start, n in runs], self.num_pages)
-        wanted = {p for a, b in self._pull_homes() for p in range(a, b)}
+        wanted: list[list[int]] = []  # the homes being restored, adjacent ones merged
+        for a, b in sorted(self._pull_homes()):
+            if wanted and wanted[-1][1] == a:
+                wanted[-1][1] = b
+            else:
+                wanted.append([a, b])
         for runs in (self._pull_todo, self._pull_done):
             runs.check()
-            assert all(p in wanted for start, n in runs for p in range(start, start + n)), \
+            assert all(any(a <= start and start + n <= b for a, b in wanted) for start, n in runs), \
                 "a reserved page lies outside the homes being restored"
         assert bool(self._pull_layers) or not (self._pull_todo.num_pages or self._pull_done.num_pages)
         assert self._tables.keys() == self._reserved.keys()

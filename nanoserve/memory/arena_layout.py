@@ -108,21 +108,33 @@ def check_restore_source(slots: Iterable[WeightSlot], source: Mapping[str, torch
                              f"expected {slot.shape} {slot.dtype}")
 
 
-def fingerprint(region: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]:
+FINGERPRINT_MOD = 1 << 64
+
+
+def fingerprint(region: torch.Tensor, chunk: int = 1 << 22, first: int = 0) -> tuple[int, int]:
     """Sum and position-weighted sum of the region's 8-byte words (of its bytes where they do
-    not align): changing any one byte changes the pair. Words, not bytes, because a restore
-    fingerprints every layer it loads: summing bytes widened to int64 took 10x longer than
-    the copy itself (wrapping int64 arithmetic keeps a one-word change visible)."""
+    not align), modulo 2^64: changing any one byte changes the pair. Words, not bytes, because a
+    restore fingerprints every layer it loads: summing bytes widened to int64 took 10x longer
+    than the copy itself (wrapping int64 arithmetic keeps a one-word change visible).
+
+    `first`: the region's first word (or byte) is word `first` of a larger region. The pairs of
+    consecutive pieces then add up (modulo 2^64) to the larger region's pair, so a background
+    restore fingerprints each page as it fills it (`combine`)."""
     words = region
     if region.numel() % 8 == 0 and region.storage_offset() % 8 == 0:
         words = region.view(torch.int64)
     total = weighted = 0
     for start in range(0, words.numel(), chunk):
         piece = words[start : start + chunk].to(torch.int64)
-        position = torch.arange(start + 1, start + 1 + piece.numel(), device=piece.device)
+        position = torch.arange(first + start + 1, first + start + 1 + piece.numel(), device=piece.device)
         total += int(piece.sum())
         weighted += int((piece * position).sum())
-    return total, weighted
+    return total % FINGERPRINT_MOD, weighted % FINGERPRINT_MOD
+
+
+def combine(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The fingerprint of two pieces of one region, from theirs (`fingerprint`'s `first`)."""
+    return (a[0] + b[0]) % FINGERPRINT_MOD, (a[1] + b[1]) % FINGERPRINT_MOD
 
 
 class PageRuns:
