@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 from multiprocessing.connection import Client
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -38,20 +39,38 @@ from nanoserve.dist.member import ClusterMember
 from nanoserve.engine import Engine
 
 
-def load_of(member: ClusterMember) -> InstanceLoad:
+class LoadSource(Protocol):
+    """What `load_of` reads of an instance: a real one (`ClusterMember`) or a simulated one
+    (sim/cluster_layout.py `SimMember`)."""
+
+    id: int
+    engine: Engine
+    stalled: dict
+    replica_blocks: int
+
+    @property
+    def exchanging(self) -> bool: ...
+    @property
+    def capacity_blocks(self) -> int: ...
+    @property
+    def retired_free(self) -> frozenset[int]: ...
+    @property
+    def pull_pages_left(self) -> int: ...
+    @property
+    def restore_pulled_bytes(self) -> int: ...
+
+
+def load_of(member: LoadSource) -> InstanceLoad:
     """What the dispatcher and the monitor read: blocks held, the blocks the request at the head
     of the queue needs (the monitor's "head-of-line" demand, kunserve.txt §2.2), and the blocks
     every queued request needs (the dispatcher's, Llumnix's virtual usage)."""
     engine: Engine = member.engine
     kv, waiting = engine.kv, engine.scheduler.waiting
     needs = [-(-request.num_tokens // kv.block_size) for request in waiting]
-    pool, arena = member.owner_pool, member.arena
     return InstanceLoad(member.id, member.capacity_blocks, kv.num_used_blocks, needs[0] if needs else 0,
                         sum(needs), len(waiting), engine.scheduler.num_running + len(member.stalled),
-                        member.replica_blocks, member.exchanging,
-                        pool.retired_free if pool is not None else frozenset(),
-                        arena.pull_pages_left if arena is not None else 0,
-                        arena.pulled_bytes if arena is not None else 0)
+                        member.replica_blocks, member.exchanging, member.retired_free, member.pull_pages_left,
+                        member.restore_pulled_bytes)
 
 
 def serve(connection, instance_id: int) -> None:

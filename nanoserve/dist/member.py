@@ -123,11 +123,24 @@ class ClusterMember:
             self.arena.fill_restore(self._pull_chunk)  # §4.4: "prioritizing the pipeline network"
         return outputs
 
+    # -- what the cluster reads (dist/instance.py load_of) -------------------------------------
     @property
     def capacity_blocks(self) -> int:
         """KV blocks this member's requests can have: its pool, less the retired blocks."""
-        retired = len(self.owner_pool.retired_free) if self.owner_pool is not None else 0
-        return self.engine.kv.num_blocks - retired
+        return self.engine.kv.num_blocks - len(self.retired_free)
+
+    @property
+    def retired_free(self) -> frozenset[int]:
+        """Its pool's retired blocks no request holds: a background restore may take them."""
+        return self.owner_pool.retired_free if self.owner_pool is not None else frozenset()
+
+    @property
+    def pull_pages_left(self) -> int:
+        return self.arena.pull_pages_left if self.arena is not None else 0
+
+    @property
+    def restore_pulled_bytes(self) -> int:
+        return self.arena.pulled_bytes if self.arena is not None else 0
 
     def layer_bytes(self) -> list[int]:
         return [self.arena.layer_bytes(layer) for layer in self.arena.layer_ids] if self.arena else []

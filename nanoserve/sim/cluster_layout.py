@@ -147,6 +147,17 @@ class SimMember:
         self.prefetched = False  # the layers a restore needs were pulled in the background
         self.schedule_for_layout()
 
+    # -- what the cluster reads (dist/instance.py load_of) -------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        return self.engine.kv.num_blocks
+
+    # The background restore is modelled by time here (sim/cluster.py `_restore_when_pulled`),
+    # not by pages: no block is retired and no page is left to fill.
+    retired_free: frozenset[int] = frozenset()
+    pull_pages_left = 0
+    restore_pulled_bytes = 0
+
     # -- capacity ---------------------------------------------------------------------------
     def blocks_for(self, layers: range) -> int:
         """KV blocks (of these layers' K and V) the device holds next to these layers' weights."""
