@@ -141,6 +141,7 @@ class SimMember:
         self.fixed_capacity = config.kv_bytes is not None or config.kv_blocks is not None
         self.stalled: dict[str, tuple[Request, float]] = {}  # waiting for their K/V: (request, ready at)
         self.pulled_bytes = self.sent_bytes = 0
+        self.weights_copied = 0  # pulled by the latest layout change itself (not in the background)
         self.exchange_seconds = 0.0  # summed over changes: the longest stall each caused here
         self._relayout: Relayout | None = None
         self._phase_start = 0.0
@@ -218,11 +219,13 @@ class SimMember:
         self.clock.advance_to(max(self.peers[m]._phase_start for m in relayout.members()))
         old, new = relayout.old[self.id].stage_of(self.id), relayout.new[self.id].stage_of(self.id)
         pulled = len([layer for layer in new if layer not in old]) * self.cost.layer_bytes
+        self.weights_copied = 0
         if self.prefetched and len(new) == self.roofline.model.num_layers:
             self.prefetched = False  # pulled while serving (SimCluster.background_restore)
         else:
             self.clock.advance(self.roofline.gpu.link_seconds(pulled, self.link))
             self.pulled_bytes += pulled
+            self.weights_copied = pulled
         self._relayout = relayout
         return self.blocks_for(new)
 
@@ -299,4 +302,4 @@ class SimMember:
             self.exchange_seconds += max(ready for _, ready in self.stalled.values()) - start
         mine = sum(n for (src, _), n in sent.items() if src == self.id)
         self.sent_bytes += mine
-        return {"sent": mine, "kept": kept, "rounds": int(bool(sent))}
+        return {"sent": mine, "kept": kept, "rounds": int(bool(sent)), "weights_copied": self.weights_copied}
