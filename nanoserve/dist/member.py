@@ -181,8 +181,9 @@ class ClusterMember:
         held, keep = set(self.arena.resident_layers), set(layout.stage_of(self.id))
         self.weights_copied = 0
         if held - keep:
-            if self.arena.restoring:
-                self.cancel_restore()
+            if self.arena.restoring:  # every block is free by now: nothing to adopt back
+                self.arena.cancel_restore()
+                self._released = {}
             self.arena.drop_layers(held - keep)
         if keep - held:
             self.weights_copied = self.arena.restore_layers(keep - held, self.runner.host_weights).copied_bytes
