@@ -54,8 +54,14 @@ def worker(args) -> None:
     from vllm.inputs import TokensPrompt
 
     requests = json.loads(Path(args.requests).read_text())
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    token_bytes = (2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+                   * head_dim * (4 if args.dtype == "float32" else 2))
+    # The same KV pool as nanoserve's (throughput.py --kv-cache-tokens), not vLLM's share of RAM.
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+              kv_cache_memory_bytes=args.kv_cache_tokens * token_bytes)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up, as throughput.py does
@@ -80,7 +86,8 @@ def offline(args) -> dict:
     vocab = Tokenizer.from_dir(model).vocab_size
     requests = make_requests(args.num_prompts, args.seed, vocab, first_id=17)  # throughput.py's
     runs: dict[str, dict[str, list[float]]] = {d: {"nanoserve": [], "vllm": []} for d in args.dtypes}
-    limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--kv-cache-tokens", str(args.kv_cache_tokens)]
     with tempfile.TemporaryDirectory() as tmp:
         request_file = Path(tmp) / "requests.json"
         request_file.write_text(json.dumps(requests))
@@ -119,6 +126,7 @@ def main() -> None:
         p.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
         p.add_argument("--max-num-seqs", type=int, default=128)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--kv-cache-tokens", type=int, default=32768)
         p.add_argument("--json", help="write the results to this file")
     offline_parser, worker_parser = sub.choices["offline"], sub.choices["worker"]
     offline_parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
