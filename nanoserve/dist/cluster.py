@@ -18,8 +18,9 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
 - `Cluster` starts the instances in one gloo world (instance id = rank), routes requests,
   steps them in lockstep, gathers outputs and, with `drop=True`, answers throttling by dropping
   layers and regrouping instances into pipelines, and restores them when the burst has passed
-  (dist/regroup.py), pulling the weights back while the pipelines serve (dist/restore.py). A dead instance's group recovers from the host copy and its requests
-  are retried on the live instances (§4.4).
+  (dist/regroup.py), pulling the weights back while the pipelines serve (dist/restore.py). A
+  dead instance's group recovers from the host copy and its requests are retried on the live
+  instances (§4.4).
 """
 from __future__ import annotations
 
@@ -237,7 +238,7 @@ class Cluster:
             return outputs  # one layout change at a time
         if self.drop_enabled and short:
             if self.pending_restore is not None:  # demand is back: the pulled weights are not used
-                self._cancel_pull(self.pending_restore.groups)
+                self._end_pull(list(self.pending_restore.groups), [])
             if self.regrouper.drop(short, self.loads, self.call_all) is not None:
                 self._refresh_loads()
         elif self.drop_enabled:
@@ -265,19 +266,18 @@ class Cluster:
         if not pending.ready(self.loads, self.call_all) and not idle:
             return []
         kept = [g for g in pending.groups if g in restorable]
-        if len(kept) < len(pending.groups):
-            pending.cancel(self.call_all, [g for g in pending.groups if g not in kept])
-        self.restore_pulls.append({"steps": pending.steps, "pulled_bytes": pending.pulled_bytes(self.loads),
-                                   "groups": len(kept), "outcome": "switched" if kept else "cancelled"})
-        self.pending_restore = None
+        self._end_pull([g for g in pending.groups if g not in kept], kept)
         return kept
 
-    def _cancel_pull(self, groups, skip: set[int] = frozenset()) -> None:
+    def _end_pull(self, cancelled: list, kept: list, skip: set[int] = frozenset()) -> None:
+        """The pending pull ends: `cancelled` groups give theirs back (`skip`: members that are
+        gone), `kept` ones switch now; recorded in `restore_pulls`."""
         pending = self.pending_restore
         assert pending is not None
-        pending.cancel(self.call_all, groups, skip)
+        if cancelled:
+            pending.cancel(self.call_all, cancelled, skip)
         self.restore_pulls.append({"steps": pending.steps, "pulled_bytes": pending.pulled_bytes(self.loads),
-                                   "groups": 0, "outcome": "cancelled"})
+                                   "groups": len(kept), "outcome": "switched" if kept else "cancelled"})
         self.pending_restore = None
 
     def _refresh_loads(self) -> None:
@@ -290,7 +290,7 @@ class Cluster:
         instances' unfinished requests start again on live ones."""
         self.dead |= gone
         if self.pending_restore is not None:  # a recovery reloads every layer anyway
-            self._cancel_pull(self.pending_restore.groups, skip=gone)
+            self._end_pull(list(self.pending_restore.groups), [], skip=gone)
         for instance in gone:
             self.loads.pop(instance, None)
             self.processes[instance].kill()

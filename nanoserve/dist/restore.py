@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 
 class BackgroundRestore:
-    """One pull in progress for `groups`, from `begin` to `ready`, then `finish` or `cancel`."""
+    """One pull in progress for `groups`: begun on construction, polled with `ready` each step,
+    then the cluster switches (dist/regroup.py) or `cancel`s it."""
 
     def __init__(self, groups: Sequence[Group], chunk_bytes: int, loads: Mapping[int, InstanceLoad], call: CallAll):
         self.groups = tuple(groups)
@@ -71,7 +72,7 @@ class BackgroundRestore:
     def pulled_bytes(self, loads: Mapping[int, InstanceLoad]) -> int:
         return sum(loads[i].pulled_bytes for i in self.members) - self._pulled_before
 
-    def cancel(self, call: CallAll, groups: Sequence[Group] | None = None, skip: set[int] = frozenset()) -> None:
-        """Give back what `groups` (default: all) pulled; `skip` the members that are gone."""
-        members = [i for g in (self.groups if groups is None else groups) for i in g.instances if i not in skip]
+    def cancel(self, call: CallAll, groups: Sequence[Group], skip: set[int] = frozenset()) -> None:
+        """Give back what `groups` pulled; `skip` the members that are gone."""
+        members = [i for g in groups for i in g.instances if i not in skip]
         expect_replies(call({i: ("cancel_restore",) for i in members}))

@@ -321,9 +321,8 @@ class MemoryArena:
     def _release_pages(self, start: int, length: int) -> None:
         """Free [start, start + length), except the pages a background restore wants: those
         become reserved for it."""
-        cuts = sorted({start, start + length, *(x for home in self._pull_homes() for x in home
-                                                 if start < x < start + length)})
         homes = self._pull_homes()
+        cuts = sorted({start, start + length, *(x for home in homes for x in home if start < x < start + length)})
         for lo, hi in zip(cuts, cuts[1:]):
             wanted = any(a <= lo and hi <= b for a, b in homes)
             (self._pull_todo if wanted else self._free).release(lo, hi - lo)
