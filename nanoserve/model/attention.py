@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+import kernels.cpu_attention
 import kernels.reference
 
 
@@ -30,7 +31,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 
 
 def default_attention_backend(device: torch.device) -> str:
-    """Triton's compiled kernels on CUDA; the PyTorch reference elsewhere."""
+    """Triton's compiled kernels on CUDA; PyTorch's ops elsewhere."""
     return "triton" if device.type == "cuda" else "torch"
 
 
@@ -38,7 +39,8 @@ def get_attention_backend(name: str, device: torch.device | None = None) -> Atte
     """The kernels for `name`. Triton off CUDA runs only through its interpreter
     (TRITON_INTERPRET=1): correct and slow, which is how CI tests the kernels."""
     if name == "torch":
-        return AttentionBackend("torch", kernels.reference.store_kv, kernels.reference.paged_attention)
+        # The reference's semantics with less memory traffic (kernels/cpu_attention.py).
+        return AttentionBackend("torch", kernels.reference.store_kv, kernels.cpu_attention.paged_attention)
     if name == "triton":
         if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton attention backend needs a CUDA device (got {device.type!r}); "
