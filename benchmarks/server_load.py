@@ -96,13 +96,14 @@ async def drive_engine(engine: AsyncEngine, work: list[Work]) -> list[Timing]:
     return await open_loop(work, send)
 
 
-async def drive_http(url: str, work: list[Work]) -> list[Timing]:
+async def drive_http(url: str, work: list[Work], model: str | None = None) -> list[Timing]:
+    """Stream each request from /v1/completions; `model` is sent when the server needs one."""
     limits = httpx.Limits(max_connections=len(work) + 8, max_keepalive_connections=len(work) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         async def send(item: Work) -> Timing:
             arrival, first, last, tokens = time.perf_counter(), None, None, 0
             body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+                    "stream": True, "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
