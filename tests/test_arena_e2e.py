@@ -185,3 +185,30 @@ def test_bad_drops_change_nothing(model_dir):
         runner.drop_layers([2])
     assert runner.peer.layers == (2,) and engine.executor.arena.resident_layers == (0, 1, 3)
     engine.kv.check_invariants()
+
+
+def test_a_drop_without_room_for_the_peer_is_refused_before_anything_changes(model_dir):
+    """Issue 22, defect 3: on a full device the single-process peer's replica and KV do not fit
+    beside the arena; the drop is refused up front with PeerRoomError, and serving goes on."""
+    from nanoserve.model.layer_peer import PeerRoomError
+
+    engine = make_engine(model_dir, "arena", ARENA_TOKENS)
+    runner, arena = engine.executor, engine.executor.arena
+    assert runner.peer.free_bytes() is None  # a CPU's RAM is not checked
+    needed = runner.peer.bytes_needed([2, 3], arena, block_pages_after=4)
+    # The replicas alone are the dropped layers' weights; KV comes on top.
+    assert needed > weight_bytes_of(engine, (2, 3))
+    runner.peer.free_bytes = lambda: needed - 1
+    ids = [engine.add_request(p, PARAMS).request_id for p in FIRST[:2]]
+    engine.step()
+    with pytest.raises(PeerRoomError, match="needs .* GiB"):
+        runner.drop_layers([2, 3])
+    assert arena.resident_layers == (0, 1, 2, 3) and runner.peer.layers == ()
+    arena.check_invariants(check_weight_bytes=True)
+    runner.peer.free_bytes = lambda: needed  # exactly enough: the drop goes ahead
+    runner.drop_layers([2, 3])
+    assert runner.peer.layers == (2, 3)
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished.update(o.request_id for o in engine.step() if o.finished)
+    assert finished == set(ids)

@@ -23,13 +23,22 @@ is a collision-free peer block id. The peer's cache thus needs num_pages // bloc
 per layer, what the arena would hold if all its bytes were KV, and the runner's block tables
 and slots translate with one integer division per step. A later drop changes block_pages, so
 the peer re-keys the live blocks it holds (a copy), before the arena's geometry changes.
+
+Room for the peer (issue 22, defect 3). On one device this stand-in cannot take its memory from
+the bytes the drop frees, as the real peer does (dist/member.py receives into blocks carved
+from its own freed weight bytes): the freed bytes become this device's KV pages, and the peer's
+replica of the dropped layers is exactly as large as what they freed, so a stand-in that
+borrowed them would cancel the drop's gain. Its replica and KV therefore sit beside the arena,
+and `check_room` refuses a drop, before anything changes, when the device has no room for
+them (on a full GPU the first drop would otherwise run out of memory half-way). A CPU's host
+RAM is not checked.
 """
 from __future__ import annotations
 
 import copy
 import re
 from dataclasses import replace
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -49,6 +58,18 @@ def move_weights_to_host(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         param.data = host[name]
     return host
+
+
+class PeerRoomError(MemoryError):
+    """A drop refused before it began: the device has no room for the stand-in peer's replica
+    weights and KV of the layers (see the module docstring)."""
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """What this process can still allocate on `device`: the driver's free bytes and the
+    caching allocator's reserved but unused ones."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 class PeerStage(nn.Module):
@@ -76,6 +97,9 @@ class LayerPeer:
         self._block_pages = 1
         self._ctx_in: ForwardContext | None = None  # last context translated, and its translation
         self._ctx_out: ForwardContext | None = None
+        # What the device can still allocate, or None where it is not checked (a CPU's RAM).
+        self.free_bytes: Callable[[], int | None] = (
+            (lambda: cuda_free_bytes(device)) if device.type == "cuda" else (lambda: None))
         pattern = re.compile(layer_pattern)  # matches parameter names: "...layers.3." + tail
         for name, _ in model.named_modules():
             match = pattern.search(name + ".")
@@ -100,6 +124,39 @@ class LayerPeer:
         return arena_block // self._block_pages
 
     # -- drop: KV exchange, then serving (§4.2) ----------------------------------------------
+    def bytes_needed(self, layers: Iterable[int], arena: MemoryArena, block_pages_after: int) -> int:
+        """At most what a drop of `layers` makes the peer allocate: K and V of the new layers
+        (`receive_kv`), the re-keyed caches of the layers it already holds (counted whole: each
+        new cache is filled before its old one goes) and the new layers' replica weights (`serve`)."""
+        layers = list(layers)
+        blocks = arena.num_pages // block_pages_after
+
+        def kv_bytes(pair) -> int:  # a (K, V) pair's bytes with `blocks` blocks
+            return sum(blocks * cache[0].numel() * cache.element_size() for cache in pair)
+
+        caches = arena.kv_caches()
+        kv = sum(kv_bytes(caches[layer]) for layer in layers)
+        rekeyed = sum(kv_bytes(pair) for pair in self._caches if pair is not None)
+        prefixes = tuple(self._slots[layer][2] + "." for layer in layers)
+        replicas = sum(t.numel() * t.element_size() for n, t in self.host_weights.items() if n.startswith(prefixes))
+        return kv + rekeyed + replicas
+
+    def check_room(self, layers: Iterable[int], arena: MemoryArena, block_pages_after: int) -> None:
+        """Raise PeerRoomError if the device cannot hold what the drop gives the peer."""
+        free = self.free_bytes()
+        if free is None:
+            return
+        layers = list(layers)
+        needed = self.bytes_needed(layers, arena, block_pages_after)
+        if needed > free:
+            raise PeerRoomError(
+                f"dropping layers {layers} needs {needed / 2**30:.2f} GiB on {self.device} for the "
+                f"single-process peer's replica weights and KV, and {free / 2**30:.2f} GiB is free: "
+                "this stand-in keeps the peer beside the arena on the same device (a drop there cannot "
+                "gain capacity). Serve with a KunServe cluster (nanoserve.dist.cluster, one device per "
+                "instance), whose peers receive the KV into their own freed weight bytes, or leave the "
+                "device room for the stand-in (a lower gpu_memory_utilization).")
+
     @torch.no_grad()
     def receive_kv(self, layers: Iterable[int], arena: MemoryArena, block_pages_after: int) -> None:
         """Copy every owned block's K/V of `layers` out of the arena, and re-key the layers the

@@ -222,7 +222,9 @@ class ModelRunner:
         if not set(layers) <= set(resident) or len(layers) == len(resident):
             # Checked here too: the peer must not take KV for a drop the arena would refuse.
             raise ValueError(f"cannot drop layers {layers}: resident are {list(resident)}, one must stay")
-        self.peer.receive_kv(layers, self.arena, block_pages_after=2 * (len(resident) - len(layers)))
+        block_pages_after = 2 * (len(resident) - len(layers))
+        self.peer.check_room(layers, self.arena, block_pages_after)  # before anything changes
+        self.peer.receive_kv(layers, self.arena, block_pages_after)
         change = self.arena.drop_layers(layers)
         self.peer.serve(layers)
         self.kv_caches = self._arena_kv_caches()
