@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_linear import pack_linear_weights
 from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
 from nanoserve.dist.launch import RankPlan, Topology
 from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
@@ -74,6 +75,9 @@ class EngineArgs:
     decode_graph_sizes: tuple[int, ...] | None = None
     # The Triton backend's fused layer ops (kernels/fused.py); False: PyTorch's ops (an A/B switch)
     fused_layer_ops: bool = True
+    # On a CPU, one rank: each linear layer also keeps its weight packed for oneDNN
+    # (kernels/cpu_linear.py; the weights' bytes again in RAM). False: F.linear (an A/B switch).
+    cpu_packed_linears: bool = True
     calibrate_cost_model: bool = True  # scale the cost model by measured step times (cost_model.py)
     online_slo: SLO | None = None  # the online class's default targets; None: DEFAULT_SLOS
     offline_slo: SLO | None = None
@@ -294,6 +298,8 @@ def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device
     if not args.enforce_eager and plan.topology.world_size == 1:
         default = tuple(decode_buckets(args.max_num_seqs)) if device.type == "cuda" else ()
         graph_sizes = default if args.decode_graph_sizes is None else args.decode_graph_sizes
+    if device.type == "cpu" and args.cpu_packed_linears and plan.topology.world_size == 1:
+        pack_linear_weights(model, model.logits_head())
     longest = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                   plan.num_blocks * args.block_size)
     return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),

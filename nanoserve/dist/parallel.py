@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_linear import PackedWeight, linear
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -124,8 +126,9 @@ def qkv_shards(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) ->
 
 
 # -- layers --------------------------------------------------------------------------------------
-class ColumnParallelLinear(nn.Linear):
-    """y[:, this rank's rows] = x W_r^T + b_r; the output stays split across ranks."""
+class ColumnParallelLinear(PackedWeight, nn.Linear):
+    """y[:, this rank's rows] = x W_r^T + b_r; the output stays split across ranks. On a CPU the
+    product may run from a packed copy of W_r (kernels/cpu_linear.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE):
         self.shard = even_shard(out_features, tp, "the output width")
@@ -134,10 +137,13 @@ class ColumnParallelLinear(nn.Linear):
     def load_weight(self, param_name: str, weight: Weight) -> None:
         getattr(self, param_name).data.copy_(narrow(weight, 0, *self.shard))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
-class RowParallelLinear(nn.Linear):
+
+class RowParallelLinear(PackedWeight, nn.Linear):
     """y = Σ_r x_r W_r^T + b: each rank multiplies its input slice; the all-reduce adds them.
-    The bias is added once, after the sum."""
+    The bias is added once, after the sum. (On a CPU, maybe from a packed W_r.)"""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE):
         self.tp = tp
@@ -152,15 +158,15 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(PackedWeight, nn.Embedding):
     """Rank r holds token rows [r·n, (r+1)·n), n = ceil(vocab / tp) (the last rank's tail is
     zero padding). It looks up the ids in its range, zeroes the rest, and the all-reduce sums
-    the ranks' rows into the full embedding."""
+    the ranks' rows into the full embedding. Packed (kernels/cpu_linear.py) only as an LM head."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup = SINGLE):
         self.tp, self.vocab_size = tp, num_embeddings
@@ -184,7 +190,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This weight as an LM head: every rank's vocab slice, gathered, padding dropped."""
-        return self.tp.all_gather_last_dim(F.linear(hidden, self.weight))[..., : self.vocab_size]
+        return self.tp.all_gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))[..., : self.vocab_size]
 
 
 class ParallelLMHead(VocabParallelEmbedding):

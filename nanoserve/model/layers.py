@@ -12,6 +12,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from kernels.cpu_linear import PackedWeight, linear
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -75,7 +77,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(PackedWeight, nn.Linear):
     """Several HF projections that read the same input (q/k/v, gate/up), run as one matmul.
 
     The output is the parts concatenated in order; `load_part` copies one HF tensor into its rows.
@@ -95,6 +97,9 @@ class MergedLinear(nn.Linear):
     def load_part(self, part: int, param_name: str, tensor) -> None:
         start, size = self.part_offsets[part], self.part_sizes[part]
         getattr(self, param_name).data[start : start + size].copy_(tensor.narrow(0, *self.part_shards[part]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed_weight)  # packed on a CPU: kernels/cpu_linear.py
 
 
 # (HF module name, fused module name, part index) used by Llama-family models.

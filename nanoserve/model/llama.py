@@ -138,7 +138,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+        return self.logits_head().logits(hidden)
+
+    def logits_head(self) -> VocabParallelEmbedding:
+        """The module whose weight computes the logits: the LM head, or the embedding if tied."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.lm_head is None else [])

@@ -125,7 +125,11 @@ class OPTForCausalLM(nn.Module):
         return self.model.decoder(input_ids, positions, ctx, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+        return self.logits_head().logits(hidden)
+
+    def logits_head(self) -> VocabParallelEmbedding:
+        """The module whose weight computes the logits: the LM head, or the embedding if tied."""
+        return self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Early OPT checkpoints name tensors "decoder.*" rather than "model.decoder.*".
