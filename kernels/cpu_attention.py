@@ -71,7 +71,7 @@ def paged_attention(
         return (gather_kv(k_cache, table, dirs).transpose(1, 2), gather_kv(v_cache, table, dirs).transpose(1, 2))
 
     decode_blocks = {i: -(-lens[i] // block_size) for i in range(len(lens)) if starts[i + 1] - starts[i] == 1}
-    for seqs in decode_groups(decode_blocks) if decode_blocks else []:
+    for seqs in decode_groups(decode_blocks):
         n_blocks = decode_blocks[seqs[-1]]
         index = torch.tensor(seqs, device=q.device)
         keys, values = gathered(index, n_blocks)
