@@ -72,6 +72,16 @@ class EngineStats:
         return self.step_seconds_total / self.predicted_step_seconds_total
 
 
+class _StoppedExecutor:
+    """The executor of an engine after `shutdown`: it has no model to run."""
+
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        raise RuntimeError("the engine was shut down")
+
+
+STOPPED = _StoppedExecutor()
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer | None,
                  eos_token_ids: frozenset[int] = frozenset(), model_name: str = "model",
@@ -209,10 +219,18 @@ class Engine:
         self._emitted[request.request_id] = handover.emitted
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes, if it has any (tensor parallelism)."""
+        """Stop the executor's worker processes, if it has any (tensor parallelism), and let go
+        of the executor and the host KV store: the model's weights and the KV caches are freed
+        once nothing else holds them, even while handles to this engine live on (a server's
+        endpoints close over it, and FastAPI keeps endpoint functions in a cache of its own).
+        Afterwards the engine can no longer step; its tokenizer, config and counters stay
+        readable. Calling it again is fine."""
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
+        self.executor, self.pipeline = STOPPED, None
+        if self.kv.host_store is not None:  # the policy's host KV (swap, checkpoints, BE pages)
+            self.kv.host_store.release()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)

@@ -129,6 +129,7 @@ def live_server(app_kwargs: dict | None = None, **engine_kwargs) -> Iterator[Liv
         thread.join(30)
         sock.close()
         engine.shutdown()
+        engine.engine.shutdown()  # frees the model and KV: FastAPI's endpoint cache keeps the app's closures
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,26 @@ def test_async_engine_refuses_work_when_stopped(llm):
 
     with pytest.raises(EngineError, match="not running"):
         asyncio.run(first_output())
+
+
+def test_shutdown_frees_the_model_and_host_kv_even_while_the_engine_is_held(smollm2_dir):
+    """A shut-down engine keeps no weights, device KV or host KV, though something still holds
+    it (as FastAPI's endpoint cache holds a server's engine); it refuses to step, and its
+    tokenizer and counters still answer."""
+    import gc
+    import weakref
+
+    llm = LLM(str(smollm2_dir), device="cpu", kv_cache_tokens=1024, max_model_len=256, policy="conserve")
+    engine = llm.engine
+    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    model, store = weakref.ref(engine.executor.model), engine.kv.host_store
+    assert store is not None and store.k.numel() > 0
+    llm.shutdown()
+    gc.collect()
+    assert model() is None, "the weights outlived shutdown"
+    assert store.k.numel() == store.v.numel() == 0 and store.num_blocks == 0
+    assert engine.stats().generation_tokens_total == 3 and engine.tokenize("Hello")
+    engine.add_request("Hello", SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.step()
+    llm.shutdown()  # twice is fine

@@ -305,3 +305,20 @@ def test_metrics_format(server: LiveServer):
 def test_zz_no_leaks_at_end(server: LiveServer, client: OpenAI):
     assert server.wait_idle()["nanoserve_kv_blocks_used"] == 0
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_stopped_server_lets_go_of_its_model():
+    """FastAPI keeps endpoint functions in a process-wide cache, and ours close over the engine:
+    without the engine's shutdown freeing its executor, every server a process starts would keep
+    its model and KV cache (the suite's server tests reached 24 GB)."""
+    import gc
+    import weakref
+
+    from server_fixtures import live_server
+
+    with live_server() as live:
+        assert httpx.post(live.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
+        model = weakref.ref(live.engine.engine.executor.model)
+    del live
+    gc.collect()
+    assert model() is None

@@ -70,11 +70,12 @@ class LayerEvents:
         return self.per_layer[max(self.per_layer)]
 
 
-def _pin_in_place(owner: object, tensors: Sequence[torch.Tensor]) -> None:
+def _pin_in_place(owner: object, tensors: Sequence[torch.Tensor]) -> weakref.finalize:
     """Page-lock `tensors` where they lie (cudaHostRegister), so copies to and from the device run
     asynchronously. Not `pin_memory=True`: PyTorch's pinned allocator rounds every allocation up
     to a power of two, which turns a 40 GiB store into 64 GiB of locked host memory. Unlocked
-    when `owner` is collected (the finalizer holds the tensors, so they outlive it)."""
+    when `owner` is collected (the finalizer holds the tensors, so they outlive it), or earlier by
+    calling the finalizer this returns (it runs once)."""
     cudart = torch.cuda.cudart()
     registered = []
     for tensor in tensors:
@@ -87,7 +88,7 @@ def _pin_in_place(owner: object, tensors: Sequence[torch.Tensor]) -> None:
             raise RuntimeError(f"could not page-lock {tensor.numel() * tensor.element_size() / 2**30:.1f} GiB "
                                f"of host KV store (CUDA error {int(err)}); lower --host-kv-gb")
         registered.append(tensor)
-    weakref.finalize(owner, _unpin, registered)
+    return weakref.finalize(owner, _unpin, registered)
 
 
 def _unpin(tensors: list[torch.Tensor]) -> None:
@@ -107,8 +108,7 @@ class HostKVStore:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
-        if pin:
-            _pin_in_place(self, (self.k, self.v))
+        self._unpin = _pin_in_place(self, (self.k, self.v)) if pin else None
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._owned: dict[Hashable, list[int]] = {}
         self.inflight = InflightCopies()  # issued copies the manager has not yet seen land
@@ -226,6 +226,15 @@ class HostKVStore:
         """Block the host until every issued copy has run (no-op on a CPU, where they all have)."""
         if self._stream is not None:
             self._stream.synchronize()
+
+    def release(self) -> None:
+        """Free the store's memory (the engine's shutdown): wait for the copies in flight, unlock
+        the pages, drop the tensors. The store holds no KV afterwards and serves no more copies."""
+        self.synchronize()
+        if self._unpin is not None:
+            self._unpin()  # a weakref.finalize: runs once, and not again at collection
+        self.k = self.v = torch.empty(0, dtype=self.k.dtype)
+        self.num_blocks, self._free, self._owned = 0, [], {}
 
     def wait_for(self, readers: Iterable[Hashable]) -> None:
         """Make the compute stream wait for the in-flight copies a forward over `readers` needs
