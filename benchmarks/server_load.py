@@ -10,6 +10,15 @@ where the client sees them: for HTTP, when the first and last content chunks arr
 
     python benchmarks/server_load.py [--num-requests 128] [--rate 32] [--max-tokens 32] [--policy fcfs]
     python benchmarks/server_load.py --smoke      # a few requests: checks that it runs
+
+Where the server process spends its CPU (Linux): over the timed run, each thread's CPU seconds
+from /proc. The main thread is the HTTP server (parsing, validation, tokenizing, JSON, streaming);
+the engine thread and torch's workers do the rest. This is the check of issue 23's question,
+whether moving tokenizing and streaming off the engine's core could help TTFT; with
+`--gil-switch-interval` the server runs with another `sys.setswitchinterval` (how long the
+engine thread may keep the GIL while the HTTP thread waits for it). `--warmup N` sends N requests
+shaped like the workload (another seed) before timing, instead of two 2-token ones: the first
+longer requests after start-up pay one-off costs that otherwise land in the TTFT p99.
 """
 from __future__ import annotations
 
@@ -120,11 +129,39 @@ async def drive_http(url: str, work: list[Work], model: str | None = None) -> li
         return await open_loop(work, send)
 
 
+def warmup_work(count: int, max_tokens: int, seed: int) -> list[Work]:
+    """`count` requests shaped like the workload (another seed), or two 2-token ones for 0."""
+    if count <= 0:
+        return [Work(0.0, list(range(100, 116)), 2)] * 2
+    return workload(count, 4.0, max_tokens, seed + 1000, VOCAB)
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """Each thread's user + system CPU seconds so far (Linux /proc; empty elsewhere)."""
+    seconds: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return seconds
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; utime, stime are fields 14, 15
+        seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
 def serve_process(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, str(ROOT / "examples" / "serve.py"), "--port", str(port), "--policy", args.policy,
+    # sys.setswitchinterval must run in the server's process, before serve.py starts its threads.
+    switch = ([] if args.gil_switch_interval is None else
+              ["-c", f"import runpy, sys; sys.setswitchinterval({args.gil_switch_interval!r}); "
+                     "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"])
+    cmd = [sys.executable, *switch, str(ROOT / "examples" / "serve.py"), "--port", str(port), "--policy", args.policy,
            "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning", "--no-request-log",
            *(["--device", args.device] if args.device else []), *(["--model", args.model] if args.model else [])]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -160,18 +197,24 @@ def main() -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: the embedded SmolLM2)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="N workload-shaped requests before timing (default: two 2-token requests)")
+    p.add_argument("--gil-switch-interval", type=float, default=None, metavar="S",
+                   help="run the server with sys.setswitchinterval(S) (Python's default: 0.005)")
     p.add_argument("--smoke", action="store_true", help="8 requests of 4 tokens")
     args = p.parse_args()
     if args.smoke:
         args.num_requests, args.max_tokens = 8, 4
-    warm = [Work(0.0, list(range(100, 116)), 2)] * 2
+    warm = warmup_work(args.warmup, args.max_tokens, args.seed)
 
     proc, url = serve_process(args)  # the server first, alone on the machine
     try:
         asyncio.run(drive_http(url, warm))
         work = workload(args.num_requests, args.rate, args.max_tokens, args.seed, VOCAB)
+        cpu_before, started = thread_cpu_seconds(proc.pid), time.perf_counter()
         http = summary("HTTP (examples/serve.py, streaming)", asyncio.run(drive_http(url, work)),
                        len(work) * args.max_tokens)
+        wall, cpu_after = time.perf_counter() - started, thread_cpu_seconds(proc.pid)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -197,6 +240,13 @@ def main() -> None:
               f"{row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} | {row['tpot_p99_ms']:.1f} |")
     ratio = http["tok_s"] / local["tok_s"]
     print(f"\nHTTP / in-process throughput: {ratio:.3f} (overhead {(1 - ratio) * 100:.1f}%; goal <= 10%)")
+    if cpu_after:
+        used = {tid: cpu - cpu_before.get(tid, 0.0) for tid, cpu in cpu_after.items()}
+        main_thread = used.pop(proc.pid, 0.0)
+        print(f"The server process over the timed {wall:.1f} s: its main thread (HTTP, validation, tokenizing, "
+              f"streaming) {main_thread:.1f} CPU-s ({100 * main_thread / wall:.1f}% of a core); its other threads "
+              f"(engine loop, torch workers) {sum(used.values()):.1f} CPU-s"
+              + (f"; GIL switch interval {args.gil_switch_interval:g} s" if args.gil_switch_interval is not None else ""))
 
 
 if __name__ == "__main__":

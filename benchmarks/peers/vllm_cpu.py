@@ -178,7 +178,7 @@ def served(args) -> dict:
                               str(kv_cache_bytes(model, args.dtype, args.kv_cache_tokens))],
     }
     work = server_load.workload(args.num_requests, args.rate, args.max_tokens, args.seed, server_load.VOCAB)
-    warm = [server_load.Work(0.0, list(range(100, 116)), 2)] * 2
+    warm = server_load.warmup_work(args.warmup, args.max_tokens, args.seed)
     runs: dict[str, list[dict]] = {engine: [] for engine in commands}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -203,7 +203,7 @@ def served(args) -> dict:
     ours, theirs = median["nanoserve"], median["vllm"]
     print(f"\n{date.today().isoformat()}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"{Path(model).name}, {args.dtype}; {len(work)} requests, Poisson {args.rate:g}/s, prompts 16-128 tokens, "
-          f"{args.max_tokens} output tokens; median of {args.repeats}")
+          f"{args.max_tokens} output tokens; warm-up {args.warmup or 'two 2-token'} requests; median of {args.repeats}")
     print("| server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |\n|---|---|---|---|---|---|")
     for engine, m in median.items():
         print(f"| {engine} | {m['tok_s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
@@ -214,7 +214,7 @@ def served(args) -> dict:
           f"{ratios['ttft_p99']:.2f}x; TPOT p50 vLLM / nanoserve {ratios['tpot_p50']:.2f}x")
     result = {"date": date.today().isoformat(), "processor": platform.processor() or platform.machine(),
               "cores": os.cpu_count(), "model": model, "dtype": args.dtype, "rate": args.rate,
-              "num_requests": len(work), "max_tokens": args.max_tokens, "runs": runs, "median": median,
+              "num_requests": len(work), "max_tokens": args.max_tokens, "warmup": args.warmup, "runs": runs, "median": median,
               "ratios": ratios}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -239,6 +239,8 @@ def main() -> None:
     serve_parser.add_argument("--max-tokens", type=int, default=32)
     serve_parser.add_argument("--repeats", type=int, default=1)
     serve_parser.add_argument("--seed", type=int, default=0)
+    serve_parser.add_argument("--warmup", type=int, default=0, metavar="N",
+                              help="N workload-shaped requests before timing, each server (default: two 2-token ones)")
     offline_parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     offline_parser.add_argument("--repeats", type=int, default=2)
     offline_parser.add_argument("--num-prompts", type=int, default=64)
