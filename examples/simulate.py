@@ -9,6 +9,7 @@ virtual clock, a named GPU and model priced by a roofline, a synthetic workload 
     python examples/simulate.py ecoserve --scale ci      # the few-hundred-request version CI runs
     python examples/simulate.py conserve --no-calibration   # ablation: policies keep their fitted profile
     python examples/simulate.py bros --seed 0 1 2        # three seeds, then each ratio's mean and range
+    python examples/simulate.py ecoserve --datasets bookcorpus --seed 1 --points bc.jsonl   # resumable
 
 It prints a table per run, then our ratio next to the paper's claim, and notes on any gap.
 """
@@ -40,13 +41,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-calibration", action="store_true",
                         help="do not calibrate the policies' cost model on the simulated steps (as the real engine "
                              "does by default): an ablation")
+    parser.add_argument("--datasets", nargs="+", metavar="NAME",
+                        help="ecoserve only: the traces to sweep (sharegpt, alpaca, bookcorpus; default: all three)")
+    parser.add_argument("--points", metavar="FILE",
+                        help="ecoserve only: a JSON-lines file of finished sweep points, read and appended to as "
+                             "each point finishes, so that a stopped sweep resumes (with several seeds: FILE with "
+                             "-seedN before its suffix)")
     args = parser.parse_args(argv)
+    if (args.datasets or args.points) and args.experiment != "ecoserve":
+        parser.error("--datasets and --points are for the ecoserve experiment")
     if args.no_calibration:
         os.environ["NANOSERVE_SIM_CALIBRATE"] = "0"  # read by every SimConfig the experiment builds
     started = time.perf_counter()
     results = {}
     for seed in dict.fromkeys(args.seed):
-        results[seed] = result = run_experiment(args.experiment, args.scale, seed)
+        options = {"datasets": args.datasets} if args.datasets else {}
+        if args.points:
+            points = Path(args.points)
+            options["points"] = points if len(args.seed) == 1 else points.with_name(f"{points.stem}-seed{seed}{points.suffix}")
+        results[seed] = result = run_experiment(args.experiment, args.scale, seed, **options)
         if len(args.seed) > 1:
             print(f"# seed {seed}\n")
         print(format_report(result))

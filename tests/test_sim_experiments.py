@@ -215,3 +215,29 @@ def test_every_baseline_names_its_paper_sentence_and_a_registered_policy_and_man
         assert (config.policy, config.kv_manager, config.model) == (baseline.policy, baseline.kv_manager, "OPT-13B")
     assert BASELINES[ORCA.label].sim_config(SimConfig()).max_num_seqs == 8
     assert "| vLLM (2023): prefill-first + swap | `prefill-first` | `swap` |" in markdown()
+
+
+def test_ecoserve_sweep_resumes_from_its_saved_points(tmp_path, monkeypatch):
+    """A sweep that writes its points and is started again reads them instead of simulating,
+    and comes to the same comparisons; a sweep stopped part-way simulates only what is left."""
+    points = tmp_path / "points.jsonl"
+    first = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points)
+    lines = points.read_text().splitlines()
+    assert len(lines) == len(first.extra["sweep"]) > len(ecoserve_experiment.SYSTEMS)
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("a saved point was simulated again")
+
+    monkeypatch.setattr(ecoserve_experiment, "simulate", no_simulation)
+    again = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points)
+    assert [c.ours for c in again.comparisons] == [c.ours for c in first.comparisons]
+    assert again.extra["sweep"] == first.extra["sweep"] and points.read_text().splitlines() == lines
+
+    monkeypatch.undo()
+    points.write_text("\n".join(lines[:3]) + "\n")  # stopped after three points
+    calls = []
+    original = ecoserve_experiment.simulate
+    monkeypatch.setattr(ecoserve_experiment, "simulate", lambda *a, **k: calls.append(1) or original(*a, **k))
+    resumed = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points)
+    assert len(calls) == len(lines) - 3
+    assert [c.ours for c in resumed.comparisons] == [c.ours for c in first.comparisons]

@@ -80,10 +80,11 @@ def check_scale(scale: str, experiment: str | None = None) -> None:
         raise ValueError(f"scale must be one of {(*SCALES, *extra)}, got {scale!r}")
 
 
-def run_experiment(name: str, scale: str = "paper", seed: int = 0) -> ExperimentResult:
+def run_experiment(name: str, scale: str = "paper", seed: int = 0, **options: Any) -> ExperimentResult:
+    """Run experiment `name`; `options` go to its `run` (e.g. ecoserve's `datasets`, `points`)."""
     try:
         module_name, function = EXPERIMENTS[name].split(":")
     except KeyError:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}") from None
     check_scale(scale, name)
-    return getattr(importlib.import_module(module_name), function)(scale=scale, seed=seed)
+    return getattr(importlib.import_module(module_name), function)(scale=scale, seed=seed, **options)

@@ -60,7 +60,9 @@ system still runs `TABLE_RATE`, whose runs fill the per-request tables and plots
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from nanoserve.sched.predictor import (PAPER_PREDICTION_ERROR, BucketQuantilePredictor, NoisyOraclePredictor,
@@ -234,28 +236,70 @@ class _Sweep:
     runs: dict[str, SimResult]
 
 
-def _sweep(dataset: Dataset, scale: str, seed: int, n: int) -> _Sweep:
+class _Points:
+    """Finished sweep points in a JSON-lines file, so that a sweep too long for one sitting (10k
+    BookCorpus requests per rate: hours per seed) resumes where it stopped (ours). A point is
+    keyed by dataset, system, rate, seed and requests per rate, and holds its row; the code that
+    simulated it is whatever the checkout was, so keep the file with the commit that wrote it.
+    ShareGPT's table rate is always simulated: its runs fill the per-request tables."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = None if path is None else Path(path)
+        self.rows: dict[str, dict] = {}
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    entry = json.loads(line)
+                    self.rows[entry["key"]] = entry["row"]
+
+    @staticmethod
+    def key(dataset: Dataset, system: System, rate: float, seed: int, n: int) -> str:
+        return f"{dataset.label}|{system.label}|{rate!r}|seed {seed}|{n} requests"
+
+    def get(self, key: str) -> dict | None:
+        return self.rows.get(key)
+
+    def add(self, key: str, row: dict) -> None:
+        self.rows[key] = row
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"key": key, "row": row}) + "\n")
+
+
+def _sweep(dataset: Dataset, scale: str, seed: int, n: int, saved: _Points) -> _Sweep:
     rates = dataset.rates[scale]
     table_rate = TABLE_RATE[scale] if dataset is SHAREGPT else None
     points: dict[str, list[tuple[float, float]]] = {s.label: [] for s in SYSTEMS}
     rows: list[dict] = []
     runs: dict[str, SimResult] = {}
 
-    def point(system: System, rate: float, trace: list[TraceRequest]) -> None:
-        result = simulate(system.config(dataset, trace), trace)
-        summary = summarize(result)["all"]
-        points[system.label].append((rate, summary.norm_latency_mean))
-        rows.append({"dataset": dataset.label, "system": system.label, "rate": rate,
-                     "norm_latency": summary.norm_latency_mean, "ttft_p99": summary.ttft_p99,
-                     "throughput_tok_s": summary.throughput_tok_s, "preemptions": summary.preemptions,
-                     "steps": result.steps,
-                     "length_capped": sum(r.finish_reason == "length" for r in result.records),
-                     "events": dict(result.events) if system.label in ECOSERVE_SYSTEMS else None})
-        if rate == table_rate:
-            runs[system.label] = result
+    def point(system: System, rate: float, trace: Callable[[], list[TraceRequest]]) -> None:
+        key = _Points.key(dataset, system, rate, seed, n)
+        row = saved.get(key) if rate != table_rate else None
+        if row is None:
+            result = simulate(system.config(dataset, trace()), trace())
+            summary = summarize(result)["all"]
+            row = {"dataset": dataset.label, "system": system.label, "rate": rate,
+                   "norm_latency": summary.norm_latency_mean, "ttft_p99": summary.ttft_p99,
+                   "throughput_tok_s": summary.throughput_tok_s, "preemptions": summary.preemptions,
+                   "steps": result.steps,
+                   "length_capped": sum(r.finish_reason == "length" for r in result.records),
+                   "events": dict(result.events) if system.label in ECOSERVE_SYSTEMS else None}
+            saved.add(key, row)
+            if rate == table_rate:
+                runs[system.label] = result
+        points[system.label].append((rate, row["norm_latency"]))
+        rows.append(row)
 
-    def trace_at(rate: float) -> list[TraceRequest]:
-        return make_trace(poisson_arrivals(rate, n=n, seed=seed), dataset.lengths, seed=seed)
+    def trace_at(rate: float) -> Callable[[], list[TraceRequest]]:
+        """The rate's trace, built once, when a point first needs it (a resumed point does not)."""
+        built: list[list[TraceRequest]] = []
+
+        def trace() -> list[TraceRequest]:
+            if not built:
+                built.append(make_trace(poisson_arrivals(rate, n=n, seed=seed), dataset.lengths, seed=seed))
+            return built[0]
+        return trace
 
     lightest = trace_at(rates[0])
     for system in SYSTEMS:  # the lightest load first, every system: it sets the threshold
@@ -305,7 +349,9 @@ def _comparisons(dataset: Dataset, sustained: dict[str, float]) -> list[Comparis
 
 
 def run(scale: str = "paper", seed: int = 0, *, requests: int | None = None,
-        datasets: Sequence[str] | None = None) -> ExperimentResult:
+        datasets: Sequence[str] | None = None, points: str | Path | None = None) -> ExperimentResult:
+    """`points`: a JSON-lines file of finished sweep points (`_Points`): read, appended to as
+    each point finishes, so that a stopped run started again resumes."""
     check_scale(scale)
     n = REQUESTS[scale] if requests is None else requests
     names = DEFAULT_DATASETS[scale] if datasets is None else tuple(datasets)
@@ -316,8 +362,9 @@ def run(scale: str = "paper", seed: int = 0, *, requests: int | None = None,
     rows, runs, comparisons = [], {}, []
     sustained: dict[str, dict[str, float]] = {}
     thresholds: dict[str, float] = {}
+    saved = _Points(points)
     for dataset in chosen:
-        sweep = _sweep(dataset, scale, seed, n)
+        sweep = _sweep(dataset, scale, seed, n, saved)
         rows += sweep.rows
         runs.update(sweep.runs)
         thresholds[dataset.label] = sweep.threshold
