@@ -260,8 +260,11 @@ class _Points:
         return self.rows.get(key)
 
     def add(self, key: str, row: dict) -> None:
+        """Save a finished point; one already saved (ShareGPT's table rate, simulated again) is not
+        written twice."""
+        saved_before = key in self.rows
         self.rows[key] = row
-        if self.path is not None:
+        if self.path is not None and not saved_before:
             with self.path.open("a") as f:
                 f.write(json.dumps({"key": key, "row": row}) + "\n")
 
@@ -273,11 +276,11 @@ def _sweep(dataset: Dataset, scale: str, seed: int, n: int, saved: _Points) -> _
     rows: list[dict] = []
     runs: dict[str, SimResult] = {}
 
-    def point(system: System, rate: float, trace: Callable[[], list[TraceRequest]]) -> None:
+    def point(system: System, rate: float, trace: list[TraceRequest]) -> None:
         key = _Points.key(dataset, system, rate, seed, n)
         row = saved.get(key) if rate != table_rate else None
         if row is None:
-            result = simulate(system.config(dataset, trace()), trace())
+            result = simulate(system.config(dataset, trace), trace)
             summary = summarize(result)["all"]
             row = {"dataset": dataset.label, "system": system.label, "rate": rate,
                    "norm_latency": summary.norm_latency_mean, "ttft_p99": summary.ttft_p99,
@@ -291,15 +294,8 @@ def _sweep(dataset: Dataset, scale: str, seed: int, n: int, saved: _Points) -> _
         points[system.label].append((rate, row["norm_latency"]))
         rows.append(row)
 
-    def trace_at(rate: float) -> Callable[[], list[TraceRequest]]:
-        """The rate's trace, built once, when a point first needs it (a resumed point does not)."""
-        built: list[list[TraceRequest]] = []
-
-        def trace() -> list[TraceRequest]:
-            if not built:
-                built.append(make_trace(poisson_arrivals(rate, n=n, seed=seed), dataset.lengths, seed=seed))
-            return built[0]
-        return trace
+    def trace_at(rate: float) -> list[TraceRequest]:
+        return make_trace(poisson_arrivals(rate, n=n, seed=seed), dataset.lengths, seed=seed)
 
     lightest = trace_at(rates[0])
     for system in SYSTEMS:  # the lightest load first, every system: it sets the threshold
