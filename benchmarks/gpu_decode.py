@@ -62,11 +62,13 @@ def decode(args) -> dict:
     while len(started) < args.batch:  # prefill everyone
         for out in engine.step():
             started.add(out.request_id)
+    phases = PhaseTimers(engine)
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    phases.remove()
     model = engine.executor.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     token_bytes = kv_block_bytes(EngineArgs(), cfg, torch.bfloat16) // 16
@@ -82,7 +84,62 @@ def decode(args) -> dict:
             "startup_s": round(startup, 2), "step_ms_median": round(step * 1e3, 3),
             "step_ms_p10": round(sorted(times)[len(times) // 10] * 1e3, 3),
             "weight_gib": round(weight_bytes / 2**30, 3), "kv_gib": round(kv_bytes / 2**30, 3),
-            "roofline_ms": round(roofline * 1e3, 3), "step_over_roofline": round(step / roofline, 2)}
+            "roofline_ms": round(roofline * 1e3, 3), "step_over_roofline": round(step / roofline, 2),
+            "phase_ms_median": phases.medians(),
+            "forward_gpu_ms": None if graphs is None or args.device == "cpu" else forward_gpu_ms(graphs, args.batch)}
+
+
+class PhaseTimers:
+    """Where a step's wall time goes, read from the engine's side: the scheduler's `schedule`,
+    the runner's `prepare` (the batch's inputs), the executor's `execute` (prepare, the forward's
+    launch or graph replay, sampling and its one sync: so it includes waiting for the GPU), and the
+    engine's post-processing (detokenizing, stop checks, outputs). Wrappers on the instances,
+    removed after the timed steps."""
+
+    def __init__(self, engine) -> None:
+        self.samples: dict[str, list[float]] = {}
+        self._wrapped = []
+        runner = engine.executor
+        for name, owner, attr in (("schedule", engine.scheduler, "schedule"), ("prepare", runner, "prepare"),
+                                  ("execute", runner, "execute"), ("postprocess", engine, "_postprocess")):
+            self._wrap(name, owner, attr)
+
+    def _wrap(self, name: str, owner, attr: str) -> None:
+        inner = getattr(owner, attr)
+        bucket = self.samples.setdefault(name, [])
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                bucket.append(time.perf_counter() - t)
+
+        setattr(owner, attr, timed)
+        self._wrapped.append((owner, attr))
+
+    def remove(self) -> None:
+        for owner, attr in self._wrapped:
+            delattr(owner, attr)  # the instance attribute goes; the class's method shows again
+
+    def medians(self) -> dict[str, float]:
+        return {k: round(statistics.median(v) * 1e3, 3) for k, v in self.samples.items() if v}
+
+
+def forward_gpu_ms(graphs, batch: int, replays: int = 20) -> float:
+    """The GPU time of one graphed decode forward (+ LM head) at this batch's bucket, by CUDA
+    events around back-to-back replays of the static buffers the last step left (their KV
+    writes repeat that step's): what the step would cost with no CPU work at all."""
+    bucket = graphs.bucket_for(batch)
+    graphs.replay_static(bucket)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graphs.replay_static(bucket)
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / replays, 3)
 
 
 def serve(args) -> dict:

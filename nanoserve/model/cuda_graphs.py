@@ -108,6 +108,12 @@ class DecodeGraphs:
         return all_decode and num_seqs <= self.buckets[-1] and max_table_width <= self.max_blocks
 
     @torch.inference_mode()
+    def replay_static(self, bucket: int) -> torch.Tensor:
+        """Replay `bucket`'s graph on whatever the static buffers hold (benchmarks time the
+        forward alone this way); not counted in `num_replays`."""
+        return self._replays[bucket]()
+
+    @torch.inference_mode()
     def replay(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The logits of a decode batch whose step inputs the runner prepared (`ctx`, ids and
         positions, one row per sequence): copied into the static buffers, padded, replayed."""
