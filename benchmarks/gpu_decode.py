@@ -78,7 +78,8 @@ def decode(args) -> dict:
     roofline = (weight_bytes + kv_bytes) / bw
     step = statistics.median(times)
     graphs = engine.executor.graphs
-    return {"mode": "decode", "batch": args.batch, "context": args.context, "eager": args.eager,
+    return {"mode": "decode", "model": str(args.model), "batch": args.batch, "context": args.context,
+            "steps": args.steps, "eager": args.eager,
             "fused_layer_ops": not args.unfused,
             "graph_replays": 0 if graphs is None else graphs.num_replays,
             "startup_s": round(startup, 2), "step_ms_median": round(step * 1e3, 3),

@@ -12,7 +12,8 @@ Arrivals are replayed in real time on the real engine: it idles until each arriv
 simulator's clock jumps.
 
     python benchmarks/sim_fidelity.py [--requests 40] [--rate 1.5] [--smoke]
-    python benchmarks/sim_fidelity.py --device cuda --dtype bfloat16 --roofline H200 --model DIR
+    python benchmarks/sim_fidelity.py --device cuda --dtype bfloat16 --roofline H200 --model DIR --json F
+    python benchmarks/sim_fidelity.py --replay F [--iteration-overhead-ms X --layer-overhead-us Y]
 
 With `--roofline GPU` the simulator runs on its analytic roofline for that GPU (sim/hardware.py)
 instead of the fitted profile, as every paper experiment does: the per-iteration error is the
@@ -30,7 +31,7 @@ from pathlib import Path
 from nanoserve import SamplingParams, default_model
 from nanoserve.builder import EngineArgs, build_engine
 from nanoserve.model.loader import load_config
-from nanoserve.sched.cost_model import Sample, batch_of, fit
+from nanoserve.sched.cost_model import CostModel, Sample, batch_of, fit
 from nanoserve.sim.metrics import percentile
 from nanoserve.sim.simulation import SimConfig, simulate
 from nanoserve.sim.workloads import LengthDist, TraceRequest, make_trace, poisson_arrivals
@@ -83,20 +84,9 @@ def run_real(engine, trace: list[TraceRequest]) -> dict:
     return {"steps": steps, "ttft": ttfts, "throughput": tokens / duration, "duration": duration}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--requests", type=int, default=40)
-    parser.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals per second")
-    parser.add_argument("--kv-tokens", type=int, default=16384)
-    parser.add_argument("--smoke", action="store_true", help="8 requests")
-    parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--roofline", default=None, help="simulate on this GPU's roofline (e.g. H200, H100-80G)")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        args.requests = 8
+def measure(args) -> dict:
+    """Run the real engine: the fitting workload, then the evaluation workload. Everything the
+    comparison needs afterwards, JSON-ready (so `--replay` can re-price it with other constants)."""
     model = args.model or default_model()
     engine_args = EngineArgs(model=model, device=args.device, dtype=args.dtype, kv_cache_tokens=args.kv_tokens,
                              calibrate_cost_model=False)
@@ -104,13 +94,95 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "warm-up")
     while engine.has_unfinished_requests():
         engine.step()
-    fit_trace = make_trace(poisson_arrivals(args.rate, n=args.requests, seed=11), LENGTHS, seed=11)
-    eval_trace = make_trace(poisson_arrivals(args.rate, n=args.requests, seed=22), LENGTHS, seed=22)
-    fitted = fit(Sample(batch, seconds) for batch, seconds in run_real(engine, fit_trace)["steps"])
-    real = run_real(engine, eval_trace)
-    config = SimConfig(policy="fcfs", model_config=load_config(Path(model)), kv_blocks=engine.kv.num_blocks,
-                       max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                       max_num_seqs=engine.config.max_num_seqs, fitted_policy_model=False,
+    fitted = fit(Sample(batch, seconds) for batch, seconds in run_real(engine, trace(args, seed=11))["steps"])
+    real = run_real(engine, trace(args, seed=22))
+    return {"model": str(model), "fitted": fitted.to_dict(), "kv_blocks": engine.kv.num_blocks,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "max_num_seqs": engine.config.max_num_seqs, "steps": [[list(b), t] for b, t in real["steps"]],
+            "ttft": real["ttft"], "throughput": real["throughput"]}
+
+
+def trace(args, seed: int) -> list[TraceRequest]:
+    """Seed 11 fits the profile, seed 22 is the evaluation: same shape, other requests."""
+    return make_trace(poisson_arrivals(args.rate, n=args.requests, seed=seed), LENGTHS, seed=seed)
+
+
+def roofline_efficiency(args):
+    """The roofline GPU's Efficiency, with the engine overheads given on the command line.
+    assumption: the roofline's two engine constants (sim/hardware.py: 2 ms per step, 20 us per
+    layer) describe an eager Python engine; nanoserve's graphed decode on a GPU is priced by
+    constants measured apart from this trace (benchmarks/gpu_decode.py), passed here."""
+    from dataclasses import replace
+
+    from nanoserve.sim.hardware import gpu
+
+    changes = {}
+    if args.overheads_from:
+        changes = overheads_measured(json.loads(Path(args.overheads_from).read_text()), args)
+    if args.iteration_overhead_ms is not None:
+        changes["iteration_overhead_s"] = args.iteration_overhead_ms / 1e3
+    if args.layer_overhead_us is not None:
+        changes["layer_overhead_s"] = args.layer_overhead_us / 1e6
+    return replace(gpu(args.roofline).efficiency, **changes)
+
+
+def overheads_measured(decode: dict, args) -> dict[str, float]:
+    """The roofline's two engine constants from a graphed decode step that gpu_decode.py timed
+    (a fixed batch, not this trace): per layer, what the graphed forward's GPU time has beyond
+    the roofline's bytes and FLOPs, over the layers; per step, the step's wall time beyond that
+    forward (scheduling, inputs, sampling's sync, outputs)."""
+    from dataclasses import replace
+
+    from nanoserve.sim.hardware import gpu
+    from nanoserve.sim.roofline import Roofline
+
+    bare = replace(gpu(args.roofline).efficiency, layer_overhead_s=0.0, iteration_overhead_s=0.0)
+    config = load_config(Path(args.model) if args.model else Path(decode["model"]))
+    roofline = Roofline(replace(gpu(args.roofline), efficiency=bare), config)
+    context = decode["context"] + decode["steps"] // 2
+    data_s = roofline.iteration_seconds([(context, 1)] * decode["batch"])
+    forward_s = decode["forward_gpu_ms"] / 1e3
+    return {"layer_overhead_s": max(0.0, forward_s - data_s) / config.num_layers,
+            "iteration_overhead_s": max(0.0, decode["step_ms_median"] / 1e3 - forward_s)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals per second")
+    parser.add_argument("--kv-tokens", type=int, default=16384)
+    parser.add_argument("--smoke", action="store_true", help="8 requests")
+    parser.add_argument("--json", help="also write the results here (with the real run's steps)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--roofline", default=None, help="simulate on this GPU's roofline (e.g. H200, H100-80G)")
+    parser.add_argument("--iteration-overhead-ms", type=float, default=None,
+                        help="with --roofline: the engine's cost per step (default: the GPU's, 2 ms)")
+    parser.add_argument("--layer-overhead-us", type=float, default=None,
+                        help="with --roofline: the fixed cost per decoder layer (default: the GPU's, 20 us)")
+    parser.add_argument("--overheads-from", help="with --roofline: both engine constants from a gpu_decode.py JSON "
+                        "(a graphed decode step of this model on this GPU)")
+    parser.add_argument("--replay", help="no engine: re-price the real run saved in this --json file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests = 8
+    if args.replay:
+        saved = json.loads(Path(args.replay).read_text())
+        real = saved["real"]
+        for key in ("requests", "rate", "device", "dtype"):
+            setattr(args, key, saved["args"][key])
+        args.roofline = args.roofline or saved["args"]["roofline"]
+        args.model = args.model or real["model"]  # the config.json to read, where it is on this machine
+    else:
+        real = measure(args)
+    steps = [(tuple(tuple(chunk) for chunk in batch), seconds) for batch, seconds in real["steps"]]
+    fitted = CostModel.from_dict(real["fitted"])
+    model_config = load_config(Path(args.model or real["model"]))
+    eval_trace = trace(args, seed=22)
+    config = SimConfig(policy="fcfs", model_config=model_config, kv_blocks=real["kv_blocks"],
+                       max_num_batched_tokens=real["max_num_batched_tokens"],
+                       max_num_seqs=real["max_num_seqs"], fitted_policy_model=False,
                        calibrate_cost_model=False)  # as the real run above
     if args.roofline:
         from dataclasses import replace
@@ -118,20 +190,23 @@ def main(argv: list[str] | None = None) -> int:
         from nanoserve.sim.hardware import gpu
         from nanoserve.sim.roofline import Roofline
 
-        config = replace(config, gpu=args.roofline)
-        roofline = Roofline(gpu(args.roofline), config.model_config)
+        efficiency = roofline_efficiency(args)
+        config = replace(config, gpu=args.roofline, efficiency=efficiency)
+        roofline = Roofline(replace(gpu(args.roofline), efficiency=efficiency), config.model_config)
         sim = simulate(config, eval_trace)  # the roofline is the simulator's own clock
         predict = roofline.iteration_seconds
-        fitted_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds in real["steps"]]
+        fitted_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds in steps]
         print(f"fitted profile, per-iteration median error: {percentile(fitted_errors, 50):.1%}")
+        print(f"roofline engine constants: {efficiency.iteration_overhead_s * 1e3:.3f} ms per step, "
+              f"{efficiency.layer_overhead_s * 1e6:.1f} us per layer")
     else:
         sim = simulate(config, eval_trace, executor_cost=fitted)
         predict = fitted.predict
     # Per iteration: the clock's prediction for each batch the real engine ran.
-    step_errors = [abs(predict(batch) - seconds) / seconds for batch, seconds in real["steps"]]
-    real_steps = [seconds for _, seconds in real["steps"]]
+    step_errors = [abs(predict(batch) - seconds) / seconds for batch, seconds in steps]
+    real_steps = [seconds for _, seconds in steps]
     print(f"real step: median {percentile(real_steps, 50) * 1e3:.2f} ms; predicted median "
-          f"{percentile([predict(b) for b, _ in real['steps']], 50) * 1e3:.2f} ms")
+          f"{percentile([predict(b) for b, _ in steps], 50) * 1e3:.2f} ms")
     sim_ttft = [r.ttft for r in sim.records]
     sim_throughput = sum(r.output_len for r in sim.records) / sim.duration
     rows = [("per-iteration latency (median over steps)", None, None, percentile(step_errors, 50)),
@@ -139,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             ("TTFT p99 (s)", percentile(real["ttft"], 99), percentile(sim_ttft, 99), None),
             ("throughput (output tok/s)", real["throughput"], sim_throughput, None)]
     clock = f"{args.roofline}'s roofline" if args.roofline else "a step profile fitted here"
-    print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {Path(model).name} "
+    print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {Path(real['model']).name} "
           f"{args.dtype} on {args.device} vs the simulator with {clock}; {args.requests} requests, "
           f"{LENGTHS.label}, Poisson {args.rate}/s; fcfs")
     print("| metric | real engine | simulator | error |")
@@ -150,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
             error = abs(sim_value - real_value) / real_value
             print(f"| {name} | {real_value:.3f} | {sim_value:.3f} | {error:.1%} |")
         else:
-            print(f"| {name} | {len(real['steps'])} steps | (profile) | {error:.1%} |")
+            print(f"| {name} | {len(steps)} steps | (profile) | {error:.1%} |")
         errors.append(error)
     median = percentile(errors, 50)
     print(f"median error: {median:.1%} (goal <= 15%)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": date.today().isoformat(), "args": vars(args), "fitted": fitted.to_dict(),
-                       "errors": errors, "median_error": median, "workload": LENGTHS.label}, f, indent=2)
+            json.dump({"date": date.today().isoformat(), "args": vars(args), "fitted": real["fitted"],
+                       "errors": errors, "median_error": median, "workload": LENGTHS.label, "real": real}, f)
     return 0
 
 

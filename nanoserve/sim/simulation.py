@@ -42,7 +42,7 @@ import bisect
 import math
 import os
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -56,7 +56,7 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.sched import POLICY_MEMORY, make_scheduler
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.sim.executor import EOS_TOKEN, FILLER_TOKEN, SimExecutor, VirtualClock
-from nanoserve.sim.hardware import gpu
+from nanoserve.sim.hardware import Efficiency, gpu
 from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline, fitted_cost_model
 from nanoserve.sim.workloads import ClosedLoopBatches, TraceRequest
@@ -72,6 +72,9 @@ MAX_IDLE_STEPS = 8
 class SimConfig:
     policy: str = "fcfs"
     gpu: str = "A100-80G"
+    # The named GPU's achieved fractions and overheads replaced (sim/hardware.py's Efficiency):
+    # benchmarks/sim_fidelity.py prices nanoserve's own engine on a GPU it measured.
+    efficiency: Efficiency | None = None
     model: str = "Llama-2-7B"
     tp: int = 1
     kv_manager: str | None = None  # default: the policy's (sched.POLICY_MEMORY)
@@ -181,7 +184,8 @@ def kv_blocks(config: SimConfig, roofline: Roofline) -> int:
 
 def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock,
           executor_cost: Roofline | CostModel | None = None) -> tuple[Engine, SimExecutor, Roofline]:
-    roofline = Roofline(gpu(config.gpu), config.model_config or model(config.model), config.tp)
+    device = gpu(config.gpu) if config.efficiency is None else replace(gpu(config.gpu), efficiency=config.efficiency)
+    roofline = Roofline(device, config.model_config or model(config.model), config.tp)
     num_blocks = kv_blocks(config, roofline)
     name = config.kv_manager or POLICY_MEMORY[config.policy]
     host = None
