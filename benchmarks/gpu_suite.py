@@ -18,7 +18,8 @@ the next step runs):
     throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped
     serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests
     decode        decode step vs its HBM roofline (weights + KV bytes), eager and graphed
-    fidelity      benchmarks/sim_fidelity.py: the simulator's roofline for this GPU vs the real engine
+    fidelity      benchmarks/sim_fidelity.py: the simulator's roofline for this GPU vs the real engine,
+                  its engine constants from a graphed batch-1 decode step (gpu_decode.py)
     kernel_tests  every test that runs a Triton kernel, compiled
 
 It writes suite.json (every step's numbers and log tail) and suite.md (a summary table).
@@ -159,16 +160,25 @@ def step_decode(out: Path, options: Options) -> dict:
 
 
 def step_fidelity(out: Path, options: Options) -> dict:
-    """The simulator's roofline for this GPU against the real engine on the same trace."""
+    """The simulator's roofline for this GPU against the real engine on the same trace, with the
+    roofline's engine constants measured apart from that trace: a graphed batch-1 decode step
+    (gpu_decode.py) gives the per-step and per-layer overheads (sim_fidelity --overheads-from;
+    the default constants are re-priced from the saved steps with --replay)."""
     import torch
 
     name = torch.cuda.get_device_name()
     roofline = "H200" if "H200" in name else "H100-80G"
     ckpt = build_checkpoint("smollm2-135m", options.cache)
+    constants = out / "fidelity_decode_b1.json"
+    decode = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--batch", "1",
+                  "--context", "256", "--json", str(constants)], 60, out / "fidelity_decode.log", constants)
     path = out / "fidelity.json"
-    return run([sys.executable, "benchmarks/sim_fidelity.py", "--model", str(ckpt), "--device", "cuda",
-                "--dtype", "bfloat16", "--roofline", roofline, "--requests", "60", "--rate", "20",
-                "--kv-tokens", "65536", "--json", str(path)], 90, out / "fidelity.log", path)
+    report = run([sys.executable, "benchmarks/sim_fidelity.py", "--model", str(ckpt), "--device", "cuda",
+                  "--dtype", "bfloat16", "--roofline", roofline, "--requests", "60", "--rate", "20",
+                  "--kv-tokens", "65536", "--overheads-from", str(constants), "--json", str(path)],
+                 90, out / "fidelity.log", path)
+    report.get("results", {}).pop("real", None)  # the steps stay in fidelity.json
+    return {"constants": decode, "fidelity": report}
 
 
 def step_serve7b(out: Path, options: Options) -> dict:

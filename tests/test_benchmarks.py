@@ -58,11 +58,41 @@ def test_sim_speed_benchmark_smoke():
     assert "| fcfs |" in proc.stdout and "| bros |" in proc.stdout and "(synthetic)" in proc.stdout
 
 
-def test_sim_fidelity_benchmark_smoke():
-    proc = subprocess.run([sys.executable, "benchmarks/sim_fidelity.py", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+def test_sim_fidelity_benchmark_smoke(tmp_path):
+    saved = tmp_path / "fidelity.json"
+    proc = subprocess.run([sys.executable, "benchmarks/sim_fidelity.py", "--smoke", "--json", str(saved)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| TTFT p99 (s) |" in proc.stdout and "median error" in proc.stdout
+    # --replay re-prices the saved real run without an engine: the same clock gives the same table.
+    replay = subprocess.run([sys.executable, "benchmarks/sim_fidelity.py", "--replay", str(saved)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [line for line in replay.stdout.splitlines() if line.startswith("| ")] == table
+
+
+def test_sim_fidelity_recovers_the_roofline_constants_from_a_decode_step():
+    """overheads_measured inverts the roofline: a graphed step priced by the roofline itself with
+    known constants (30 us per layer; 0.4 ms per step beyond the forward) gives them back."""
+    from argparse import Namespace
+    from dataclasses import replace
+
+    from benchmarks.sim_fidelity import overheads_measured
+    from nanoserve.model.loader import load_config
+    from nanoserve.sim.hardware import gpu
+    from nanoserve.sim.roofline import Roofline
+
+    model = ROOT / "benchmarks" / "gpu_models" / "smollm2-135m"
+    h100 = gpu("H100-80G")
+    priced = Roofline(replace(h100, efficiency=replace(h100.efficiency, layer_overhead_s=30e-6,
+                                                       iteration_overhead_s=0.0)), load_config(model))
+    forward_s = priced.iteration_seconds([(256 + 24, 1)] * 8)
+    decode = {"model": str(model), "batch": 8, "context": 256, "steps": 48, "forward_gpu_ms": forward_s * 1e3,
+              "step_ms_median": forward_s * 1e3 + 0.4}
+    measured = overheads_measured(decode, Namespace(roofline="H100-80G", model=None))
+    assert measured["layer_overhead_s"] == pytest.approx(30e-6, rel=1e-9)
+    assert measured["iteration_overhead_s"] == pytest.approx(0.4e-3, rel=1e-9)
 
 
 def test_server_load_benchmark_smoke():
