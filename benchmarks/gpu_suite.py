@@ -19,7 +19,7 @@ the next step runs):
     serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests
     decode        decode step vs its HBM roofline (weights + KV bytes), eager and graphed
     fidelity      benchmarks/sim_fidelity.py: the simulator's roofline for this GPU vs the real engine,
-                  its engine constants from a graphed batch-1 decode step (gpu_decode.py)
+                  its engine constants from a graphed and an eager batch-1 decode step (gpu_decode.py)
     kernel_tests  every test that runs a Triton kernel, compiled
 
 It writes suite.json (every step's numbers and log tail) and suite.md (a summary table).
@@ -169,16 +169,18 @@ def step_fidelity(out: Path, options: Options) -> dict:
     name = torch.cuda.get_device_name()
     roofline = "H200" if "H200" in name else "H100-80G"
     ckpt = build_checkpoint("smollm2-135m", options.cache)
-    constants = out / "fidelity_decode_b1.json"
+    constants, eager = out / "fidelity_decode_b1.json", out / "fidelity_decode_b1_eager.json"
     decode = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--batch", "1",
                   "--context", "256", "--json", str(constants)], 60, out / "fidelity_decode.log", constants)
+    eager_decode = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--batch", "1",
+                        "--context", "256", "--eager", "--json", str(eager)], 60, out / "fidelity_eager.log", eager)
     path = out / "fidelity.json"
     report = run([sys.executable, "benchmarks/sim_fidelity.py", "--model", str(ckpt), "--device", "cuda",
                   "--dtype", "bfloat16", "--roofline", roofline, "--requests", "60", "--rate", "20",
-                  "--kv-tokens", "65536", "--overheads-from", str(constants), "--json", str(path)],
-                 90, out / "fidelity.log", path)
+                  "--kv-tokens", "65536", "--overheads-from", str(constants), "--eager-overheads-from", str(eager),
+                  "--json", str(path)], 90, out / "fidelity.log", path)
     report.get("results", {}).pop("real", None)  # the steps stay in fidelity.json
-    return {"constants": decode, "fidelity": report}
+    return {"constants": decode, "eager_constants": eager_decode, "fidelity": report}
 
 
 def step_serve7b(out: Path, options: Options) -> dict:

@@ -119,6 +119,9 @@ def roofline_efficiency(args):
     changes = {}
     if args.overheads_from:
         changes = overheads_measured(json.loads(Path(args.overheads_from).read_text()), args)
+        if args.eager_overheads_from:
+            eager = json.loads(Path(args.eager_overheads_from).read_text())
+            changes["eager_layer_overhead_s"] = eager_layer_overhead(eager, changes["iteration_overhead_s"], args)
     if args.iteration_overhead_ms is not None:
         changes["iteration_overhead_s"] = args.iteration_overhead_ms / 1e3
     if args.layer_overhead_us is not None:
@@ -131,19 +134,35 @@ def overheads_measured(decode: dict, args) -> dict[str, float]:
     (a fixed batch, not this trace): per layer, what the graphed forward's GPU time has beyond
     the roofline's bytes and FLOPs, over the layers; per step, the step's wall time beyond that
     forward (scheduling, inputs, sampling's sync, outputs)."""
+    roofline, context = bare_roofline(decode, args), decode["context"] + decode["steps"] // 2
+    data_s = roofline.iteration_seconds([(context, 1)] * decode["batch"])
+    forward_s = decode["forward_gpu_ms"] / 1e3
+    return {"layer_overhead_s": max(0.0, forward_s - data_s) / roofline.num_layers,
+            "iteration_overhead_s": max(0.0, decode["step_ms_median"] / 1e3 - forward_s)}
+
+
+def eager_layer_overhead(decode: dict, iteration_overhead_s: float, args) -> float:
+    """Ours: the per-layer cost of a step without a graph, from an eager decode step that
+    gpu_decode.py timed (--eager): the step's wall time beyond the per-step overhead (measured on
+    the graphed step) and the roofline's data time, over the layers. Kernels launched one by one
+    are bound by the CPU's launches, which this constant prices."""
+    roofline, context = bare_roofline(decode, args), decode["context"] + decode["steps"] // 2
+    data_s = roofline.iteration_seconds([(context, 1)] * decode["batch"])
+    step_s = decode["step_ms_median"] / 1e3
+    return max(0.0, step_s - iteration_overhead_s - data_s) / roofline.num_layers
+
+
+def bare_roofline(decode: dict, args):
+    """The roofline of this GPU with no engine overheads: data and FLOPs alone."""
     from dataclasses import replace
 
     from nanoserve.sim.hardware import gpu
     from nanoserve.sim.roofline import Roofline
 
-    bare = replace(gpu(args.roofline).efficiency, layer_overhead_s=0.0, iteration_overhead_s=0.0)
+    bare = replace(gpu(args.roofline).efficiency, layer_overhead_s=0.0, iteration_overhead_s=0.0,
+                   eager_layer_overhead_s=None)
     config = load_config(Path(args.model) if args.model else Path(decode["model"]))
-    roofline = Roofline(replace(gpu(args.roofline), efficiency=bare), config)
-    context = decode["context"] + decode["steps"] // 2
-    data_s = roofline.iteration_seconds([(context, 1)] * decode["batch"])
-    forward_s = decode["forward_gpu_ms"] / 1e3
-    return {"layer_overhead_s": max(0.0, forward_s - data_s) / config.num_layers,
-            "iteration_overhead_s": max(0.0, decode["step_ms_median"] / 1e3 - forward_s)}
+    return Roofline(replace(gpu(args.roofline), efficiency=bare), config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --roofline: the fixed cost per decoder layer (default: the GPU's, 20 us)")
     parser.add_argument("--overheads-from", help="with --roofline: both engine constants from a gpu_decode.py JSON "
                         "(a graphed decode step of this model on this GPU)")
+    parser.add_argument("--eager-overheads-from", help="with --overheads-from: the per-layer cost of steps "
+                        "without a graph (prefill) from a gpu_decode.py --eager JSON (ours)")
     parser.add_argument("--replay", help="no engine: re-price the real run saved in this --json file")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -197,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         predict = roofline.iteration_seconds
         fitted_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds in steps]
         print(f"fitted profile, per-iteration median error: {percentile(fitted_errors, 50):.1%}")
+        eager = efficiency.eager_layer_overhead_s
         print(f"roofline engine constants: {efficiency.iteration_overhead_s * 1e3:.3f} ms per step, "
-              f"{efficiency.layer_overhead_s * 1e6:.1f} us per layer")
+              f"{efficiency.layer_overhead_s * 1e6:.1f} us per layer"
+              + ("" if eager is None else f", {eager * 1e6:.1f} us per layer of a step with a prefill chunk"))
     else:
         sim = simulate(config, eval_trace, executor_cost=fitted)
         predict = fitted.predict

@@ -78,7 +78,7 @@ def test_sim_fidelity_recovers_the_roofline_constants_from_a_decode_step():
     from argparse import Namespace
     from dataclasses import replace
 
-    from benchmarks.sim_fidelity import overheads_measured
+    from benchmarks.sim_fidelity import eager_layer_overhead, overheads_measured
     from nanoserve.model.loader import load_config
     from nanoserve.sim.hardware import gpu
     from nanoserve.sim.roofline import Roofline
@@ -90,9 +90,20 @@ def test_sim_fidelity_recovers_the_roofline_constants_from_a_decode_step():
     forward_s = priced.iteration_seconds([(256 + 24, 1)] * 8)
     decode = {"model": str(model), "batch": 8, "context": 256, "steps": 48, "forward_gpu_ms": forward_s * 1e3,
               "step_ms_median": forward_s * 1e3 + 0.4}
-    measured = overheads_measured(decode, Namespace(roofline="H100-80G", model=None))
+    args = Namespace(roofline="H100-80G", model=None)
+    measured = overheads_measured(decode, args)
     assert measured["layer_overhead_s"] == pytest.approx(30e-6, rel=1e-9)
     assert measured["iteration_overhead_s"] == pytest.approx(0.4e-3, rel=1e-9)
+    # An eager step of the same batch, 90 us per layer launched one by one, and the same 0.4 ms.
+    eager_priced = replace(priced, gpu=replace(h100, efficiency=replace(h100.efficiency, layer_overhead_s=90e-6,
+                                                                        iteration_overhead_s=0.4e-3)))
+    eager = {**decode, "forward_gpu_ms": None, "step_ms_median": eager_priced.iteration_seconds([(280, 1)] * 8) * 1e3}
+    assert eager_layer_overhead(eager, measured["iteration_overhead_s"], args) == pytest.approx(90e-6, rel=1e-9)
+    # The roofline charges the eager constant only to a step with a prefill chunk.
+    both = replace(h100, efficiency=replace(h100.efficiency, layer_overhead_s=30e-6, eager_layer_overhead_s=90e-6))
+    roofline = Roofline(both, load_config(model))
+    assert roofline.layer_overhead([(280, 1)] * 8) == 30e-6
+    assert roofline.layer_overhead([(280, 1), (0, 64)]) == 90e-6
 
 
 def test_server_load_benchmark_smoke():

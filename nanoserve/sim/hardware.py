@@ -23,6 +23,9 @@ of the orders commonly reported, not measurements of ours:
 - `link` 0.8 of the nominal interconnect bandwidth for bulk copies (protocol overheads).
 - `layer_overhead_s` 20 µs per decoder layer: about ten kernels a layer at 2 µs each to launch
   without CUDA graphs.
+- `eager_layer_overhead_s` (ours, unset by default): the per-layer cost of a step that has a
+  prefill chunk, for an engine that graphs its decode-only steps (benchmarks/sim_fidelity.py
+  measures both on a GPU).
 - `iteration_overhead_s` 2 ms per step: scheduling, input preparation and sampling in a Python
   engine (nanoserve's own scheduling step costs 1.5-4.7 ms at 1,000 running requests on this
   project's 2-core CPU, benchmarks/RESULTS.md). The simulator charges this constant, not the
@@ -45,6 +48,10 @@ class Efficiency:
     link: float = 0.8
     layer_overhead_s: float = 20e-6
     iteration_overhead_s: float = 2e-3
+    # Ours: a step the engine runs without a CUDA graph pays this per layer instead (nanoserve
+    # graphs decode-only steps; a step with a prefill chunk launches its kernels one by one).
+    # None: `layer_overhead_s` for every step, as the papers' eager engines ran.
+    eager_layer_overhead_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ parallel GPUs:
     bytes = W_layer / tp                                       weights, read once per iteration
           + Σ (p + c) · kv_layer / tp                          K/V read (context) and written
     time  = max(flops / achieved FLOP/s, bytes / achieved HBM bytes/s) + layer overhead
+            (ours: an eager one for steps with a prefill chunk, when the GPU's efficiency sets one)
           + 2 all-reduces of T · hidden activations over NVLink (tp > 1)
 
 and once per iteration the LM head for the sampled rows and the iteration overhead. Prefill
@@ -58,12 +59,20 @@ class Roofline:
         nbytes = self.cost.layer_bytes + sum(p + c for p, c in batch) * self.cost.kv_bytes_per_token_per_layer
         gpu = self.gpu
         seconds = max(flops / self.tp / gpu.compute_rate, nbytes / self.tp / gpu.memory_rate)
-        seconds += gpu.efficiency.layer_overhead_s
+        seconds += self.layer_overhead(batch)
         if self.tp > 1:
             activation = tokens * self.model.hidden_size * BYTES
             ring = 2 * (self.tp - 1) / self.tp * activation
             seconds += 2 * (gpu.link_seconds(ring, "nvlink") + COLLECTIVE_LATENCY_S)
         return seconds
+
+    def layer_overhead(self, batch: Batch) -> float:
+        """The fixed cost per layer: the eager one for a step with a prefill chunk, when the GPU's
+        efficiency sets one (an engine that graphs decode-only steps), else the single constant."""
+        efficiency = self.gpu.efficiency
+        if efficiency.eager_layer_overhead_s is not None and any(c > 1 for _, c in batch):
+            return efficiency.eager_layer_overhead_s
+        return efficiency.layer_overhead_s
 
     def head_seconds(self, sampled_rows: int) -> float:
         if not self.last_stage or sampled_rows == 0:
