@@ -87,7 +87,34 @@ def decode(args) -> dict:
             "weight_gib": round(weight_bytes / 2**30, 3), "kv_gib": round(kv_bytes / 2**30, 3),
             "roofline_ms": round(roofline * 1e3, 3), "step_over_roofline": round(step / roofline, 2),
             "phase_ms_median": phases.medians(),
-            "forward_gpu_ms": None if graphs is None or args.device == "cpu" else forward_gpu_ms(graphs, args.batch)}
+            "forward_gpu_ms": None if graphs is None or args.device == "cpu" else forward_gpu_ms(graphs, args.batch),
+            "kernels": kernel_table(engine, args.batch) if args.profile else None}
+
+
+def kernel_table(engine, batch: int, steps: int = 10, top: int = 15) -> list[dict]:
+    """Where a decode step's GPU time goes, by kernel (torch.profiler, CUDA activity): per step,
+    each kernel name's total time and launch count, the `top` largest. Graphed: replays of the
+    static buffers (the forward and LM head); eager: whole engine steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.executor.graphs
+    bucket = None if graphs is None else graphs.bucket_for(batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            if bucket is not None and graphs.record:
+                graphs.replay_static(bucket)
+            else:
+                engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = event.self_device_time_total  # a kernel's own GPU time
+        if device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"kernel": event.key[:120], "ms_per_step": round(device_us / 1e3 / steps, 4),
+                         "launches_per_step": round(event.count / steps, 1)})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
 
 
 class PhaseTimers:
@@ -181,6 +208,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda (a CPU only checks that the script runs)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     parser.add_argument("--unfused", action="store_true", help="PyTorch's layer ops, not kernels/fused.py")
+    parser.add_argument("--profile", action="store_true", help="also the step's GPU time by kernel (torch.profiler)")
     parser.add_argument("--json")
     args = parser.parse_args()
     result = serve(args) if args.serve else decode(args)
