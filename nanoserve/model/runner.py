@@ -35,6 +35,7 @@ from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
+from nanoserve.model.block_table import BlockTableRows
 from nanoserve.model.cuda_graphs import DecodeGraphs
 from nanoserve.model.layer_peer import LayerPeer
 from nanoserve.sampling import sample
@@ -200,6 +201,7 @@ class ModelRunner:
             self.peer = LayerPeer(model, host_weights, device, arena.config.layer_pattern)
             self.kv_caches = self._arena_kv_caches()
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.block_tables = BlockTableRows(pin_memory=device.type == "cuda")  # kept between steps
         sizes = sorted(set(cuda_graph_sizes))
         if sizes and (arena is not None or tp.size > 1 or stage_layers is not None):
             raise ValueError("CUDA graphs need a single-rank runner whose layers never change (no arena)")
@@ -261,10 +263,8 @@ class ModelRunner:
             seq_lens.append(chunk.end)
             if chunk.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
-        max_blocks = max(len(c.block_table) for c in batch.chunks)
-        tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in batch.chunks]
-
         pinned = self.device.type == "cuda"
+        tables = self.block_tables.table([(c.request.request_id, c.block_table) for c in batch.chunks])
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             # From page-locked memory a non-blocking copy is truly asynchronous: the CPU goes on
@@ -274,7 +274,7 @@ class ModelRunner:
 
         ctx = ForwardContext(
             slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(tables, torch.int32),
+            block_tables=tables.to(self.device, non_blocking=True),
             seq_lens=tensor(seq_lens, torch.int32),
             query_start_loc=tensor(query_start_loc, torch.int32),
             kv_caches=self.kv_caches,
