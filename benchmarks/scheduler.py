@@ -42,7 +42,7 @@ from nanoserve.engine import Engine
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.copies import LANDED_NOW
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ExecutorOutput
+from nanoserve.model.runner import Executor, ExecutorOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import POLICY_MEMORY, SCHEDULERS, SchedulerOutput, make_scheduler
 from nanoserve.slo import SLO
@@ -60,7 +60,7 @@ def h100_iteration_ms(batch: int = 128, context: int = 1024) -> float:
     return (LLAMA2_7B_WEIGHT_BYTES + kv_bytes) / H100_HBM_BYTES_PER_S * 1e3
 
 
-class InstantExecutor:
+class InstantExecutor(Executor):
     """Samples token (position % 100) for every chunk that samples; runs no model. Its copies move
     no data but land at once, so the managers free what they held for them at the next step."""
 

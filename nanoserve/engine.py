@@ -72,7 +72,7 @@ class EngineStats:
         return self.step_seconds_total / self.predicted_step_seconds_total
 
 
-class _StoppedExecutor:
+class _StoppedExecutor(Executor):
     """The executor of an engine after `shutdown`: it has no model to run."""
 
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
@@ -181,9 +181,7 @@ class Engine:
             # ConServe Alg. 2: the policy wants the pure-offline forward in flight stopped; the
             # executor (ModelRunner.request_preemption) does it at its next safe point.
             self.scheduler.preempt_running_batch = False
-            request_preemption = getattr(self.executor, "request_preemption", None)
-            if request_preemption is not None:
-                request_preemption()
+            self.executor.request_preemption()
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -225,9 +223,7 @@ class Engine:
         endpoints close over it, and FastAPI keeps endpoint functions in a cache of its own).
         Afterwards the engine can no longer step; its tokenizer, config and counters stay
         readable. Calling it again is fine."""
-        stop = getattr(self.executor, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.executor.shutdown()
         self.executor, self.pipeline = STOPPED, None
         if self.kv.host_store is not None:  # the policy's host KV (swap, checkpoints, BE pages)
             self.kv.host_store.release()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ExecutorOutput
+from nanoserve.model.runner import Executor, ExecutorOutput
 from nanoserve.sched import SchedulerOutput
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 2
@@ -24,7 +24,7 @@ class MockClock:
         return self.now
 
 
-class TaggingExecutor:
+class TaggingExecutor(Executor):
     def __init__(self, store: HostKVStore, num_blocks: int, block_size: int):
         self.store, self.block_size = store, block_size
         self.caches = [(torch.zeros(num_blocks, block_size, HEADS, HEAD_DIM),

@@ -23,7 +23,7 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ExecutorOutput
+from nanoserve.model.runner import Executor, ExecutorOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import SchedulerOutput, make_scheduler
 
@@ -37,7 +37,7 @@ def next_token(tokens) -> int:
     return 1 + (sum((i + 1) * t for i, t in enumerate(tokens)) * 2654435761) % 97
 
 
-class TaggingPipeline:
+class TaggingPipeline(Executor):
     """A `MicrobatchPipeline` of `depth` whose stages are a TaggingExecutor run at submission."""
 
     def __init__(self, num_blocks: int, depth: int):

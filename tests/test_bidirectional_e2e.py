@@ -24,7 +24,7 @@ from nanoserve.engine import Engine
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.bidirectional_kv import BidirectionalKV
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ExecutorOutput
+from nanoserve.model.runner import Executor, ExecutorOutput
 from nanoserve.sched import SchedulerOutput
 from nanoserve.sched.fcfs import FCFSScheduler
 from test_invariance import assert_close_greedy
@@ -87,7 +87,7 @@ def test_no_host_room_means_no_overwrites_and_recompute(llama_dir, prompts, refe
 
 
 # -- model-free: the scheduler, the adapter and real copies ----------------------------------
-class CheckingExecutor:
+class CheckingExecutor(Executor):
     """Runs each step's copy groups on tiny caches, then plays the forward pass: every position
     of every chunk must read back its own value, at a slot no other chunk uses."""
 

@@ -13,7 +13,7 @@ from nanoserve.builder import EngineArgs, build_engine
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
-from nanoserve.model.runner import ExecutorOutput
+from nanoserve.model.runner import Executor, ExecutorOutput
 from nanoserve.sched.cost_model import FEATURES, Calibration, CostModel, Sample, evaluate, features, fit
 from nanoserve.sched.profile import FULL, QUICK, Profiler, main, synthetic_batches
 
@@ -184,7 +184,7 @@ def test_calibration_follows_the_measured_factor_within_bounds():
     assert calibration.factor == before
 
 
-class SlowExecutor:
+class SlowExecutor(Executor):
     """Takes 20 ms per step, whatever the batch; samples token 7."""
 
     def execute(self, batch):

@@ -25,7 +25,7 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ExecutorOutput
+from nanoserve.model.runner import Executor, ExecutorOutput
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import SchedulerOutput
@@ -157,7 +157,7 @@ class ResortingEcoServe(EcoServeScheduler):
                 budget -= num_new
 
 
-class InstantExecutor:
+class InstantExecutor(Executor):
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
         return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
 

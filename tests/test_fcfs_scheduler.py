@@ -9,14 +9,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
-from nanoserve.model.runner import ExecutorOutput
+from nanoserve.model.runner import Executor, ExecutorOutput
 from nanoserve.request import RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import SchedulerOutput
 from nanoserve.sched.fcfs import FCFSScheduler
 
 
-class EchoExecutor:
+class EchoExecutor(Executor):
     """Samples token (position % 100) for every chunk that samples; remembers every batch."""
 
     def __init__(self):

@@ -33,7 +33,7 @@ from nanoserve.dist.channel import StepChannel
 from nanoserve.dist.launch import Topology, WorkerPool, stop_driver
 from nanoserve.dist.pipeline import PipelineStage, split_microbatches
 from nanoserve.memory.host import KVCopy
-from nanoserve.model.runner import ExecutorOutput, ModelRunner
+from nanoserve.model.runner import Executor, ExecutorOutput, ModelRunner
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 from nanoserve.slo import RequestClass
 
@@ -114,7 +114,7 @@ class StepRequest:
         self.num_tokens = end if m.samples else end + 1  # what makes `ScheduledChunk.samples` agree
 
 
-class DriverExecutor:
+class DriverExecutor(Executor):
     """Rank 0's executor: send the step to the workers, then run this rank's part of it (its
     shard, or as a pipeline, stage 0 of every micro-batch, then sample what the last stage sends
     back)."""
@@ -138,6 +138,10 @@ class DriverExecutor:
 
     def __getattr__(self, name: str) -> Any:  # model_config, preemption, ... as the runner has them
         return getattr(self.runner, name)
+
+    def request_preemption(self) -> None:
+        """This rank's runner stops at its next safe point; the ranks agree there (PreemptionFlag)."""
+        self.runner.request_preemption()
 
     def _check_workers(self) -> None:
         if self.failed is not None:

@@ -37,6 +37,7 @@ from nanoserve.dist import p2p
 from nanoserve.dist.drop_plan import Group
 from nanoserve.dist.executor import StepMessage
 from nanoserve.dist.pipeline import LAST_STAGE_ONLY, MissingLayer, decoder_body, run_stage
+from nanoserve.model.runner import Executor
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def translate(chunks: Sequence[ScheduledChunk], lut: Sequence[int]) -> list[Sche
     return [c._replace(block_table=[lut[b] for b in c.block_table]) for c in chunks]
 
 
-class GroupExecutor:
+class GroupExecutor(Executor):
     """One member's executor while it is in a group (see the module docstring). `luts[owner]`
     maps the owner's logical blocks to this member's arena blocks."""
 
@@ -139,6 +140,9 @@ class GroupExecutor:
 
     def __getattr__(self, name: str) -> Any:  # model_config, ... as the runner has them
         return getattr(self.runner, name)
+
+    def request_preemption(self) -> None:
+        self.runner.request_preemption()
 
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
         from nanoserve.model.runner import ExecutorOutput

@@ -54,8 +54,20 @@ class ExecutorOutput:
     preempted: bool = False
 
 
-class Executor(Protocol):
-    def execute(self, batch: SchedulerOutput) -> ExecutorOutput: ...
+class Executor:
+    """What the engine runs its steps on: a model runner, a driver of worker processes, the
+    simulator. `execute` is the one required method; the others are optional capabilities,
+    declared here with what an executor without them does."""
+
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        raise NotImplementedError
+
+    def request_preemption(self) -> None:
+        """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
+        PREEMPTRUNNING). Default: nothing, the forward runs to its end (no safe points)."""
+
+    def shutdown(self) -> None:
+        """Stop worker processes and let go of what they hold. Default: nothing to stop."""
 
 
 class MicrobatchPipeline(Protocol):
@@ -160,7 +172,7 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, devic
             if layer in held else None for layer in range(cfg.num_layers)]
 
 
-class ModelRunner:
+class ModelRunner(Executor):
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,

@@ -73,7 +73,7 @@ from typing import Hashable, Iterable, Mapping
 
 from nanoserve.memory.copies import ISSUE_ORDER
 from nanoserve.memory.host import HostKVStore, KVCopy
-from nanoserve.model.runner import ExecutorOutput, ForwardPreempted, PreemptionFlag
+from nanoserve.model.runner import Executor, ExecutorOutput, ForwardPreempted, PreemptionFlag
 from nanoserve.sched.base import SchedulerOutput
 from nanoserve.sched.cost_model import CostModel, batch_of
 from nanoserve.sim.roofline import Roofline
@@ -133,7 +133,7 @@ class LinkSlot:
         return self.start + (layer + 1) / num_layers * (self.end - self.start)
 
 
-class SimExecutor:
+class SimExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost: Roofline | CostModel, output_lens: Mapping[str, int],
                  copy_cost: Roofline | None = None, preempt_every_layers: int = 8,
                  record_online_gaps: bool = False, host_store: HostKVStore | None = None,
