@@ -77,7 +77,7 @@ class AsyncEngine:
         # forward pass; the runner's safe points let this loop take arrivals in then. Only for
         # a policy that can ask to stop the forward: others see the arrival one step later.
         flag = getattr(engine.executor, "preemption", None)
-        if flag is not None and hasattr(engine.scheduler, "preempt_running_batch"):
+        if flag is not None and engine.scheduler.PREEMPTS_RUNNING_BATCH:
             flag.on_safe_point = self._admit_arrivals
 
     # -- facts handlers need -------------------------------------------------------------

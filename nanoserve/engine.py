@@ -177,7 +177,7 @@ class Engine:
         self._emitted[request_id] = 0
         self.prompt_tokens_total += len(token_ids)
         self.scheduler.add_request(request)
-        if getattr(self.scheduler, "preempt_running_batch", False):
+        if self.scheduler.preempt_running_batch:
             # ConServe Alg. 2: the policy wants the pure-offline forward in flight stopped; the
             # executor (ModelRunner.request_preemption) does it at its next safe point.
             self.scheduler.preempt_running_batch = False

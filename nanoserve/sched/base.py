@@ -75,6 +75,11 @@ class Scheduler(ABC):
     # requests and give a step at most `running_share` running requests; FCFS (and KunServe,
     # which reuses its pass) does. Policies with more state per request do not claim it.
     ASYNC_PIPELINE: bool = False
+    # Can this policy ask to stop the forward in flight when a request arrives (ConServe Alg. 2's
+    # PREEMPTRUNNING)? Such a policy sets `preempt_running_batch` in `add_request`; the engine
+    # hands it to the executor, and the server and the simulator admit arrivals at safe points.
+    PREEMPTS_RUNNING_BATCH: bool = False
+    preempt_running_batch: bool = False
 
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic):

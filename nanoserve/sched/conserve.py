@@ -74,6 +74,7 @@ class ConServeScheduler(PriorityScheduler):
     work, its over-budget preemption, and Algorithm 2."""
 
     MIN_ONLINE_CHUNK = 16  # tokens an online prompt chunk always gets, whatever the TPOT target
+    PREEMPTS_RUNNING_BATCH = True  # Alg. 2 (Scheduler.PREEMPTS_RUNNING_BATCH)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

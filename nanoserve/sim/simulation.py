@@ -19,7 +19,7 @@ reports two numbers for it: `link_busy_seconds` (how long the link carried copie
 `forward_stall_seconds` (how long forwards waited for the copies they read).
 
 Mid-forward arrivals (ConServe's Alg. 2 runs "on arrival", conserve.txt §4.2-4.3): for a policy
-that can ask to stop the forward in flight (one with `preempt_running_batch`, as the server's
+that can ask to stop the forward in flight (`Scheduler.PREEMPTS_RUNNING_BATCH`, as the server's
 `AsyncEngine` decides), the loop's admission also runs at the executor's safe points
 (`PreemptionFlag.on_safe_point`), with the clock at that layer boundary; other policies see an
 arrival when the step ends, as before.
@@ -264,7 +264,7 @@ def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofli
     def loop_waiting() -> bool:
         return closed_loop is not None and not loop_open and loop_next <= closed_loop.until
 
-    if hasattr(engine.scheduler, "preempt_running_batch"):
+    if engine.scheduler.PREEMPTS_RUNNING_BATCH:
         executor.preemption.on_safe_point = admit_arrivals
     stop_at = clock.now + config.horizon if config.horizon is not None else math.inf
     idle_steps = 0  # steps in a row at this instant that ran no forward and had nothing to wait for
