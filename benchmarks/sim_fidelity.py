@@ -107,13 +107,11 @@ def trace(args, seed: int) -> list[TraceRequest]:
     return make_trace(poisson_arrivals(args.rate, n=args.requests, seed=seed), LENGTHS, seed=seed)
 
 
-def roofline_efficiency(args):
-    """The roofline GPU's Efficiency, with the engine overheads given on the command line.
+def roofline_gpu(args):
+    """The roofline's GPU, with the engine overheads given on the command line.
     assumption: the roofline's two engine constants (sim/hardware.py: 2 ms per step, 20 us per
     layer) describe an eager Python engine; nanoserve's graphed decode on a GPU is priced by
     constants measured apart from this trace (benchmarks/gpu_decode.py), passed here."""
-    from dataclasses import replace
-
     from nanoserve.sim.hardware import gpu
 
     changes = {}
@@ -126,7 +124,7 @@ def roofline_efficiency(args):
         changes["iteration_overhead_s"] = args.iteration_overhead_ms / 1e3
     if args.layer_overhead_us is not None:
         changes["layer_overhead_s"] = args.layer_overhead_us / 1e6
-    return replace(gpu(args.roofline).efficiency, **changes)
+    return gpu(args.roofline).with_efficiency(**changes)
 
 
 def overheads_measured(decode: dict, args) -> dict[str, float]:
@@ -134,10 +132,9 @@ def overheads_measured(decode: dict, args) -> dict[str, float]:
     (a fixed batch, not this trace): per layer, what the graphed forward's GPU time has beyond
     the roofline's bytes and FLOPs, over the layers; per step, the step's wall time beyond that
     forward (scheduling, inputs, sampling's sync, outputs)."""
-    roofline, context = bare_roofline(decode, args), decode["context"] + decode["steps"] // 2
-    data_s = roofline.iteration_seconds([(context, 1)] * decode["batch"])
+    data_s, num_layers = data_seconds(decode, args)
     forward_s = decode["forward_gpu_ms"] / 1e3
-    return {"layer_overhead_s": max(0.0, forward_s - data_s) / roofline.num_layers,
+    return {"layer_overhead_s": max(0.0, forward_s - data_s) / num_layers,
             "iteration_overhead_s": max(0.0, decode["step_ms_median"] / 1e3 - forward_s)}
 
 
@@ -146,23 +143,21 @@ def eager_layer_overhead(decode: dict, iteration_overhead_s: float, args) -> flo
     gpu_decode.py timed (--eager): the step's wall time beyond the per-step overhead (measured on
     the graphed step) and the roofline's data time, over the layers. Kernels launched one by one
     are bound by the CPU's launches, which this constant prices."""
-    roofline, context = bare_roofline(decode, args), decode["context"] + decode["steps"] // 2
-    data_s = roofline.iteration_seconds([(context, 1)] * decode["batch"])
-    step_s = decode["step_ms_median"] / 1e3
-    return max(0.0, step_s - iteration_overhead_s - data_s) / roofline.num_layers
+    data_s, num_layers = data_seconds(decode, args)
+    return max(0.0, decode["step_ms_median"] / 1e3 - iteration_overhead_s - data_s) / num_layers
 
 
-def bare_roofline(decode: dict, args):
-    """The roofline of this GPU with no engine overheads: data and FLOPs alone."""
-    from dataclasses import replace
-
+def data_seconds(decode: dict, args) -> tuple[float, int]:
+    """The roofline's time for gpu_decode.py's batch with no engine overheads (its bytes and
+    FLOPs alone), and the model's layer count."""
     from nanoserve.sim.hardware import gpu
     from nanoserve.sim.roofline import Roofline
 
-    bare = replace(gpu(args.roofline).efficiency, layer_overhead_s=0.0, iteration_overhead_s=0.0,
-                   eager_layer_overhead_s=None)
-    config = load_config(Path(args.model) if args.model else Path(decode["model"]))
-    return Roofline(replace(gpu(args.roofline), efficiency=bare), config)
+    bare = gpu(args.roofline).with_efficiency(layer_overhead_s=0.0, iteration_overhead_s=0.0,
+                                              eager_layer_overhead_s=None)
+    roofline = Roofline(bare, load_config(Path(args.model) if args.model else Path(decode["model"])))
+    context = decode["context"] + decode["steps"] // 2  # the timed steps' middle
+    return roofline.iteration_seconds([(context, 1)] * decode["batch"]), roofline.num_layers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,12 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.roofline:
         from dataclasses import replace
 
-        from nanoserve.sim.hardware import gpu
         from nanoserve.sim.roofline import Roofline
 
-        efficiency = roofline_efficiency(args)
+        device = roofline_gpu(args)
+        efficiency = device.efficiency
         config = replace(config, gpu=args.roofline, efficiency=efficiency)
-        roofline = Roofline(replace(gpu(args.roofline), efficiency=efficiency), config.model_config)
+        roofline = Roofline(device, config.model_config)
         sim = simulate(config, eval_trace)  # the roofline is the simulator's own clock
         predict = roofline.iteration_seconds
         fitted_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds in steps]

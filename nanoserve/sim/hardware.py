@@ -81,7 +81,7 @@ class GPU:
                      "network": self.network_bandwidth}[link]
         return nbytes / (bandwidth * self.efficiency.link)
 
-    def with_efficiency(self, **changes: float) -> GPU:
+    def with_efficiency(self, **changes: float | None) -> GPU:
         return replace(self, efficiency=replace(self.efficiency, **changes))
 
 
