@@ -219,8 +219,8 @@ def main() -> None:
         proc.terminate()
         proc.wait(60)
 
-    engine = AsyncEngine(build_engine(EngineArgs(model=args.model, device=args.device, policy=args.policy,
-                                                 max_num_seqs=args.max_num_seqs)))
+    engine = AsyncEngine.build(lambda: build_engine(EngineArgs(model=args.model, device=args.device,
+                                                               policy=args.policy, max_num_seqs=args.max_num_seqs)))
     engine.start()
     try:
         asyncio.run(drive_engine(engine, warm))

@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         if rank != 0:  # a worker: rank 0 sends the plan and every step
             run_worker(rank, topology, resolve_device(args.device))
             return
-    engine = build_engine(EngineArgs(
+    # Built on a thread that ends first: the engine thread's OpenMP pool is then the only one
+    # (nanoserve/async_engine.py says why that matters on a CPU).
+    async_engine = AsyncEngine.build(lambda: build_engine(EngineArgs(
         model=args.model, device=args.device, dtype=args.dtype, policy=args.policy,
         kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -150,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, async_pipeline=args.async_pipeline,
         online_slo=SLO(ttft=args.online_ttft, tpot=args.online_tpot),
-    ))
-    async_engine = AsyncEngine(engine)
+    )))
+    engine = async_engine.engine
     app = create_app(async_engine, served_model_name=args.served_model_name, state_dir=args.state_dir,
                      max_queued=args.max_queued, request_timeout=args.request_timeout)
     _request_log(enabled=not args.no_request_log)

@@ -108,7 +108,7 @@ def live_server(app_kwargs: dict | None = None, **engine_kwargs) -> Iterator[Liv
     to `create_app` (max_queued, request_timeout, state_dir)."""
     args = EngineArgs(**{"device": "cpu", "kv_cache_tokens": KV_CACHE_TOKENS, "max_model_len": MAX_MODEL_LEN,
                          **engine_kwargs})
-    engine = AsyncEngine(build_engine(args))
+    engine = AsyncEngine.build(lambda: build_engine(args))
     app = create_app(engine, **(app_kwargs or {}))  # its lifespan starts and stops the engine thread
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

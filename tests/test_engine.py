@@ -113,6 +113,41 @@ def test_async_engine_refuses_work_when_stopped(llm):
         asyncio.run(first_output())
 
 
+def test_async_engine_build_runs_on_a_thread_that_has_ended(llm):
+    """AsyncEngine.build calls its factory on another thread, which has ended when it returns
+    (so that thread's OpenMP pool is gone: nanoserve/async_engine.py), and the engine it built
+    serves; an error in the factory reaches the caller."""
+    import asyncio
+    import threading
+
+    built_on: list[threading.Thread] = []
+
+    def make():
+        built_on.append(threading.current_thread())
+        return llm.engine
+
+    async_engine = AsyncEngine.build(make)
+    assert async_engine.engine is llm.engine
+    assert built_on[0] is not threading.current_thread() and not built_on[0].is_alive()
+
+    async def tokens():
+        async for out in async_engine.generate("hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)):
+            if out.finished:
+                return out.token_ids
+
+    async_engine.start()
+    try:
+        assert len(asyncio.run(tokens())) == 3
+    finally:
+        async_engine.shutdown()
+
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(broken)
+
+
 def test_shutdown_frees_the_model_and_host_kv_even_while_the_engine_is_held(smollm2_dir):
     """A shut-down engine keeps no weights, device KV or host KV, though something still holds
     it (as FastAPI's endpoint cache holds a server's engine); it refuses to step, and its

@@ -4,7 +4,7 @@
     from nanoserve.async_engine import AsyncEngine
     from nanoserve.server import create_app
 
-    app = create_app(AsyncEngine(build_engine(EngineArgs())))   # then: uvicorn.run(app)
+    app = create_app(AsyncEngine.build(lambda: build_engine(EngineArgs())))   # then: uvicorn.run(app)
 
 `examples/serve.py` does exactly this from the command line.
 """
