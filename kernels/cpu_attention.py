@@ -24,12 +24,18 @@ computing exactly what the reference computes:
 3. A prefill chunk that is the sequence's whole context (its first chunk) attends with
    `is_causal` over its own positions: no mask is built and SDPA skips the masked half.
    Later chunks keep the reference's mask (their queries are not at the keys' start).
+
+4. Where the C kernel builds (kernels/cpu_decode_attention.py, the usual case on Linux), the
+   decode rows skip 1 and 2 altogether: one call per layer reads their K/V in place, no gather.
+   Measured inside the engine on a 2-core EPYC (SmolLM2, bf16, contexts 64-128): 37 against 80
+   us a layer at batch 1, 103 against 163 at batch 8, 344 against 437 at batch 32.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode_attention
 from kernels.reference import gather_kv
 
 # ours: a decode group's longest row may hold this many times its shortest row's blocks.
@@ -70,8 +76,14 @@ def paged_attention(
         table = block_tables[seqs, :n_blocks]
         return (gather_kv(k_cache, table, dirs).transpose(1, 2), gather_kv(v_cache, table, dirs).transpose(1, 2))
 
-    decode_blocks = {i: -(-lens[i] // block_size) for i in range(len(lens)) if starts[i + 1] - starts[i] == 1}
-    for seqs in decode_groups(decode_blocks):
+    decode_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    # Where the C kernel is built (kernels/cpu_decode_attention.py), it reads the decode rows' K/V
+    # in place, all rows in one call; otherwise they are gathered by length group for SDPA.
+    if cpu_decode_attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                             [starts[i] for i in decode_seqs], decode_seqs, directions, scale, out):
+        decode_seqs = []
+    decode_blocks = {i: -(-lens[i] // block_size) for i in decode_seqs}
+    for seqs in decode_groups(decode_blocks, GROUP_RATIO):  # read now: tests sweep it
         n_blocks = decode_blocks[seqs[-1]]
         index = torch.tensor(seqs, device=q.device)
         keys, values = gathered(index, n_blocks)

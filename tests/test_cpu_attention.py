@@ -1,23 +1,44 @@
 """kernels/cpu_attention.py (the torch backend's paged attention) against kernels/reference.py
-and dense attention: grouping decode rows by length, folding query heads onto their KV head and
-the causal first chunk must change nothing but the memory traffic."""
+and dense attention: grouping decode rows by length, folding query heads onto their KV head,
+the causal first chunk and the C decode kernel (kernels/cpu_decode_attention.py) must change
+nothing but the memory traffic. Each case runs on both decode paths: the C kernel's (where it
+builds) and the gathered SDPA's it replaces."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attention_cases import TOLERANCE, build_case, case_specs
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_decode_attention, reference
+
+needs_c_kernel = pytest.mark.skipif(not cpu_decode_attention.available(),
+                                    reason="the C decode kernel did not build here (no C compiler?)")
 
 # Short blocks and many rows so that the decode rows fall in several length groups.
 SPECS = case_specs(block_sizes=(1, 2, 4, 8), head_dims=(4, 8), groups=(1, 3),
                    dtypes=(torch.float32, torch.bfloat16), max_len=48, max_seqs=8)
 
 
-@settings(max_examples=200, deadline=None)
-@given(SPECS, st.integers(0, 2**31 - 1), st.sampled_from([1.0, 1.5, 2.0, 100.0]))
-def test_cpu_attention_matches_reference(spec, seed, ratio):
+@pytest.fixture(params=["c_kernel", "gathered_sdpa"])
+def decode_path(request, monkeypatch):
+    """Which path the decode rows take: the C kernel, or (the kernel refusing) the SDPA one."""
+    if request.param == "c_kernel":
+        if not cpu_decode_attention.available():
+            pytest.skip("the C decode kernel did not build here (no C compiler?)")
+    else:
+        monkeypatch.setattr(cpu_decode_attention, "decode_attention", lambda *args: False)
+    return request.param
+
+
+# The fixture's patch holds for every example alike: nothing to reset between them.
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=SPECS, seed=st.integers(0, 2**31 - 1), ratio=st.sampled_from([1.0, 1.5, 2.0, 100.0]))
+def test_cpu_attention_matches_reference(decode_path, spec, seed, ratio):
     case = build_case(spec, seed)
     reference.store_kv(case.new_k, case.new_v, case.k_cache, case.v_cache, case.slot_mapping)
     args = case.attention_args(case.k_cache, case.v_cache)
@@ -42,3 +63,55 @@ def test_decode_groups_partition_rows_and_bound_the_padding(blocks, ratio):
         assert group == sorted(group) and group[-1] <= ratio * group[0]
     for before, after in zip(sizes, sizes[1:]):  # a cut only where the next row would pass the bound
         assert after[0] > ratio * before[0] and before[-1] <= after[0]
+
+
+@needs_c_kernel
+def test_c_kernel_computes_only_the_rows_it_is_given():
+    """Decode rows in any order, mapped to their sequences; the other rows are left alone."""
+    torch.manual_seed(0)
+    blocks, size, kv_heads, heads, dim = 12, 4, 2, 6, 16
+    k_cache, v_cache = torch.randn(blocks, size, kv_heads, dim), torch.randn(blocks, size, kv_heads, dim)
+    tables = torch.tensor([[3, 7, 1], [0, 2, 5], [11, 9, 4]], dtype=torch.int32)
+    seq_lens = torch.tensor([10, 3, 12], dtype=torch.int32)
+    q = torch.randn(3, heads, dim)
+    out = torch.full_like(q, 7.0)
+    assert cpu_decode_attention.decode_attention(q, k_cache, v_cache, tables, seq_lens, [2, 0], [2, 0], None,
+                                                 0.25, out)
+    expected = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens,
+                                         torch.arange(4, dtype=torch.int32), None, 0.25)
+    torch.testing.assert_close(out[[0, 2]], expected[[0, 2]], atol=2e-5, rtol=2e-5)
+    assert bool((out[1] == 7.0).all())
+
+
+@needs_c_kernel
+def test_c_kernel_refuses_what_it_does_not_read():
+    """Another dtype or a non-contiguous cache: False and nothing written, for the caller's path."""
+    q = torch.randn(1, 2, 8, dtype=torch.float64)
+    cache = torch.randn(2, 4, 1, 8, dtype=torch.float64)
+    args = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), [0], [0], None, 1.0)
+    assert not cpu_decode_attention.decode_attention(q, cache, cache, *args[:4], *args[4:], torch.zeros_like(q))
+    q32, strided = torch.randn(1, 2, 8), torch.randn(2, 4, 2, 8)[:, :, :1]
+    assert not cpu_decode_attention.decode_attention(q32, strided, strided, *args[:4], *args[4:], torch.zeros_like(q32))
+
+
+@needs_c_kernel
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_c_kernel_shares_torchs_openmp_runtime():
+    """The kernel's parallel regions must run on PyTorch's libgomp, not a second copy with its
+    own thread pools (nanoserve/async_engine.py says what two pools cost): one libgomp mapped."""
+    cpu_decode_attention.available()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    loaded = {line.split()[-1] for line in maps if "libgomp" in line and line.split()[-1].startswith("/")}
+    assert len(loaded) == 1, loaded
+
+
+def test_c_kernel_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(cpu_decode_attention.DISABLE_ENV, "0")
+    cpu_decode_attention._library.cache_clear()
+    try:
+        assert not cpu_decode_attention.available()
+    finally:
+        monkeypatch.delenv(cpu_decode_attention.DISABLE_ENV)
+        cpu_decode_attention._library.cache_clear()
+    assert cpu_decode_attention.available() == (os.environ.get(cpu_decode_attention.DISABLE_ENV) != "0"
+                                                and cpu_decode_attention._compiler() is not None)
