@@ -11,26 +11,12 @@
  * rounded to nearest even, as PyTorch rounds. Two passes over the context: scores (K read once),
  * then the weighted sum of V (V read once).
  */
+#include "cpu_common.h"
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (uint16_t)(bits >> 16);
-}
 
 typedef struct {
     int64_t num_rows;        /* decode rows to compute */
@@ -93,7 +79,7 @@ typedef struct {
             for (int64_t j = 0; j < heads; j++) {                                                    \
                 float *sj = scores + j * len, top = -INFINITY, total = 0.0f;                         \
                 for (int64_t p = 0; p < len; p++) top = sj[p] > top ? sj[p] : top;                   \
-                for (int64_t p = 0; p < len; p++) { sj[p] = expf(sj[p] - top); total += sj[p]; }     \
+                for (int64_t p = 0; p < len; p++) { sj[p] = fast_expf(sj[p] - top); total += sj[p]; }     \
                 const float inv = 1.0f / total;                                                      \
                 for (int64_t p = 0; p < len; p++) sj[p] *= inv;                                      \
             }                                                                                        \

@@ -10,37 +10,22 @@ each token's K and V where the block table says they lie:
     block table [S, M] ──► K/V at cache[block, slot, h, :], slot = p % B (B-1-p % B: BROS)
                            scores fp32 -> softmax -> sum of V, fp32 -> out[row r, h*G:(h+1)*G]
 
-(row, KV head) pairs run in parallel on PyTorch's own OpenMP runtime: the library is built with
-`-fopenmp` and names `libgomp.so.1`, which the process already has loaded from torch, so its
-parallel regions use the calling thread's pool, as PyTorch's ops do (nanoserve/async_engine.py
-says why a second pool would hurt).
-
-Built on first use with the system's C compiler (`cc -O3 -march=native -fopenmp`, well under a
-second), into ~/.cache/nanoserve/kernels (or `$NANOSERVE_KERNEL_CACHE`), keyed by the source,
-the compiler and the CPU's flags. Where there is no compiler, or `$NANOSERVE_CPU_KERNELS=0`, or
-the build fails, `available()` is False and the torch backend keeps its SDPA path. The results
-equal the reference's to fp32 rounding (tests/test_cpu_attention.py).
+(row, KV head) pairs run in parallel on PyTorch's own OpenMP runtime. The library is built on
+first use (kernels/cpu_build.py); where it cannot be, `available()` is False and the torch
+backend keeps its SDPA path. The results equal the reference's to fp32 rounding
+(tests/test_cpu_attention.py).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from kernels import cpu_build
 
 SOURCE = Path(__file__).with_suffix(".c")
-DISABLE_ENV = "NANOSERVE_CPU_KERNELS"  # "0": never build or use the C kernels
-CACHE_ENV = "NANOSERVE_KERNEL_CACHE"
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -57,53 +42,10 @@ class _DecodeArgs(ctypes.Structure):
     ]
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
 @lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, built once per (source, compiler, CPU); None where they cannot be."""
-    if os.environ.get(DISABLE_ENV) == "0" or platform.system() != "Linux":
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        log.info("no C compiler: the CPU decode attention keeps PyTorch's SDPA")
-        return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "nanoserve" / "kernels")
-    target = cache / f"cpu_decode_attention-{key}.so"
-    if not target.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: atomic
-                built = Path(tmp) / target.name
-                subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", str(SOURCE),
-                                "-o", str(built), "-lm"], check=True, capture_output=True, timeout=120)
-                os.replace(built, target)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            log.warning("building %s failed (%s %s): the CPU decode attention keeps PyTorch's SDPA",
-                        SOURCE.name, exc, detail.decode(errors="replace")[-500:])
-            return None
-    torch.ones(1)  # torch's libgomp.so.1 is loaded first, so the library binds to the same one
-    library = ctypes.CDLL(str(target))
-    for name in ("decode_attention_f32", "decode_attention_bf16"):
-        fn = getattr(library, name)
-        fn.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 4
-        fn.restype = ctypes.c_int
-    return library
+    signature = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 4
+    return cpu_build.load(SOURCE, {"decode_attention_f32": signature, "decode_attention_bf16": signature})
 
 
 def available() -> bool:

@@ -24,40 +24,13 @@ Rows are processed one per program, each with the whole hidden dimension in one 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-
-# -- references (what the kernels must equal) ------------------------------------------------
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    h = residual + x
-    return rms_norm_reference(h, weight, eps), h
-
-
-def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
-
-
-def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+from kernels.fused_ops import (  # noqa: F401  (the references, beside the kernels that must equal them)
+    FusedOps, add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference,
+)
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -166,15 +139,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](out, gate_up, gate_up.stride(0), out.stride(0), cols,
                                                                BLOCK=block)
     return out
-
-
-class FusedOps(NamedTuple):
-    """The layer ops a backend fuses (model/attention.py's AttentionBackend.fused)."""
-
-    rms_norm: object
-    add_rms_norm: object
-    rope: object
-    silu_and_mul: object
 
 
 TRITON_FUSED = FusedOps(rms_norm, add_rms_norm, rope, silu_and_mul)

@@ -73,7 +73,8 @@ class EngineArgs:
     # runs without recording: for tests).
     enforce_eager: bool = False
     decode_graph_sizes: tuple[int, ...] | None = None
-    # The Triton backend's fused layer ops (kernels/fused.py); False: PyTorch's ops (an A/B switch)
+    # The backend's fused layer ops (Triton: kernels/fused.py; torch on a CPU: kernels/cpu_fused.py);
+    # False: PyTorch's ops (an A/B switch)
     fused_layer_ops: bool = True
     # On a CPU, one rank: each linear layer also keeps its weight packed for oneDNN
     # (kernels/cpu_linear.py; the weights' bytes again in RAM). False: F.linear (an A/B switch).

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attention_cases import TOLERANCE, build_case, case_specs
-from kernels import cpu_attention, cpu_decode_attention, reference
+from kernels import cpu_attention, cpu_build, cpu_decode_attention, reference
 
 needs_c_kernel = pytest.mark.skipif(not cpu_decode_attention.available(),
                                     reason="the C decode kernel did not build here (no C compiler?)")
@@ -106,12 +106,12 @@ def test_c_kernel_shares_torchs_openmp_runtime():
 
 
 def test_c_kernel_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv(cpu_decode_attention.DISABLE_ENV, "0")
+    monkeypatch.setenv(cpu_build.DISABLE_ENV, "0")
     cpu_decode_attention._library.cache_clear()
     try:
         assert not cpu_decode_attention.available()
     finally:
-        monkeypatch.delenv(cpu_decode_attention.DISABLE_ENV)
+        monkeypatch.delenv(cpu_build.DISABLE_ENV)
         cpu_decode_attention._library.cache_clear()
-    assert cpu_decode_attention.available() == (os.environ.get(cpu_decode_attention.DISABLE_ENV) != "0"
-                                                and cpu_decode_attention._compiler() is not None)
+    assert cpu_decode_attention.available() == (os.environ.get(cpu_build.DISABLE_ENV) != "0"
+                                                and cpu_build.compiler() is not None)

@@ -93,10 +93,13 @@ def test_silu_and_mul(rows, cols, dtype, seed):
     close(fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up))
 
 
-def test_the_triton_backend_brings_the_fused_ops_and_the_switch_removes_them():
+def test_each_backend_brings_its_fused_ops_and_the_switch_removes_them():
+    from kernels.cpu_fused import cpu_fused_ops
     from nanoserve.builder import EngineArgs, attention_backend
 
     device = torch.device(DEVICE)
     assert attention_backend(EngineArgs(attention_backend="triton"), device).fused is fused.TRITON_FUSED
     assert attention_backend(EngineArgs(attention_backend="triton", fused_layer_ops=False), device).fused is None
-    assert attention_backend(EngineArgs(attention_backend="torch"), device).fused is None
+    # The torch backend's are the C ones where they build (kernels/cpu_fused.py), else none.
+    assert attention_backend(EngineArgs(attention_backend="torch"), device).fused is cpu_fused_ops()
+    assert attention_backend(EngineArgs(attention_backend="torch", fused_layer_ops=False), device).fused is None

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 import kernels.cpu_attention
+import kernels.cpu_decode_attention
+import kernels.cpu_fused
 import kernels.reference
 
 
@@ -22,8 +24,8 @@ class AttentionBackend:
     name: str
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
-    # The decoder layer's fused elementwise ops (kernels/fused.py: RMSNorm, residual add +
-    # RMSNorm, RoPE, SiLU·mul), or None for PyTorch's own ops (the torch backend: exact parity).
+    # The decoder layer's fused elementwise ops (RMSNorm, residual add + RMSNorm, RoPE, SiLU·mul:
+    # kernels/fused.py in Triton, kernels/cpu_fused.py in C), or None for PyTorch's own ops.
     fused: Any = None
 
 
@@ -39,8 +41,13 @@ def get_attention_backend(name: str, device: torch.device | None = None) -> Atte
     """The kernels for `name`. Triton off CUDA runs only through its interpreter
     (TRITON_INTERPRET=1): correct and slow, which is how CI tests the kernels."""
     if name == "torch":
-        # The reference's semantics with less memory traffic (kernels/cpu_attention.py).
-        return AttentionBackend("torch", kernels.reference.store_kv, kernels.cpu_attention.paged_attention)
+        # The reference's semantics with less memory traffic (kernels/cpu_attention.py), and the
+        # layer's elementwise ops in C where that builds (kernels/cpu_fused.py; CPU tensors only,
+        # others run PyTorch's references). Building here puts the one-off compile at start-up,
+        # the decode attention's too (kernels/cpu_decode_attention.py).
+        kernels.cpu_decode_attention.available()
+        return AttentionBackend("torch", kernels.reference.store_kv, kernels.cpu_attention.paged_attention,
+                                kernels.cpu_fused.cpu_fused_ops())
     if name == "triton":
         if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton attention backend needs a CUDA device (got {device.type!r}); "
