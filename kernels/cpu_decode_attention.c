@@ -18,6 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+static inline void prefetch(const void *start, size_t bytes) {
+    for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch((const char *)start + offset);
+}
+
 typedef struct {
     int64_t num_rows;        /* decode rows to compute */
     const int32_t *rows;     /* [num_rows] each one's row in q and out */
@@ -59,11 +63,8 @@ typedef struct {
             for (int64_t p = 0; p < len; p++) {                                                      \
                 const int64_t slot = flip ? B - 1 - p % B : p % B;                                   \
                 const T *kp = k + ((int64_t)table[p / B] * B + slot) * Hkv * D;                      \
-                if (p % B == 0 && p + B < len) { /* the next block: a jump the prefetcher misses */  \
-                    const char *next = (const char *)(k + (int64_t)table[p / B + 1] * B * Hkv * D);  \
-                    for (int64_t off = 0; off < B * Hkv * D * (int64_t)sizeof(T); off += 64)         \
-                        __builtin_prefetch(next + off);                                              \
-                }                                                                                    \
+                if (p % B == 0 && p + B < len) /* the next block: a jump the prefetcher misses */    \
+                    prefetch(k + (int64_t)table[p / B + 1] * B * Hkv * D, B * Hkv * D * sizeof(T));    \
                 for (int64_t h = h0; h < h1; h++) { /* one K row, converted once, for G heads */     \
                     for (int64_t d = 0; d < D; d++) row[d] = LOAD(kp[h * D + d]);                    \
                     for (int64_t g = 0; g < G; g++) {                                                \
@@ -86,11 +87,8 @@ typedef struct {
             for (int64_t p = 0; p < len; p++) {                                                      \
                 const int64_t slot = flip ? B - 1 - p % B : p % B;                                   \
                 const T *vp = v + ((int64_t)table[p / B] * B + slot) * Hkv * D;                      \
-                if (p % B == 0 && p + B < len) {                                                     \
-                    const char *next = (const char *)(v + (int64_t)table[p / B + 1] * B * Hkv * D);  \
-                    for (int64_t off = 0; off < B * Hkv * D * (int64_t)sizeof(T); off += 64)         \
-                        __builtin_prefetch(next + off);                                              \
-                }                                                                                    \
+                if (p % B == 0 && p + B < len) /* the next block: a jump the prefetcher misses */    \
+                    prefetch(v + (int64_t)table[p / B + 1] * B * Hkv * D, B * Hkv * D * sizeof(T));    \
                 for (int64_t h = h0; h < h1; h++) { /* one V row, converted once, for G heads */     \
                     for (int64_t d = 0; d < D; d++) row[d] = LOAD(vp[h * D + d]);                    \
                     for (int64_t g = 0; g < G; g++) {                                                \
