@@ -8,13 +8,15 @@ build runs those parts as C++ kernels; nanoserve's are plain C called through `c
     kernels/cpu_decode_attention.c    paged decode attention, K/V read in place
     kernels/cpu_fused.c               RMSNorm (+ residual add), RoPE of q and k, SiLU·mul
 
-Each source is compiled once per (source and the headers beside it, compiler, CPU) with `cc -O3 -march=native -fopenmp`
-(under a second) into ~/.cache/nanoserve/kernels (or `$NANOSERVE_KERNEL_CACHE`). `-fopenmp`
-makes the library name `libgomp.so.1`, which the process has already loaded from torch, so its
-parallel regions run on PyTorch's own OpenMP runtime and the calling thread's pool
-(nanoserve/async_engine.py says why a second pool would hurt). Where there is no compiler, the
-build fails, or `$NANOSERVE_CPU_KERNELS=0`, `load` returns None and the callers keep their
-PyTorch path.
+Each source is compiled once per (source and the headers beside it, compiler, CPU, OpenMP
+library) with `cc -O3 -march=native -fopenmp` (under a second) into ~/.cache/nanoserve/kernels
+(or `$NANOSERVE_KERNEL_CACHE`), and linked against the libgomp file torch itself loaded (its
+`libgomp.so.1`, or a wheel's renamed copy): the process then has one OpenMP runtime, and the
+kernels' parallel regions run on the calling thread's pool, as PyTorch's ops do
+(nanoserve/async_engine.py says why a second pool would hurt). A torch without libgomp gets
+kernels built without OpenMP (one thread) rather than a second runtime. Where there is no
+compiler, the build fails, or `$NANOSERVE_CPU_KERNELS=0`, `load` returns None and the callers
+keep their PyTorch path.
 """
 from __future__ import annotations
 
@@ -47,6 +49,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def torch_libgomp() -> str | None:
+    """The path of the libgomp PyTorch loaded (Linux), or None (another OpenMP, or none)."""
+    torch.ones(1)
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps if "libgomp" in line and line.split()[-1].startswith("/")}
+    return min(paths) if paths else None
+
+
 def compiler() -> str | None:
     """The C compiler to build with: `$CC`, else `cc` or `gcc` on the PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -61,24 +74,28 @@ def load(source: Path, signatures: dict[str, Sequence[type]]) -> ctypes.CDLL | N
     if cc is None:
         log.info("no C compiler: %s is not built, PyTorch's ops run instead", source.name)
         return None
+    gomp = torch_libgomp()
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
-    key = hashlib.sha256(source.read_bytes() + headers + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + headers + cc.encode() + _cpu_flags().encode()
+                         + str(gomp).encode()).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "nanoserve" / "kernels")
     target = cache / f"{source.stem}-{key}.so"
     if not target.exists():
         try:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: atomic
-                built = Path(tmp) / target.name
-                subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", str(source),
-                                "-o", str(built), "-lm"], check=True, capture_output=True, timeout=120)
+                built, obj = Path(tmp) / target.name, Path(tmp) / "kernel.o"
+                flags = ["-O3", "-march=native", "-fPIC"] + (["-fopenmp"] if gomp else [])
+                run = dict(check=True, capture_output=True, timeout=120)
+                subprocess.run([cc, *flags, "-c", str(source), "-o", str(obj)], **run)
+                # Linked without -fopenmp, which would add the system's libgomp: torch's instead.
+                subprocess.run([cc, "-shared", str(obj), "-o", str(built), *([gomp] if gomp else []), "-lm"], **run)
                 os.replace(built, target)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[-500:]
             log.warning("building %s failed (%s %s): PyTorch's ops run instead", source.name, exc, detail)
             return None
-    torch.ones(1)  # torch (and its libgomp.so.1) loaded first, so the library binds to that one
-    library = ctypes.CDLL(str(target))
+    library = ctypes.CDLL(str(target))  # its libgomp is torch's, already loaded: the same one
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
         fn.argtypes = list(argtypes)

@@ -7,6 +7,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#else /* built without OpenMP (a torch without libgomp): the pragmas are ignored, one thread */
+static inline int omp_get_max_threads(void) { return 1; }
+#endif
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;

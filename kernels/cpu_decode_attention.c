@@ -13,7 +13,6 @@
  */
 #include "cpu_common.h"
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

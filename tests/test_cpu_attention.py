@@ -115,3 +115,15 @@ def test_c_kernel_can_be_turned_off(monkeypatch):
         cpu_decode_attention._library.cache_clear()
     assert cpu_decode_attention.available() == (os.environ.get(cpu_build.DISABLE_ENV) != "0"
                                                 and cpu_build.compiler() is not None)
+
+
+@needs_c_kernel
+def test_c_kernel_built_without_openmp_computes_the_same(monkeypatch, tmp_path):
+    """Where torch has no libgomp, the kernel is built without OpenMP (one thread) instead of
+    bringing a second runtime: it must still compute the reference's attention."""
+    monkeypatch.setattr(cpu_build, "torch_libgomp", lambda: None)
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    library = cpu_decode_attention._library.__wrapped__()  # a fresh build, not the cached one
+    assert library is not None and list(tmp_path.glob("*.so"))
+    monkeypatch.setattr(cpu_decode_attention, "_library", lambda: library)
+    test_c_kernel_computes_only_the_rows_it_is_given()
