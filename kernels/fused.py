@@ -1,4 +1,4 @@
-"""Fused elementwise kernels of a Llama-style decoder layer, in Triton, with PyTorch references.
+"""Fused elementwise kernels of a Llama-style decoder layer, in Triton (references: kernels/fused_ops.py).
 
 An eager decoder layer launches about 45 kernels, most of them small elementwise ones: RMSNorm
 alone is a cast, a square, a mean, an rsqrt, two multiplies and a cast back; rotate-half RoPE
@@ -28,9 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_ops import (  # noqa: F401  (the references, beside the kernels that must equal them)
-    FusedOps, add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference,
-)
+from kernels.fused_ops import FusedOps
 
 
 # -- kernels ---------------------------------------------------------------------------------

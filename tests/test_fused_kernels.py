@@ -14,6 +14,9 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from kernels import fused  # noqa: E402  (after the interpreter check)
+from kernels.fused_ops import (  # noqa: E402
+    add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -53,9 +56,9 @@ def data(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def test_rms_norm_and_add_rms_norm(rows, cols, dtype, seed):
     x, r = data(rows, cols, dtype=dtype, seed=seed), data(rows, cols, dtype=dtype, seed=seed + 1)
     w = data(cols, dtype=dtype, seed=seed + 2)
-    close(fused.rms_norm(x, w, 1e-5), fused.rms_norm_reference(x, w, 1e-5))
+    close(fused.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
     out, summed = fused.add_rms_norm(x, r, w, 1e-6)
-    ref_out, ref_summed = fused.add_rms_norm_reference(x, r, w, 1e-6)
+    ref_out, ref_summed = add_rms_norm_reference(x, r, w, 1e-6)
     same_sum(summed, ref_summed)
     close(out, ref_out)
 
@@ -65,7 +68,7 @@ def test_add_rms_norm_reads_strided_rows():
     x = wide[:, :576]  # a view whose rows are 1200 apart
     r, w = data(5, 576, dtype=torch.float32, seed=4), data(576, dtype=torch.float32, seed=5)
     out, summed = fused.add_rms_norm(x, r, w, 1e-5)
-    ref_out, ref_summed = fused.add_rms_norm_reference(x, r, w, 1e-5)
+    ref_out, ref_summed = add_rms_norm_reference(x, r, w, 1e-5)
     close(out, ref_out)
     same_sum(summed, ref_summed)
 
@@ -81,7 +84,7 @@ def test_rope_of_q_and_k_views_of_one_projection(tokens, heads, dtype, seed):
     angles = torch.rand(tokens, head_dim // 2, generator=torch.Generator().manual_seed(seed)).to(DEVICE) * 100
     cos, sin = angles.cos(), angles.sin()
     q_out, k_out = fused.rope(q, k, cos, sin)
-    q_ref, k_ref = fused.rope_reference(q, k, cos, sin)
+    q_ref, k_ref = rope_reference(q, k, cos, sin)
     close(q_out, q_ref)
     close(k_out, k_ref)
 
@@ -90,7 +93,7 @@ def test_rope_of_q_and_k_views_of_one_projection(tokens, heads, dtype, seed):
 @given(st.integers(0, 9), st.sampled_from([32, 1536, 5000]), st.sampled_from(DTYPES), st.integers(0, 1000))
 def test_silu_and_mul(rows, cols, dtype, seed):
     gate_up = data(rows, 2 * cols, dtype=dtype, seed=seed)
-    close(fused.silu_and_mul(gate_up), fused.silu_and_mul_reference(gate_up))
+    close(fused.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
 
 
 def test_each_backend_brings_its_fused_ops_and_the_switch_removes_them():
