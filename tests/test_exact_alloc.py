@@ -225,6 +225,29 @@ def test_a_paused_guest_moves_to_host_memory():
     alloc.check_invariants()
 
 
+def test_a_second_eviction_is_restored_from_its_own_save_not_the_first():
+    """Evicted, restored, written further, hosted and evicted again: the restore must load the
+    latest save. (Hypothesis found the first save, which lacked the later tokens, loaded instead.)"""
+    store = _store(8, 2)
+    alloc = ExactAllocator(48, ExactAllocConfig(block_size=2, padding_ratio=0.25, reserved_fraction=0.125,
+                                                pipeline_buffer_ratio=0.15), store)
+    assert alloc.admit("host", 0, 7) is None
+    assert alloc.admit("guest", 1, 1) == "host"
+    alloc.grow("guest", 1)
+    first_save = alloc.pause("guest")  # a guest's pause evicts it: position 0 saved
+    alloc.batch("guest", 1, 1, allow_hosting=False)  # restored into fresh blocks
+    alloc.free("host")
+    alloc.grow("guest", 1)  # position 1
+    alloc.pause("guest")  # top-level: keeps its KV
+    assert alloc.admit("host2", 0, 2) is None
+    alloc.batch("guest", 2, 1)
+    assert alloc.host_of("guest") == "host2"
+    (second_save,) = alloc.pause("guest")  # evicted again: positions 0 and 1 saved
+    (load,) = alloc.batch("guest", 2, 1, allow_hosting=False)
+    assert load.kind == "load" and load.src == second_save.dst != first_save[0].dst
+    alloc.check_invariants()
+
+
 NUM_BLOCKS, BLOCK, HOST_BLOCKS = 48, 2, 8
 
 

@@ -412,7 +412,10 @@ class ExactAllocator:
         self.restores += 1
         if seq.written == 0:
             return []
-        saved = self._slots(self.host_store.blocks_of(seq_id), 0, seq.written)
+        # Its latest save: each save appends its blocks to the request's host blocks, and earlier
+        # saves (restored from before, now stale) stay held until it is released (`_release`).
+        latest = self.host_store.blocks_of(seq_id)[-self.blocks_for(seq.written):]
+        saved = self._slots(latest, 0, seq.written)
         return [KVCopy("load", tuple(saved), tuple(self.slot_mapping(seq_id, 0, seq.written)), reader=seq_id)]
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
