@@ -28,6 +28,13 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* How a kernel reads, writes and rounds its element type T as fp32: fp32 itself is used as is;
+ * bf16 converts, and rounding an fp32 value to bf16 and back mimics PyTorch computing in bf16. */
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+#define ROUND_F32(x) (x)
+#define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
+
 /* e^x to within 1 ulp (measured: 0.7), branch-free so that loops of it vectorize (libm's expf is a call per
  * element): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' expf
  * coefficients), times 2^n built in the exponent bits. Below -87.34 the result is 0 (fp32's

@@ -108,7 +108,5 @@ typedef struct {
         return failed;                                                                               \
     }
 
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
 DEFINE_DECODE(decode_attention_f32, float, LOAD_F32, STORE_F32)
 DEFINE_DECODE(decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -16,11 +16,6 @@
 
 #define PARALLEL_ELEMENTS 65536 /* below this many elements, one thread */
 
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
-#define ROUND_F32(x) (x)
-#define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
-
 /* `residual` may be NULL (then `summed` is unused). Strides are in elements, per row. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                \
     int NAME(T *out, T *summed, const T *x, const T *residual, const T *weight, int64_t rows,      \
