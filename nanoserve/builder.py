@@ -67,6 +67,10 @@ class EngineArgs:
     # queue): each step is one micro-batch and `pipeline_microbatches` (default: the stages) are
     # in flight. Off: each step's micro-batches fill and drain the pipeline. fcfs and kunserve.
     async_pipeline: bool = False
+    # vLLM v1's asynchronous scheduling on one device (engine.py): schedule and prepare step
+    # n+1 while the device runs step n. fcfs; no host KV store (its copy stream would not be
+    # ordered after a step still in flight). Off by default.
+    async_scheduling: bool = False
     # Decode steps replay CUDA graphs (model/cuda_graphs.py) on one CUDA device unless this is
     # set (vLLM's enforce_eager). `decode_graph_sizes`: the batch sizes to record; None: 1, 2, 4,
     # 8, then every 8 up to max_num_seqs on CUDA, none elsewhere (given on a CPU, the same path
@@ -174,6 +178,8 @@ def build_engine(args: EngineArgs) -> Engine:
         raise ValueError(f"policy {args.policy!r} cannot schedule for an asynchronous pipeline (fcfs and kunserve can)")
     kv_manager = args.kv_manager or POLICY_MEMORY[args.policy]
     topology = Topology(args.tensor_parallel_size, args.pipeline_parallel_size)
+    if args.async_scheduling:
+        check_async_scheduling(args, policy, kv_manager, topology)
     if device.type == "cuda":
         if device.index is None:  # "cuda" means the current device; name it, as set_device needs
             device = torch.device("cuda", torch.cuda.current_device())
@@ -221,13 +227,28 @@ def build_engine(args: EngineArgs) -> Engine:
         online_slo=args.online_slo or DEFAULT_SLOS[RequestClass.ONLINE],
         offline_slo=args.offline_slo or DEFAULT_SLOS[RequestClass.OFFLINE],
         pipeline_microbatches=microbatches, microbatches_in_flight=microbatches_in_flight(args),
+        async_scheduling=args.async_scheduling,
         policy_options=dict(args.policy_options or {}),
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     return Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
                   model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model,
-                  pipeline=executor if args.async_pipeline else None)
+                  pipeline=executor if args.async_pipeline or args.async_scheduling else None)
+
+
+def check_async_scheduling(args: EngineArgs, policy: type, kv_manager: str, topology: Topology) -> None:
+    """Refuse asynchronous scheduling where a step in flight could be overtaken: across ranks
+    or stages (a pipeline keeps its own steps in flight: `async_pipeline`), with a host KV store
+    (its copies run on their own stream, not ordered after the step still writing a freed
+    block), or under a policy that plans with known tokens only."""
+    if not policy.ASYNC_SCHEDULING:
+        raise ValueError(f"policy {args.policy!r} cannot schedule asynchronously (fcfs can)")
+    if topology.world_size > 1 or args.async_pipeline:
+        raise ValueError("async_scheduling runs on one device; under pipeline parallelism use async_pipeline")
+    if kv_manager in NEEDS_HOST_STORE or kv_manager == "arena":
+        raise ValueError(f"async_scheduling needs a KV manager without host copies or layer changes; "
+                         f"{kv_manager!r} has them")
 
 
 def shared_device_args(args: EngineArgs, sharing: int) -> EngineArgs:

@@ -76,6 +76,10 @@ class SchedulerConfig:
     # result). Above 1, each step is one micro-batch (`Engine`'s pipelined step) and the policy
     # gives it at most its share, 1/this, of the running requests (`Scheduler.running_share`).
     microbatches_in_flight: int = 1
+    # vLLM v1's asynchronous scheduling (one device, no pipeline): the engine schedules and
+    # prepares step n+1 while the device runs step n, and a running request's token still in
+    # flight is fed to it on the device (`Scheduler.schedulable`). Two steps are in flight.
+    async_scheduling: bool = False
     # Knobs of the chosen policy, by name; each policy declares the ones it takes
     # (`Scheduler.OPTIONS`) and refuses any other.
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -91,6 +95,15 @@ class SchedulerConfig:
             raise ValueError("pipeline_microbatches must be >= 1")
         if self.microbatches_in_flight < 1:
             raise ValueError("microbatches_in_flight must be >= 1")
+        if self.async_scheduling and self.microbatches_in_flight > 1:
+            raise ValueError("async_scheduling is for one device; a pipeline keeps micro-batches in flight instead")
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps the engine keeps submitted and not yet collected: two under asynchronous
+        scheduling (the device runs one while the host prepares the next), else one per
+        micro-batch in flight."""
+        return 2 if self.async_scheduling else self.microbatches_in_flight
 
     def slo_for(self, priority: RequestClass | str) -> SLO:
         # ==, not is: the engine asks before the Request it builds has coerced a raw string.

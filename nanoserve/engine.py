@@ -18,6 +18,15 @@ top of that); in flight, the next step's micro-batches fill what the last one's 
     submit  ┌───┐┌───┐                    stage 0   [k  ][k+1][k+2][k+3]
             │k+1││ k │ ─► stages ─►          stage 1        [k  ][k+1][k+2]
             └───┘└───┘    collect k ─► postprocess, schedule k+2, submit it
+
+Asynchronous scheduling (`SchedulerConfig.async_scheduling`, vLLM v1's) is the same loop over
+one device, two steps deep: the host schedules, prepares and launches step n+1, then waits for
+step n's tokens and post-processes them, all while the device runs step n+1. A request decoding
+in step n is in step n+1 too: its input there is the token step n samples, which the runner
+reads on the device (`ModelRunner.submit`), so the host never waits for it before launching.
+
+    host    [sched+launch n+1][wait n][post n][sched+launch n+2][wait n+1][post n+1] ...
+    device  [       step n          ][        step n+1          ][       step n+2 ...
 """
 from __future__ import annotations
 
@@ -92,16 +101,19 @@ class Engine:
         `stream_outputs`, `step` returns only the requests that finished (the simulator's
         choice: an output per token is a third of a simulated step's cost). `pipeline`: run
         steps through it asynchronously (see the module docstring); the scheduler must be
-        configured with `microbatches_in_flight` equal to its depth."""
+        configured with `steps_in_flight` equal to its depth. Asynchronous scheduling is such a
+        pipeline of depth 2 over one device (`ModelRunner.submit`)."""
         self.model_name = model_name
         self.stream_outputs = stream_outputs
         self.calibrate_cost_model = calibrate_cost_model
         self.scheduler = scheduler
         self.executor = executor
         self.pipeline = pipeline
-        if pipeline is not None and scheduler.config.microbatches_in_flight != pipeline.depth:
-            raise ValueError(f"the scheduler plans for {scheduler.config.microbatches_in_flight} micro-batches in "
+        if pipeline is not None and scheduler.config.steps_in_flight != pipeline.depth:
+            raise ValueError(f"the scheduler plans for {scheduler.config.steps_in_flight} steps in "
                              f"flight, the pipeline keeps {pipeline.depth}")
+        if scheduler.config.async_scheduling and pipeline is None:
+            raise ValueError("asynchronous scheduling needs an executor that takes steps in flight")
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted to `pipeline`, oldest first
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -305,8 +317,10 @@ class Engine:
         except BaseException:
             # The pipeline failed (a worker is gone): what was in flight never comes back. The
             # caller aborts the requests; nothing may wait for their tokens.
+            for batch in self._in_flight:
+                for chunk in batch.chunks:
+                    chunk.request.num_pending_tokens -= chunk.samples
             self._in_flight.clear()
-            self.scheduler.awaiting_token.clear()
             raise
         batch = self._in_flight.popleft()
         self.scheduler.update_after_landing(batch)

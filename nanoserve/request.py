@@ -53,6 +53,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by generated tokens
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still in flight and not yet appended (an asynchronous pipeline or
+    # asynchronous scheduling, engine.py): their positions may already be computed, so
+    # `num_computed_tokens` can exceed `num_tokens` by this much. vLLM v1's output placeholders.
+    num_pending_tokens: int = 0
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # only for requests with their own seed
     # Text state, filled by the engine's detokenizer.

@@ -88,6 +88,43 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+@dataclass
+class DrawsOnDevice:
+    """A batch's draws as `sample_on_device` left them: queued on the device, their copy to the
+    host already started. `tokens` stays on the device, where the next step may read its inputs
+    (asynchronous scheduling); `result()` waits for the copy, and only for it: a step launched
+    after this one keeps running (a `.tolist()` then would wait for that step too)."""
+
+    tokens: torch.Tensor  # [rows] int64, on the logits' device
+    params: list[SamplingParams]
+    host_tokens: torch.Tensor
+    logprob_rows: list[int]  # rows that asked for logprobs
+    host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # chosen, top values, top ids
+    ready: torch.cuda.Event | None  # recorded after the copies (None on a CPU: they are done)
+
+    def result(self) -> SampleResult:
+        if self.ready is not None:
+            self.ready.synchronize()
+        token_list = self.host_tokens.tolist()
+        logprob_rows: list[dict[int, float] | None] = [None] * len(token_list)
+        if self.host_logprobs is not None:
+            chosen, top_vals, top_ids = (t.tolist() for t in self.host_logprobs)
+            for j, i in enumerate(self.logprob_rows):
+                m = self.params[i].logprobs or 0
+                row = dict(zip(top_ids[j][:m], top_vals[j][:m]))
+                row[token_list[i]] = chosen[j]
+                logprob_rows[i] = row
+        return SampleResult(token_list, logprob_rows)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor into page-locked host memory (returns it at once)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -95,8 +132,17 @@ def sample(
     default_generator: torch.Generator,
 ) -> SampleResult:
     """Sample one token per row. `generators[i]` is row i's own generator (seeded requests)."""
+    return sample_on_device(logits, params, generators, default_generator).result()
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> DrawsOnDevice:
+    """`sample` without waiting: the draws are queued on the logits' device."""
     logits = logits.float()
-    n = logits.shape[0]
     tokens = logits.argmax(dim=-1)
 
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -121,19 +167,18 @@ def sample(
                 noise[j].exponential_(generator=generators[i])
         tokens[idx] = (probs / noise).argmax(dim=-1)
 
-    token_list = tokens.tolist()
-    logprob_rows: list[dict[int, float] | None] = [None] * n
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    host_logprobs = None
     if wanted:
         idx = torch.tensor(wanted, device=logits.device)
         logprobs = logits[idx].log_softmax(dim=-1)
         k = max(params[i].logprobs or 0 for i in wanted)
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        chosen = logprobs.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for j, i in enumerate(wanted):
-            m = params[i].logprobs or 0
-            row = dict(zip(top_ids[j][:m], top_vals[j][:m]))
-            row[token_list[i]] = chosen[j]
-            logprob_rows[i] = row
-    return SampleResult(token_list, logprob_rows)
+        chosen = logprobs.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)
+        host_logprobs = (_to_host(chosen), _to_host(top_vals), _to_host(top_ids))
+    host_tokens = _to_host(tokens)
+    ready = None
+    if tokens.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tokens.device))
+    return DrawsOnDevice(tokens, params, host_tokens, wanted, host_logprobs, ready)

@@ -111,7 +111,8 @@ def test_in_flight_outputs_equal_synchronous_ones(policy, depth):
         assert_replays(request)
     assert pipeline.max_in_flight == depth
     assert pipeline.chunks_behind_their_own > 0  # prompts' chunks followed each other through the pipeline
-    assert engine.kv.num_used_blocks == 0 and not engine.scheduler.awaiting_token
+    assert engine.kv.num_used_blocks == 0
+    assert all(r.num_pending_tokens == 0 for r in engine.requests.values())
 
 
 def test_each_step_takes_its_share_of_the_decodes():
@@ -138,9 +139,9 @@ def test_requests_preempted_with_a_token_in_flight_wait_for_it():
         engine, _ = make_engine(num_blocks=8, depth=3, budget=6, max_seqs=4)
         preempt = engine.scheduler.preempt
 
-        def spy(request, keep_resident=False, scheduler=engine.scheduler, preempt=preempt):
+        def spy(request, keep_resident=False, preempt=preempt):
             nonlocal preempted_in_flight
-            preempted_in_flight += request.request_id in scheduler.awaiting_token
+            preempted_in_flight += request.num_pending_tokens > 0
             return preempt(request, keep_resident)
 
         engine.scheduler.preempt = spy
@@ -192,7 +193,9 @@ class InFlightMachine(RuleBasedStateMachine):
         engine.kv.check_invariants()
         in_flight = [c.request.request_id for batch in engine._in_flight for c in batch.chunks if c.samples]
         assert len(in_flight) == len(set(in_flight)), "a request samples in two steps in flight"
-        assert set(in_flight) == engine.scheduler.awaiting_token
+        for batch in engine._in_flight:
+            for c in batch.chunks:
+                assert c.request.num_pending_tokens == (c.request.request_id in in_flight)
         assert len(engine._in_flight) <= self.pipeline.depth
         for request in engine.requests.values():
             assert_replays(request)

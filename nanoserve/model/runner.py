@@ -20,11 +20,22 @@ Layer-wise preemption (ConServe, conserve.txt §4.3 and §5) is the one extra: w
 runs a pure-offline batch it arms the model's safe points (one after every layer, checked every
 `preempt_every_layers`); if someone has called `request_preemption()` by then, the forward stops
 there and `execute` returns `ExecutorOutput(preempted=True)`, which the engine discards. See
-`PreemptionFlag`.
+`PreemptionFlag` (model/preemption.py).
+
+Under asynchronous scheduling (engine.py) the runner is the engine's two-deep pipeline:
+`submit` launches a step and returns before its tokens are known, `collect` waits for the
+oldest. A request in both steps has, as the last input of the second, the token the first is
+still drawing: `prepare` leaves a placeholder there and fills it on the device from the first
+step's draws, so nothing waits for the host to learn the token:
+
+    step n    ... forward ─► logits ─► draws.tokens [t_a, t_b, t_c]  ─► copy to host ─► collect n
+                                                         │  index_copy (device)
+    step n+1  input_ids [.., 0, .., 0] ◄─────────────────┘  rows of a, c (their pending inputs)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections import deque
 from typing import Callable, Iterable, Mapping, Protocol
 
 import torch
@@ -38,7 +49,9 @@ from nanoserve.model.attention import AttentionBackend, ForwardContext
 from nanoserve.model.block_table import BlockTableRows
 from nanoserve.model.cuda_graphs import DecodeGraphs
 from nanoserve.model.layer_peer import LayerPeer
-from nanoserve.sampling import sample
+from nanoserve.model.preemption import ForwardPreempted, PreemptionFlag
+from nanoserve.request import Request
+from nanoserve.sampling import DrawsOnDevice, sample_on_device
 from nanoserve.sched.base import SchedulerOutput
 from nanoserve.slo import RequestClass
 
@@ -74,7 +87,8 @@ class MicrobatchPipeline(Protocol):
     """An executor that takes a step and returns before its result is ready, so that up to
     `depth` steps are in flight at once (a pipeline's stages each working on a different one).
     Results come back in submission order. nanoserve/dist/executor.py's `DriverExecutor` is one
-    under pipeline parallelism; the engine's pipelined step drives it."""
+    under pipeline parallelism, `ModelRunner` (two deep) one under asynchronous scheduling; the
+    engine's pipelined step drives them."""
 
     depth: int
 
@@ -83,6 +97,15 @@ class MicrobatchPipeline(Protocol):
     def collect(self) -> ExecutorOutput:
         """The result of the oldest step submitted and not yet collected (waits for it)."""
         ...
+
+
+@dataclass
+class LaunchedStep:
+    """A step `ModelRunner.launch` queued on the device; `ModelRunner.land` reads its result."""
+
+    sampling: list[Request] = field(default_factory=list)  # the requests it draws a token for
+    draws: DrawsOnDevice | None = None  # None: nothing drawn (no sampling chunk, or not rank 0)
+    preempted: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,67 +121,6 @@ class PreparedBatch:
         list from pageable memory, which can stall the CPU until the GPU catches up; the
         index travelled with the step's other inputs instead."""
         return hidden[self.sample_rows] if self.sample_index is None else hidden.index_select(0, self.sample_index)
-
-
-# -- ConServe: layer-wise preemption of a pure-offline forward (conserve.txt §4.3, §5) ---------
-class ForwardPreempted(Exception):
-    """Raised by a safe point to abandon the forward pass; `ModelRunner.execute` catches it."""
-
-
-@dataclass
-class PreemptionFlag:
-    """The `preempted` flag ConServe's scheduler shares with its worker (§4.3, §5).
-
-    `request()` asks the forward in flight to stop (it may be called from another thread: it
-    only sets a bool). The model calls `safe_point(layers_done)` after each layer, but only
-    while the runner has installed it, i.e. during a pure-offline batch (the paper's
-    `preemptible` flag: safe points are off, at zero cost, otherwise). A safe point every
-    `every` layers (the paper's default is eight) raises `ForwardPreempted` if a preemption was
-    requested; after the last layer it never does (the forward is done: finishing it is cheaper
-    than redoing it). A request is consumed by the forward it stops, or dropped when a forward
-    ends without stopping: the engine schedules again at once and sees the arrival then.
-    Under tensor parallelism only rank 0 is asked; `agree` is the paper's barrier across the
-    workers (an all-reduce at each safe point), so every rank stops at the same layer.
-    """
-
-    every: int = 8
-    num_layers: int = 0
-    # Called at each safe point before the flag is read. The server's engine loop sets it to
-    # admit the requests that arrived since the step began (Alg. 2 runs "on arrival"), so the
-    # policy can ask for this very forward to stop. It runs on the thread running the forward.
-    on_safe_point: Callable[[], None] | None = None
-    agree: Callable[[bool], bool] | None = None  # whether any rank was asked (tensor parallelism)
-    # Called first at each checked safe point: blocks until the device has run every layer
-    # launched so far (`ModelRunner` sets it on CUDA). Without it the check means nothing on a
-    # GPU: the CPU queues kernels far ahead of the GPU, so by the time a preemption arrives the
-    # whole forward is usually queued and stopping the launches saves no GPU time. The price is
-    # one pipeline drain per check: while the CPU launches the next layers' kernels the GPU
-    # idles, a few hundred microseconds per check in eager mode (launches of one layer), so
-    # num_layers / every drains per preemptible forward (4 for 32 layers at the default 8).
-    wait_for_device: Callable[[], None] | None = None
-    requested: bool = False
-    stopped_after: int | None = None  # layers the last preempted forward had completed
-    num_preempted: int = 0  # forwards stopped so far
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError("preempt_every_layers must be >= 1")
-
-    def request(self) -> None:
-        self.requested = True
-
-    def safe_point(self, layers_done: int) -> None:
-        if layers_done % self.every or layers_done >= self.num_layers:
-            return
-        if self.wait_for_device is not None:
-            self.wait_for_device()
-        if self.on_safe_point is not None:
-            self.on_safe_point()
-        if self.agree(self.requested) if self.agree is not None else self.requested:
-            self.requested = False
-            self.stopped_after = layers_done
-            self.num_preempted += 1
-            raise ForwardPreempted(layers_done)
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
@@ -213,6 +175,11 @@ class ModelRunner(Executor):
             self.peer = LayerPeer(model, host_weights, device, arena.config.layer_pattern)
             self.kv_caches = self._arena_kv_caches()
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Asynchronous scheduling: the steps launched and not yet landed, and for each request
+        # whose latest token is still being drawn, where on the device it will be.
+        self.depth = 2
+        self._launched: deque[LaunchedStep] = deque()
+        self._drawing: dict[str, tuple[torch.Tensor, int]] = {}
         self.block_tables = BlockTableRows(pin_memory=device.type == "cuda")  # kept between steps
         sizes = sorted(set(cuda_graph_sizes))
         if sizes and (arena is not None or tp.size > 1 or stage_layers is not None):
@@ -263,9 +230,22 @@ class ModelRunner(Executor):
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        fed_rows: list[int] = []  # flat rows whose input is a token still being drawn
+        fed_from: list[tuple[torch.Tensor, int]] = []  # ...and where on the device it will be
         for chunk in batch.chunks:
             table = chunk.block_table
-            input_ids.extend(chunk.request.token_ids[chunk.start : chunk.end])
+            request = chunk.request
+            if chunk.end > request.num_tokens:
+                # Asynchronous scheduling: the last input is the token the latest step in flight
+                # draws for this request; every earlier one is known.
+                known = request.token_ids[chunk.start : chunk.end - 1]
+                assert len(known) == chunk.num_tokens - 1, "only a chunk's last input may be in flight"
+                input_ids.extend(known)
+                fed_rows.append(len(input_ids))
+                fed_from.append(self._drawing[request.request_id])
+                input_ids.append(0)
+            else:
+                input_ids.extend(request.token_ids[chunk.start : chunk.end])
             positions.extend(range(chunk.start, chunk.end))
             if chunk.right_to_left:
                 slots.extend(table[p // size] * size + size - 1 - p % size for p in range(chunk.start, chunk.end))
@@ -295,8 +275,24 @@ class ModelRunner(Executor):
             directions=(tensor([c.right_to_left for c in batch.chunks], torch.bool)
                         if any(c.right_to_left for c in batch.chunks) else None),
         )
-        return PreparedBatch(tensor(input_ids, torch.int64), tensor(positions, torch.int64), ctx, sample_rows,
+        ids = tensor(input_ids, torch.int64)
+        if fed_rows:
+            self._feed(ids, fed_rows, fed_from, tensor)
+        return PreparedBatch(ids, tensor(positions, torch.int64), ctx, sample_rows,
                              tensor(sample_rows, torch.int64) if pinned and sample_rows else None)
+
+    @staticmethod
+    def _feed(input_ids: torch.Tensor, rows: list[int], sources: list[tuple[torch.Tensor, int]],
+              tensor: Callable[[list, torch.dtype], torch.Tensor]) -> None:
+        """Write each of `rows` of `input_ids` from its (draws, index) source on the device: one
+        gather and one scatter per step drawn from (almost always one: the previous step)."""
+        by_step: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for row, (draws, index) in zip(rows, sources):
+            _, dst, src = by_step.setdefault(id(draws), (draws, [], []))
+            dst.append(row)
+            src.append(index)
+        for draws, dst, src in by_step.values():
+            input_ids.index_copy_(0, tensor(dst, torch.int64), draws.index_select(0, tensor(src, torch.int64)))
 
     def apply_kv_copies(self, groups: list, landed: Iterable[int] = (), readers: Iterable[str] = ()) -> None:
         """Issue the step's copy groups (checkpoints, swaps, restores) and make the forward over
@@ -345,11 +341,25 @@ class ModelRunner(Executor):
         if self._preemptible:
             self.preemption.safe_point(layers_done)
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        return self.land(self.launch(batch))
+
+    # -- asynchronous scheduling: the engine's two-deep pipeline (MicrobatchPipeline) -----------
+    def submit(self, batch: SchedulerOutput) -> None:
+        """Launch `batch` and return before its tokens are known (asynchronous scheduling)."""
+        self._launched.append(self.launch(batch))
+
+    def collect(self) -> ExecutorOutput:
+        """The oldest launched step's result; waits for its tokens only."""
+        return self.land(self._launched.popleft())
+
+    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's copies, forward and sampling on the device. On a GPU this returns
+        while the device works; on a CPU the work is done by then."""
         self.apply_kv_copies(batch.kv_copies, batch.landed_copies, (c.request.request_id for c in batch.chunks))
         if not batch.chunks:
-            return ExecutorOutput()
+            return LaunchedStep()
         prepared = self.prepare(batch)
         # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
         # not as a pipeline stage: the stages run different layers, so no barrier aligns them.
@@ -362,13 +372,27 @@ class ModelRunner(Executor):
             try:
                 hidden = self.run_model(prepared, preemptible=preemptible)
             except ForwardPreempted:
-                return ExecutorOutput(preempted=True)
+                return LaunchedStep(preempted=True)
             if not sampling:
-                return ExecutorOutput()
+                return LaunchedStep()
             logits = self.model.compute_logits(prepared.sampled(hidden))
         if self.tp.rank != 0:
-            return ExecutorOutput()
-        return self.sample(sampling, logits)
+            return LaunchedStep()
+        draws = self.draw(sampling, logits)
+        for index, request in enumerate(sampling):
+            self._drawing[request.request_id] = (draws.tokens, index)
+        return LaunchedStep(sampling, draws)
+
+    def land(self, step: LaunchedStep) -> ExecutorOutput:
+        """Wait for a launched step's tokens and hand them out; a request whose latest token this
+        was is no longer fed from the device (the engine appends it next)."""
+        if step.draws is None:
+            return ExecutorOutput(preempted=step.preempted)
+        for request in step.sampling:
+            drawing = self._drawing.get(request.request_id)
+            if drawing is not None and drawing[0] is step.draws.tokens:
+                del self._drawing[request.request_id]
+        return self._output(step.sampling, step.draws)
 
     def _replayable(self, batch: SchedulerOutput, prepared: PreparedBatch, preemptible: bool) -> bool:
         """Can a CUDA graph run this step (cuda_graphs.py)? Only every sequence decoding one
@@ -382,12 +406,21 @@ class ModelRunner(Executor):
         all_decode = prepared.input_ids.shape[0] == num_seqs == len(prepared.sample_rows)
         return graphs.can_replay(num_seqs, all_decode, prepared.ctx.block_tables.shape[1])
 
-    def sample(self, sampling: list, logits: torch.Tensor) -> ExecutorOutput:
-        """Draw each request's next token from its row of `logits`."""
+    def draw(self, sampling: list[Request], logits: torch.Tensor) -> DrawsOnDevice:
+        """Queue the draw of each request's next token from its row of `logits`."""
         for request in sampling:
             if request.params.seed is not None and request.generator is None:
                 request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
-        result = sample(logits, [r.params for r in sampling], [r.generator for r in sampling], self.generator)
+        return sample_on_device(logits, [r.params for r in sampling], [r.generator for r in sampling],
+                                self.generator)
+
+    def sample(self, sampling: list[Request], logits: torch.Tensor) -> ExecutorOutput:
+        """Draw each request's next token from its row of `logits` (and wait for them)."""
+        return self._output(sampling, self.draw(sampling, logits))
+
+    @staticmethod
+    def _output(sampling: list[Request], draws: DrawsOnDevice) -> ExecutorOutput:
+        result = draws.result()
         out = ExecutorOutput()
         for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
             out.sampled[request.request_id] = token

@@ -39,8 +39,11 @@ class ScheduledChunk(NamedTuple):
 
     @property
     def samples(self) -> bool:
-        """True when this chunk computes the request's last known token, so it yields a new one."""
-        return self.end == self.request.num_tokens
+        """True when this chunk computes the request's last known token, so it yields a new one.
+        Under asynchronous scheduling a chunk may end past the known tokens: its last input is a
+        token still in flight (`Request.num_pending_tokens`), and it samples too. The answer
+        holds from submission to landing: only tokens sampled before the chunk land meanwhile."""
+        return self.end >= self.request.num_tokens
 
 
 @dataclass
@@ -71,10 +74,14 @@ class Scheduler(ABC):
     # The `SchedulerConfig.policy_options` this policy takes (name -> what it sets); none by default.
     OPTIONS: dict[str, str] = {}
     # Can this policy schedule while earlier steps are still in an asynchronous pipeline
-    # (`SchedulerConfig.microbatches_in_flight` > 1)? Its `plan` must skip `awaiting_token`
-    # requests and give a step at most `running_share` running requests; FCFS (and KunServe,
+    # (`SchedulerConfig.microbatches_in_flight` > 1)? Its `plan` must skip requests with a token
+    # in flight (`schedulable`) and give a step at most `running_share` running requests; FCFS (and KunServe,
     # which reuses its pass) does. Policies with more state per request do not claim it.
     ASYNC_PIPELINE: bool = False
+    # Can this policy schedule a running request whose last token is still in flight, feeding
+    # it from the device (`SchedulerConfig.async_scheduling`)? Its `plan` must ask
+    # `tokens_lacking` and `schedulable`; FCFS does.
+    ASYNC_SCHEDULING: bool = False
     # Can this policy ask to stop the forward in flight when a request arrives (ConServe Alg. 2's
     # PREEMPTRUNNING)? Such a policy sets `preempt_running_batch` in `add_request`; the engine
     # hands it to the executor, and the server and the simulator admit arrivals at safe points.
@@ -91,6 +98,8 @@ class Scheduler(ABC):
         if config.microbatches_in_flight > 1 and not self.ASYNC_PIPELINE:
             raise ValueError(f"policy {config.policy!r} cannot schedule for an asynchronous pipeline "
                              f"(fcfs and kunserve can)")
+        if config.async_scheduling and not self.ASYNC_SCHEDULING:
+            raise ValueError(f"policy {config.policy!r} cannot schedule asynchronously (fcfs can)")
         self.kv = PagedKV(kv) if isinstance(kv, BlockPool) else kv
         # Policies that budget time (BROS, ConServe, KunServe, EcoServe) ask the cost model what a
         # batch would take and the clock what time it is; tests pass a mock clock.
@@ -102,9 +111,6 @@ class Scheduler(ABC):
         self.num_preemptions = 0
         self._copies: list[list[KVCopy]] = []  # this step's copy groups, in call order
         self._landed: tuple[int, ...] = ()  # landed tickets not yet sent to the executor
-        # Asynchronous pipeline: requests whose next token is being sampled by a step still in
-        # flight. They have nothing to compute until it lands (`update_after_landing`).
-        self.awaiting_token: set[str] = set()
 
     # -- what a policy implements --------------------------------------------------------
     @abstractmethod
@@ -159,13 +165,40 @@ class Scheduler(ABC):
         read and written in scheduling order, as if each step had finished before the next: the
         next step may run a prompt's following chunk, and may reuse blocks a preemption or
         abort freed. What it may not do is run a request whose sampled token is still on its
-        way: those wait in `awaiting_token`."""
+        way (`Request.num_pending_tokens`), unless the executor feeds that token from the
+        device (`schedulable`)."""
         self.update_after_step(output)
-        self.awaiting_token.update(c.request.request_id for c in output.chunks if c.samples)
+        for chunk in output.chunks:
+            if chunk.samples:
+                chunk.request.num_pending_tokens += 1
 
     def update_after_landing(self, output: SchedulerOutput) -> None:
         """The step's sampled tokens are back (the engine appends them next)."""
-        self.awaiting_token.difference_update(c.request.request_id for c in output.chunks if c.samples)
+        for chunk in output.chunks:
+            if chunk.samples:
+                chunk.request.num_pending_tokens -= 1
+
+    @staticmethod
+    def tokens_lacking(request: Request) -> int:
+        """Positions of `request` whose K/V is not computed: its known tokens' and, under
+        asynchronous scheduling, the one a step in flight is sampling."""
+        return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+
+    def schedulable(self, request: Request) -> bool:
+        """May this step advance `request`? Always, unless a token of it is in flight. Then only
+        under asynchronous scheduling (vLLM v1's, `SchedulerConfig.async_scheduling`), where the
+        executor reads the missing input from the device: the request's next position is
+        computed before its last token is known on the host. Not if that token may be its last
+        by `max_tokens` or the context limit: the next one would be thrown away. A stop token
+        or string cannot be foreseen: a request it ends has computed one position too many,
+        and the engine drops that token. A waiting request (preempted with a token in flight)
+        recomputes from its known tokens, so it waits for the token to land."""
+        pending = request.num_pending_tokens
+        if not pending:
+            return True
+        return (self.config.async_scheduling and request.num_computed_tokens > 0
+                and request.num_output_tokens + pending < request.params.max_tokens
+                and request.num_tokens + pending < self.config.max_model_len)
 
     def running_share(self) -> int:
         """How many running requests one step may advance: all of them, or under an

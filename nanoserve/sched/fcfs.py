@@ -16,7 +16,9 @@ than its chunk.
 
 Under an asynchronous pipeline (`SchedulerConfig.microbatches_in_flight` > 1) each step is one
 micro-batch of the pipeline: requests whose sampled token is still in flight are skipped, and a
-step advances at most its share of the running requests (`Scheduler.running_share`).
+step advances at most its share of the running requests (`Scheduler.running_share`). Under
+asynchronous scheduling (`SchedulerConfig.async_scheduling`) a running request's token in flight
+does not hold it back (`Scheduler.schedulable`): the executor feeds it from the device.
 """
 from __future__ import annotations
 
@@ -26,11 +28,13 @@ from nanoserve.sched.base import Scheduler, SchedulerOutput
 
 class FCFSScheduler(Scheduler):
     ASYNC_PIPELINE = True
+    ASYNC_SCHEDULING = True
+
     def tokens_wanted(self, request: Request) -> int:
         """How many tokens `request` would advance by with no budget limit: all it lacks.
         A subclass may offer less (KunServe: its share of this step's micro-batch); 0 stops
         the pass, as a request outside the step has nothing after it inside it either."""
-        return request.num_tokens - request.num_computed_tokens
+        return self.tokens_lacking(request)
 
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -40,7 +44,7 @@ class FCFSScheduler(Scheduler):
         i, share = 0, self.running_share()
         while i < len(self.running) and budget > 0 and share > 0:
             request = self.running[i]
-            if request.request_id in self.awaiting_token:  # its next token is still in flight
+            if not self.schedulable(request):  # its next token is still in flight
                 i += 1
                 continue
             num_new = min(self.tokens_wanted(request), budget)
@@ -65,7 +69,7 @@ class FCFSScheduler(Scheduler):
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if request.request_id in self.awaiting_token:  # preempted with a token in flight
+            if request.num_pending_tokens:  # preempted with a token in flight
                 break
             num_new = min(self.tokens_wanted(request), budget)
             chunk = self.try_chunk(request, num_new) if num_new else None

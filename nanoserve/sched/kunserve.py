@@ -225,6 +225,7 @@ class KunServeScheduler(FCFSScheduler):
     `pipeline_min_tokens`: MIN when a pipelined step is cut (default: budget / m)."""
 
     OPTIONS = {"pipeline_min_tokens": "Fig. 11's MIN when a pipelined step is cut (default: budget / micro-batches)"}
+    ASYNC_SCHEDULING = False  # its lookahead cuts known tokens only (and its arena runs layers in Python)
 
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic, num_stages: int = 2, min_tokens: int | None = None):
@@ -253,7 +254,7 @@ class KunServeScheduler(FCFSScheduler):
         queued = self.running + list(islice(self.waiting, room))
         work = [(r.request_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
                 for r in queued
-                if r.num_tokens > r.num_computed_tokens and r.request_id not in self.awaiting_token]
+                if r.num_tokens > r.num_computed_tokens and not r.num_pending_tokens]
         mbs = lookahead_microbatches(work, self.cost_model, self.min_tokens)
         self.last_microbatches = mbs
         if mbs:
