@@ -9,6 +9,10 @@ scheduling, input preparation, the forward and sampling all count. The roofline 
 step must read from HBM, every weight once plus every sequence's K and V, over the device's peak
 bandwidth (benchmarks/attention.py's datasheet table).
 
+With `--async-scheduling` the engine keeps two steps in flight (vLLM v1's asynchronous
+scheduling): a step's host work (scheduling, preparing, post-processing) runs while the GPU runs
+the step before, so the timed step approaches the forward's GPU time.
+
 Serve: the engine sizes its KV cache itself (weights loaded first, then a profiling forward) and
 serves `serve` requests (prompts 64-512 tokens, outputs 64-256, greedy, EOS ignored); it reports
 the start-up time, the KV cache, throughput and the peak memory.
@@ -52,7 +56,7 @@ def decode(args) -> dict:
     start = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype="bfloat16", max_num_seqs=args.batch,
               max_num_batched_tokens=max(2048, args.context), enforce_eager=args.eager,
-              fused_layer_ops=not args.unfused)
+              fused_layer_ops=not args.unfused, async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - start
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
@@ -79,7 +83,7 @@ def decode(args) -> dict:
     step = statistics.median(times)
     graphs = engine.executor.graphs
     return {"mode": "decode", "model": str(args.model), "batch": args.batch, "context": args.context,
-            "steps": args.steps, "eager": args.eager,
+            "steps": args.steps, "eager": args.eager, "async_scheduling": args.async_scheduling,
             "fused_layer_ops": not args.unfused,
             "graph_replays": 0 if graphs is None else graphs.num_replays,
             "startup_s": round(startup, 2), "step_ms_median": round(step * 1e3, 3),
@@ -121,15 +125,18 @@ class PhaseTimers:
     """Where a step's wall time goes, read from the engine's side: the scheduler's `schedule`,
     the runner's `prepare` (the batch's inputs), the executor's `execute` (prepare, the forward's
     launch or graph replay, sampling and its one sync: so it includes waiting for the GPU), and the
-    engine's post-processing (detokenizing, stop checks, outputs). Wrappers on the instances,
-    removed after the timed steps."""
+    engine's post-processing (detokenizing, stop checks, outputs). Under asynchronous scheduling
+    `execute` is not called: `launch` (prepare, the launches, sampling queued) and `land` (the wait
+    for the previous step's tokens) split it. Wrappers on the instances, removed after the timed
+    steps."""
 
     def __init__(self, engine) -> None:
         self.samples: dict[str, list[float]] = {}
         self._wrapped = []
         runner = engine.executor
         for name, owner, attr in (("schedule", engine.scheduler, "schedule"), ("prepare", runner, "prepare"),
-                                  ("execute", runner, "execute"), ("postprocess", engine, "_postprocess")):
+                                  ("execute", runner, "execute"), ("launch", runner, "launch"),
+                                  ("land", runner, "land"), ("postprocess", engine, "_postprocess")):
             self._wrap(name, owner, attr)
 
     def _wrap(self, name: str, owner, attr: str) -> None:
@@ -207,6 +214,8 @@ def main() -> None:
     parser.add_argument("--serve", type=int, default=0, help="serve this many requests instead")
     parser.add_argument("--device", default="cuda", help="cuda (a CPU only checks that the script runs)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule and launch step n+1 while the GPU runs step n (engine.py)")
     parser.add_argument("--unfused", action="store_true", help="PyTorch's layer ops, not kernels/fused.py")
     parser.add_argument("--profile", action="store_true", help="also the step's GPU time by kernel (torch.profiler)")
     parser.add_argument("--json")

@@ -144,15 +144,21 @@ def sample_on_device(
     """`sample` without waiting: the draws are queued on the logits' device."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
+    device = logits.device
+
+    def on_device(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # Through page-locked memory: a copy from pageable memory may wait for the device to
+        # drain, which would stall asynchronous scheduling's host behind the step in flight.
+        pinned = device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
 
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        rows = logits[idx] / torch.tensor([params[i].temperature for i in random_rows],
-                                          device=logits.device).unsqueeze(1)
+        idx = on_device(random_rows)
+        rows = logits[idx] / on_device([params[i].temperature for i in random_rows], torch.float32).unsqueeze(1)
         if any(params[i].effective_top_k or params[i].top_p < 1 for i in random_rows):
-            top_k = torch.tensor([params[i].effective_top_k for i in random_rows], device=logits.device)
-            top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
+            top_k = on_device([params[i].effective_top_k for i in random_rows])
+            top_p = on_device([params[i].top_p for i in random_rows], torch.float32)
             rows = _apply_top_k_top_p(rows, top_k, top_p)
         probs = rows.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Seeded rows get their
@@ -160,7 +166,7 @@ def sample_on_device(
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(random_rows) if generators[i] is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+            noise[on_device(unseeded)] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_(
                 generator=default_generator)
         for j, i in enumerate(random_rows):
             if generators[i] is not None:
@@ -170,7 +176,7 @@ def sample_on_device(
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     host_logprobs = None
     if wanted:
-        idx = torch.tensor(wanted, device=logits.device)
+        idx = on_device(wanted)
         logprobs = logits[idx].log_softmax(dim=-1)
         k = max(params[i].logprobs or 0 for i in wanted)
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())

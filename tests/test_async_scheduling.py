@@ -293,3 +293,25 @@ def test_refused_where_a_step_in_flight_could_be_overtaken(tiny_llama_dir, args,
 def test_scheduler_config_refuses_both_kinds_of_steps_in_flight():
     with pytest.raises(ValueError, match="async_scheduling"):
         SchedulerConfig(async_scheduling=True, microbatches_in_flight=2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_greedy_output_on_the_gpu(tiny_llama_dir, graphs):
+    """On a GPU the host really runs ahead: step n+1's inputs are fed on the device from step
+    n's draws before the host has read them. Greedy output stays the synchronous engine's."""
+    extra = {} if graphs else {"enforce_eager": True}
+    params = [SamplingParams(temperature=0, max_tokens=6 + i % 9, logprobs=2, stop_token_ids=[7, 11, 13],
+                             ignore_eos=True) for i in range(13)]
+    sync = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", kv_cache_tokens=4096, max_num_seqs=16, **extra)
+    refs = sync.generate(prompts(13), params, use_tqdm=False)
+    asynchronous = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", kv_cache_tokens=4096, max_num_seqs=16,
+                       async_scheduling=True, **extra)
+    outs = asynchronous.generate(prompts(13), params, use_tqdm=False)
+    for ref, out, p in zip(refs, outs, params):
+        assert_close_greedy(ref, out, f"request {out.request_id}", max_tokens=p.max_tokens)
+    runner = asynchronous.engine.executor
+    assert not runner._drawing and asynchronous.engine.stats().kv_blocks_used == 0
+    if graphs:
+        assert runner.graphs.num_replays > 0
