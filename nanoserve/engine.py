@@ -321,6 +321,7 @@ class Engine:
                 for chunk in batch.chunks:
                     chunk.request.num_pending_tokens -= chunk.samples
             self._in_flight.clear()
+            pipeline.discard_in_flight()
             raise
         batch = self._in_flight.popleft()
         self.scheduler.update_after_landing(batch)

@@ -280,6 +280,31 @@ def test_seeded_sampling_draws_the_same_tokens(tiny_llama_dir):
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
 
 
+def test_a_failed_step_leaves_nothing_in_flight(tiny_llama_dir, monkeypatch):
+    """A step that raises (the server then aborts every request, `AsyncEngine._fail_all`) leaves
+    no step in flight and no token pending: the next requests are served as if none had failed."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = LLM(str(tiny_llama_dir), device="cpu", kv_cache_tokens=2048, block_size=4)
+    refs = reference.generate(prompts(4), params, use_tqdm=False)
+    llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_tokens=2048, block_size=4, async_scheduling=True)
+    engine, runner = llm.engine, llm.engine.executor
+    for p in prompts(3):
+        engine.add_request(p, params)
+    engine.step()
+    engine.step()  # two steps in flight, then a launch fails
+    monkeypatch.setattr(runner, "launch", lambda batch: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    monkeypatch.undo()
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests() and not runner._launched and not runner._drawing
+    assert engine.stats().kv_blocks_used == 0
+    outs = llm.generate(prompts(4), params, use_tqdm=False)
+    for ref, out in zip(refs, outs):
+        assert_close_greedy(ref, out, f"request {out.request_id}", max_tokens=8)
+
+
 @pytest.mark.parametrize("args, match", [
     (dict(policy="bros"), "cannot schedule asynchronously"),
     (dict(kv_manager="swap"), "host copies"),

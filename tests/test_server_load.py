@@ -82,9 +82,10 @@ def check_stream(result: dict, ref: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", sorted(SCHEDULERS))
+@pytest.mark.parametrize("policy", sorted(SCHEDULERS) + ["fcfs+async_scheduling"])
 def test_200_streaming_clients_with_hang_ups(policy: str):
-    with live_server(policy=policy, max_num_seqs=64) as live:
+    name, _, option = policy.partition("+")
+    with live_server(policy=name, max_num_seqs=64, **({option: True} if option else {})) as live:
         refs = {}
         for prompt in PROMPTS:  # alone, before the load
             reply = httpx.post(live.url + "/v1/completions", json=body(prompt, "online", False), timeout=120)

@@ -82,6 +82,10 @@ class Executor:
     def shutdown(self) -> None:
         """Stop worker processes and let go of what they hold. Default: nothing to stop."""
 
+    def discard_in_flight(self) -> None:
+        """Forget the steps submitted and not collected: the engine gave up on them after a
+        failure (their requests are aborted). Default: an executor that keeps none."""
+
 
 class MicrobatchPipeline(Protocol):
     """An executor that takes a step and returns before its result is ready, so that up to
@@ -96,6 +100,10 @@ class MicrobatchPipeline(Protocol):
 
     def collect(self) -> ExecutorOutput:
         """The result of the oldest step submitted and not yet collected (waits for it)."""
+        ...
+
+    def discard_in_flight(self) -> None:
+        """Forget every step submitted and not collected (after a failure)."""
         ...
 
 
@@ -352,6 +360,10 @@ class ModelRunner(Executor):
     def collect(self) -> ExecutorOutput:
         """The oldest launched step's result; waits for its tokens only."""
         return self.land(self._launched.popleft())
+
+    def discard_in_flight(self) -> None:
+        self._launched.clear()
+        self._drawing.clear()
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput) -> LaunchedStep:

@@ -196,7 +196,7 @@ class Scheduler(ABC):
         pending = request.num_pending_tokens
         if not pending:
             return True
-        return (self.config.async_scheduling and request.num_computed_tokens > 0
+        return (self.config.async_scheduling
                 and request.num_output_tokens + pending < request.params.max_tokens
                 and request.num_tokens + pending < self.config.max_model_len)
 
