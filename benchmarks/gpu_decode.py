@@ -54,12 +54,19 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
 def decode(args) -> dict:
     cfg = load_config(Path(args.model))
     start = time.perf_counter()
+    budget = max(2048, args.context)
     llm = LLM(args.model, device=args.device, dtype="bfloat16", max_num_seqs=args.batch,
-              max_num_batched_tokens=max(2048, args.context), enforce_eager=args.eager,
-              fused_layer_ops=not args.unfused, async_scheduling=args.async_scheduling)
+              max_num_batched_tokens=budget, enforce_eager=args.eager,
+              fused_layer_ops=not args.unfused, async_scheduling=args.async_scheduling,
+              kv_cache_tokens=args.kv_cache_tokens)
     startup = time.perf_counter() - start
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    if args.stub_forward:
+        stub_forward(engine.executor, cfg.hidden_size)
+    # Enough tokens that no request ends before the timed steps do: the first prompts start
+    # decoding while the last are still being prefilled.
+    prefill_steps = -(-args.batch * args.context // budget)
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + args.steps + 8, ignore_eos=True)
     for p in prompts(args.batch, args.context, args.context, cfg.vocab_size, 0):
         engine.add_request(p, params)
     started: set[str] = set()
@@ -73,6 +80,8 @@ def decode(args) -> dict:
         engine.step()
         times.append(time.perf_counter() - t)
     phases.remove()
+    if engine.stats().num_running < args.batch:
+        raise RuntimeError(f"only {engine.stats().num_running} of {args.batch} requests fit: raise --kv-cache-tokens")
     model = engine.executor.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     token_bytes = kv_block_bytes(EngineArgs(), cfg, torch.bfloat16) // 16
@@ -84,6 +93,7 @@ def decode(args) -> dict:
     graphs = engine.executor.graphs
     return {"mode": "decode", "model": str(args.model), "batch": args.batch, "context": args.context,
             "steps": args.steps, "eager": args.eager, "async_scheduling": args.async_scheduling,
+            "stub_forward": args.stub_forward,
             "fused_layer_ops": not args.unfused,
             "graph_replays": 0 if graphs is None else graphs.num_replays,
             "startup_s": round(startup, 2), "step_ms_median": round(step * 1e3, 3),
@@ -93,6 +103,18 @@ def decode(args) -> dict:
             "phase_ms_median": phases.medians(),
             "forward_gpu_ms": None if graphs is None or args.device == "cpu" else forward_gpu_ms(graphs, args.batch),
             "kernels": kernel_table(engine, args.batch) if args.profile else None}
+
+
+def stub_forward(runner, hidden_size: int) -> None:
+    """Replace the model's forward and LM head by fixed zeros (8 logits a row): what a step
+    then costs is the host's share alone (scheduling, preparing, sampling's bookkeeping,
+    post-processing), the part asynchronous scheduling hides under the device's forward."""
+    if runner.graphs is not None:
+        raise ValueError("--stub-forward runs eagerly: add --eager")
+    zeros = torch.zeros(1 << 16, hidden_size, device=runner.device, dtype=torch.bfloat16)
+    logits = torch.zeros(1 << 16, 8, device=runner.device)
+    runner.run_model = lambda prepared, preemptible=False, hidden=None: zeros[: prepared.input_ids.shape[0]]
+    runner.model.compute_logits = lambda h: logits[: h.shape[0]]
 
 
 def kernel_table(engine, batch: int, steps: int = 10, top: int = 15) -> list[dict]:
@@ -216,6 +238,9 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule and launch step n+1 while the GPU runs step n (engine.py)")
+    parser.add_argument("--kv-cache-tokens", type=int, help="KV cache size (default: sized from memory)")
+    parser.add_argument("--stub-forward", action="store_true",
+                        help="with --eager: no forward at all (zeros), timing the host's share of a step")
     parser.add_argument("--unfused", action="store_true", help="PyTorch's layer ops, not kernels/fused.py")
     parser.add_argument("--profile", action="store_true", help="also the step's GPU time by kernel (torch.profiler)")
     parser.add_argument("--json")
