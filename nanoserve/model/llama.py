@@ -52,7 +52,9 @@ class LlamaAttention(nn.Module):
         q, k = self.normalize_qk(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim))
         fused = ctx.backend.fused
         q, k = fused.rope(q, k, cos, sin) if fused is not None else (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
-        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v.contiguous(), ctx)
+        # v stays a strided view of the fused projection's output: the backends' store_kv reads
+        # rows at any stride, and a copy would be one more kernel a layer.
+        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, ctx)
         return self.o_proj(out)
 
 
