@@ -253,8 +253,8 @@ def test_runner_feeds_tokens_in_flight_and_keeps_greedy_output(tiny_llama_dir, g
     refs = sync.generate(prompts(11), params, use_tqdm=False)
     fed = []
     feed = ModelRunner._feed
-    monkeypatch.setattr(ModelRunner, "_feed", staticmethod(
-        lambda ids, rows, sources, tensor: (fed.append(len(rows)), feed(ids, rows, sources, tensor))[1]))
+    monkeypatch.setattr(ModelRunner, "_feed",
+                        lambda runner, ids, rows, sources: (fed.append(len(rows)), feed(runner, ids, rows, sources))[1])
     asynchronous = LLM(str(tiny_llama_dir), device="cpu", kv_cache_tokens=2048, block_size=4,
                        async_scheduling=True, **extra)
     outs = asynchronous.generate(prompts(11), params, use_tqdm=False)

@@ -34,9 +34,9 @@ step's draws, so nothing waits for the host to learn the token:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections import deque
-from typing import Callable, Iterable, Mapping, Protocol
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -265,12 +265,7 @@ class ModelRunner(Executor):
                 sample_rows.append(query_start_loc[-1] - 1)
         pinned = self.device.type == "cuda"
         tables = self.block_tables.table([(c.request.request_id, c.block_table) for c in batch.chunks])
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            # From page-locked memory a non-blocking copy is truly asynchronous: the CPU goes on
-            # preparing and launching while the inputs travel (PyTorch's pinned allocator
-            # keeps the buffer until the copy is done).
-            return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
+        tensor = self._to_device
 
         ctx = ForwardContext(
             slot_mapping=tensor(slots, torch.int64),
@@ -285,13 +280,18 @@ class ModelRunner(Executor):
         )
         ids = tensor(input_ids, torch.int64)
         if fed_rows:
-            self._feed(ids, fed_rows, fed_from, tensor)
+            self._feed(ids, fed_rows, fed_from)
         return PreparedBatch(ids, tensor(positions, torch.int64), ctx, sample_rows,
                              tensor(sample_rows, torch.int64) if pinned and sample_rows else None)
 
-    @staticmethod
-    def _feed(input_ids: torch.Tensor, rows: list[int], sources: list[tuple[torch.Tensor, int]],
-              tensor: Callable[[list, torch.dtype], torch.Tensor]) -> None:
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A step input on the device. On CUDA from page-locked memory, so the non-blocking
+        copy is truly asynchronous: the CPU goes on preparing and launching while the inputs
+        travel (PyTorch's pinned allocator keeps the buffer until the copy is done)."""
+        pinned = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
+
+    def _feed(self, input_ids: torch.Tensor, rows: list[int], sources: list[tuple[torch.Tensor, int]]) -> None:
         """Write each of `rows` of `input_ids` from its (draws, index) source on the device: one
         gather and one scatter per step drawn from (almost always one: the previous step)."""
         by_step: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
@@ -300,7 +300,8 @@ class ModelRunner(Executor):
             dst.append(row)
             src.append(index)
         for draws, dst, src in by_step.values():
-            input_ids.index_copy_(0, tensor(dst, torch.int64), draws.index_select(0, tensor(src, torch.int64)))
+            gathered = draws.index_select(0, self._to_device(src, torch.int64))
+            input_ids.index_copy_(0, self._to_device(dst, torch.int64), gathered)
 
     def apply_kv_copies(self, groups: list, landed: Iterable[int] = (), readers: Iterable[str] = ()) -> None:
         """Issue the step's copy groups (checkpoints, swaps, restores) and make the forward over

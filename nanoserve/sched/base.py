@@ -75,8 +75,8 @@ class Scheduler(ABC):
     OPTIONS: dict[str, str] = {}
     # Can this policy schedule while earlier steps are still in an asynchronous pipeline
     # (`SchedulerConfig.microbatches_in_flight` > 1)? Its `plan` must skip requests with a token
-    # in flight (`schedulable`) and give a step at most `running_share` running requests; FCFS (and KunServe,
-    # which reuses its pass) does. Policies with more state per request do not claim it.
+    # in flight (`schedulable`) and give a step at most `running_share` running requests; FCFS
+    # (and KunServe, which reuses its pass) does. Policies with more state per request do not.
     ASYNC_PIPELINE: bool = False
     # Can this policy schedule a running request whose last token is still in flight, feeding
     # it from the device (`SchedulerConfig.async_scheduling`)? Its `plan` must ask
