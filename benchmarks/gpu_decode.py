@@ -91,6 +91,7 @@ def decode(args) -> dict:
     roofline = (weight_bytes + kv_bytes) / bw
     step = statistics.median(times)
     graphs = engine.executor.graphs
+    kernels = kernel_table(engine, args.batch, top=10_000) if args.profile else None
     return {"mode": "decode", "model": str(args.model), "batch": args.batch, "context": args.context,
             "steps": args.steps, "eager": args.eager, "async_scheduling": args.async_scheduling,
             "stub_forward": args.stub_forward,
@@ -102,7 +103,8 @@ def decode(args) -> dict:
             "roofline_ms": round(roofline * 1e3, 3), "step_over_roofline": round(step / roofline, 2),
             "phase_ms_median": phases.medians(),
             "forward_gpu_ms": None if graphs is None or args.device == "cpu" else forward_gpu_ms(graphs, args.batch),
-            "kernels": kernel_table(engine, args.batch) if args.profile else None}
+            "kernels": None if kernels is None else kernels[: 15],
+            "kernel_classes": None if kernels is None else kernel_classes(kernels, weight_bytes, kv_bytes, bw)}
 
 
 def stub_forward(runner, hidden_size: int) -> None:
@@ -141,6 +143,32 @@ def kernel_table(engine, batch: int, steps: int = 10, top: int = 15) -> list[dic
             rows.append({"kernel": event.key[:120], "ms_per_step": round(device_us / 1e3 / steps, 4),
                          "launches_per_step": round(event.count / steps, 1)})
     return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
+
+
+# Which part of a decode step a kernel belongs to, by the first pattern its name contains (cuBLAS
+# names its GEMMs after the architecture: sm90_xmma_gemm, nvjet, cutlass; ours are Triton's).
+KERNEL_CLASSES = (("attention", ("paged_attention", "paged_decode", "combine_splits")),
+                  ("store_kv", ("store_kv",)),
+                  ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+                  ("fused ops", ("rms_norm", "rope", "silu")))
+
+
+def kernel_classes(kernels: list[dict], weight_bytes: int, kv_bytes: int, bandwidth: float) -> dict:
+    """The step's GPU time by part, each against the bytes it must move at peak bandwidth: the
+    GEMMs read every weight once (the LM head included), the attention every sequence's K and
+    V; the rest (norms, RoPE, the KV store, copies, sampling's kernels) moves little and is
+    mostly fixed cost per kernel. Tells the next GPU session where the forward's gap is."""
+    totals: dict[str, list[float]] = {}
+    for k in kernels:
+        name = k["kernel"].lower()
+        part = next((label for label, keys in KERNEL_CLASSES if any(key in name for key in keys)), "other")
+        ms, launches = totals.setdefault(part, [0.0, 0.0])
+        totals[part] = [ms + k["ms_per_step"], launches + k["launches_per_step"]]
+    floors = {"gemm": weight_bytes / bandwidth * 1e3, "attention": kv_bytes / bandwidth * 1e3}
+    return {part: {"ms_per_step": round(ms, 4), "launches_per_step": round(launches, 1),
+                   **({"roofline_ms": round(floors[part], 4), "fraction_of_peak": round(floors[part] / ms, 3)}
+                      if part in floors and ms > 0 else {})}
+            for part, (ms, launches) in sorted(totals.items(), key=lambda item: -item[1][0])}
 
 
 class PhaseTimers:
