@@ -15,7 +15,8 @@ the next step runs):
     tests         the CUDA tests (pytest -m cuda) and the newest kernels' tests (split-K, fused), compiled
     attention     benchmarks/attention.py: decode/prefill vs SDPA and the HBM/TFLOP roofline
     sweep         benchmarks/attention.py --sweep: tile and launch settings, for the defaults
-    throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped
+    throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped; SmolLM2
+                  again with mixed-step CUDA graphs and asynchronous scheduling
     serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests
     decode        decode step vs its HBM roofline (weights + KV bytes): graphed with asynchronous
                   scheduling, graphed (by kernel), eager
@@ -144,6 +145,15 @@ def step_throughput(out: Path, options: Options) -> dict:
                  "--dtype", "bfloat16", "--num-prompts", "256", "--kv-cache-tokens", "0",
                  "--json", str(path)], 90, out / f"throughput_{name}.log", path)
         results[name] = r
+    # Mixed steps (prompt chunks with decodes) through CUDA graphs, with asynchronous scheduling:
+    # both off by default until this run measures them (HF's number is the run above's).
+    name = options.throughput_models[0]
+    path = out / f"throughput_{name}_mixed_async.json"
+    results[f"{name} mixed graphs + async"] = run(
+        [sys.executable, "benchmarks/throughput.py", "--model", str(build_checkpoint(name, options.cache)),
+         "--device", "cuda", "--dtype", "bfloat16", "--num-prompts", "256", "--kv-cache-tokens", "0",
+         "--mixed-graphs", "--async-scheduling", "--skip-hf", "--json", str(path)],
+        90, out / f"throughput_{name}_mixed_async.log", path)
     return results
 
 

@@ -37,7 +37,8 @@ def make_requests(num: int, seed: int, vocab: int, first_id: int) -> list[tuple[
 def run_nanoserve(model: str, requests, args) -> tuple[float, int, LLM]:
     llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens or None,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, mixed_graphs=args.mixed_graphs,
+              async_scheduling=args.async_scheduling)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate([ids for ids, _ in requests[:2]], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -86,6 +87,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=32768,
                         help="0: the engine's own sizing (on CUDA, what the weights leave)")
     parser.add_argument("--attention-backend", default=None, help="torch | triton (default: per device)")
+    parser.add_argument("--mixed-graphs", action="store_true",
+                        help="CUDA graphs for mixed prefill/decode steps too (nanoserve/model/cuda_graphs.py)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch step n+1 before step n's tokens reach the host (nanoserve/engine.py)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()

@@ -21,7 +21,7 @@ from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import KVManager
 from nanoserve.model.attention import default_attention_backend, get_attention_backend
-from nanoserve.model.cuda_graphs import decode_buckets
+from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_config, load_model, resolve_model_path
 from nanoserve.model.runner import Executor, ModelRunner
@@ -77,6 +77,12 @@ class EngineArgs:
     # runs without recording: for tests).
     enforce_eager: bool = False
     decode_graph_sizes: tuple[int, ...] | None = None
+    # Mixed batches (prompt chunks with decodes) through CUDA graphs too, one per token count
+    # (cuda_graphs.py; ours, after vLLM v1's full graphs). Off by default until measured on a
+    # GPU; `mixed_graph_sizes` None: cuda_graphs.mixed_buckets of the token budget on CUDA, none
+    # elsewhere (given on a CPU, the path runs without recording: for tests).
+    mixed_graphs: bool = False
+    mixed_graph_sizes: tuple[int, ...] | None = None
     # The backend's fused layer ops (Triton: kernels/fused.py; torch on a CPU: kernels/cpu_fused.py);
     # False: PyTorch's ops (an A/B switch)
     fused_layer_ops: bool = True
@@ -317,9 +323,14 @@ def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device
                                  local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype,
                                  layerwise=args.layerwise_kv_copies)
     graph_sizes: tuple[int, ...] = ()
+    mixed_sizes: tuple[int, ...] = ()
     if not args.enforce_eager and plan.topology.world_size == 1:
         default = tuple(decode_buckets(args.max_num_seqs)) if device.type == "cuda" else ()
         graph_sizes = default if args.decode_graph_sizes is None else args.decode_graph_sizes
+        if args.mixed_graph_sizes is not None:
+            mixed_sizes = args.mixed_graph_sizes
+        elif args.mixed_graphs and device.type == "cuda":
+            mixed_sizes = tuple(mixed_buckets(args.max_num_seqs, args.max_num_batched_tokens))
     if device.type == "cpu" and args.cpu_packed_linears and plan.topology.world_size == 1:
         pack_linear_weights(model, model.logits_head())
     longest = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
@@ -327,7 +338,8 @@ def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device
     return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),
                        args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp,
                        stage_layers=stage_layers, cuda_graph_sizes=graph_sizes,
-                       max_blocks_per_seq=-(-longest // args.block_size))
+                       max_blocks_per_seq=-(-longest // args.block_size),
+                       mixed_graph_sizes=mixed_sizes, max_num_seqs=args.max_num_seqs)
 
 
 def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:

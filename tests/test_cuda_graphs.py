@@ -1,15 +1,21 @@
-"""Decode steps through CUDA graphs' static buffers leave greedy output unchanged.
+"""Steps through CUDA graphs' static buffers leave greedy output unchanged: decode graphs, and
+mixed graphs (prompt chunks with decodes, padded to a token count and to max_num_seqs).
 
-On a CPU the same path runs without recording (`decode_graph_sizes` given): each decode step is
-copied into the static buffers, padded to its bucket and run over them; on a GPU the graphs are
-recorded and replayed and compared with `enforce_eager`."""
+On a CPU the same path runs without recording (`decode_graph_sizes`, `mixed_graph_sizes` given):
+each step is copied into the static buffers, padded to its graph's shape and run over them; on a
+GPU the graphs are recorded and replayed and compared with `enforce_eager`. The Triton kernels
+run the mixed path too, interpreted on the CPU: padding sequences and tokens of no sequence are
+theirs to skip."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.model.cuda_graphs import decode_buckets
+from nanoserve.model.attention import ForwardContext
+from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
 from test_invariance import assert_close_greedy
 
 MAX_TOKENS = 12
@@ -50,6 +56,55 @@ def test_static_buffer_path_matches_eager_on_cpu(tiny_llama_dir, n):
     assert graphed.engine.stats().kv_blocks_used == 0
 
 
+def test_mixed_buckets():
+    assert mixed_buckets(128, 2048) == [256, 384, 512, 768, 1024, 1536, 2048]
+    assert mixed_buckets(8, 64) == [16, 24, 32, 48, 64]
+    assert mixed_buckets(6, 20) == [8, 12, 16, 20]
+    assert mixed_buckets(64, 64) == []  # no batch has more tokens than sequences
+
+
+MIXED = dict(max_num_seqs=8, max_num_batched_tokens=64, decode_graph_sizes=(1, 2, 4, 8),
+             mixed_graph_sizes=(16, 32, 64))
+
+
+# A padding token belongs to no sequence, so no kernel writes its attention output: its row holds
+# whatever memory was there, and the interpreter may warn as later layers multiply it. Never read.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_batches_through_the_static_buffers_keep_greedy_output(tiny_llama_dir, backend):
+    """A 64-token budget chunks the longer prompts and mixes them with other requests' decodes:
+    those steps run through the mixed graphs' buffers, padded to 16, 32 or 64 tokens and to 8
+    sequences; decode-only steps through the decode graphs'."""
+    if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    common = dict(device="cpu", dtype="float32", kv_cache_tokens=2048, block_size=4, attention_backend=backend)
+    eager = LLM(str(tiny_llama_dir), max_num_seqs=8, max_num_batched_tokens=64, **common)
+    graphed = LLM(str(tiny_llama_dir), **MIXED, **common)
+    n = 11 if backend == "torch" else 6
+    refs, params = generate(eager, n)
+    outs, _ = generate(graphed, n)
+    for ref, out, p in zip(refs, outs, params):
+        assert_close_greedy(ref, out, f"request {out.request_id}", max_tokens=p.max_tokens)
+    graphs = graphed.engine.executor.graphs
+    assert graphs.num_mixed_replays > 0 and graphs.num_replays > 0
+    assert graphed.engine.stats().kv_blocks_used == 0
+    # A batch of two sequences (3 new tokens, then 1), padded to 16 tokens and 8 sequences: the
+    # kernels find a token's sequence by binary search, so the padded starts must not decrease.
+    runner = graphed.engine.executor
+    ctx = ForwardContext(torch.tensor([0, 1, 2, 8]), torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
+                         torch.tensor([3, 5], dtype=torch.int32), torch.tensor([0, 3, 4], dtype=torch.int32),
+                         runner.kv_caches, runner.backend)
+    logits = graphs.replay_mixed(ctx, torch.tensor([5, 6, 7, 9]), torch.tensor([0, 1, 2, 4]), torch.tensor([2, 3]))
+    assert logits.shape[0] == 2 and torch.isfinite(logits).all()
+    assert graphs.mixed_query_start_loc.tolist() == [0, 3, 4] + [4] * 6
+    assert graphs.slot_mapping[4:16].tolist() == [-1] * 12 and graphs.sample_index.tolist() == [2, 3] + [0] * 6
+
+
+def test_mixed_graphs_need_more_tokens_than_sequences(tiny_llama_dir):
+    with pytest.raises(ValueError, match="more tokens than sequences"):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_tokens=256, max_num_seqs=16, mixed_graph_sizes=(16, 32))
+
+
 def test_enforce_eager_and_other_runners_record_nothing(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_tokens=256, decode_graph_sizes=(1, 2), enforce_eager=True)
     assert llm.engine.executor.graphs is None
@@ -81,3 +136,18 @@ def test_fused_layer_ops_keep_greedy_output_on_the_gpu(tiny_llama_dir):
     for ref, out, p in zip(refs, outs, params):
         assert_close_greedy(ref, out, f"fused request {out.request_id}", max_tokens=p.max_tokens)
     print(f"fused: {sum(r.token_ids == o.token_ids for r, o in zip(refs, outs))} of {len(refs)} token-for-token")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_mixed_graphs_match_eager_on_the_gpu(tiny_llama_dir):
+    """Recorded mixed graphs (and decode graphs, with asynchronous scheduling) against eager."""
+    common = dict(device="cuda", dtype="float32", kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=64)
+    eager = LLM(str(tiny_llama_dir), enforce_eager=True, **common)
+    graphed = LLM(str(tiny_llama_dir), mixed_graphs=True, async_scheduling=True, **common)
+    refs, params = generate(eager, 13)
+    outs, _ = generate(graphed, 13)
+    for ref, out, p in zip(refs, outs, params):
+        assert_close_greedy(ref, out, f"request {out.request_id}", max_tokens=p.max_tokens)
+    graphs = graphed.engine.executor.graphs
+    assert graphs.mixed_sizes == [16, 24, 32, 48, 64] and graphs.num_mixed_replays > 0 and graphs.num_replays > 0

@@ -47,7 +47,7 @@ from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
 from nanoserve.model.block_table import BlockTableRows
-from nanoserve.model.cuda_graphs import DecodeGraphs
+from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import LayerPeer
 from nanoserve.model.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.request import Request
@@ -148,7 +148,8 @@ class ModelRunner(Executor):
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
                  host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8,
                  tp: TPGroup = SINGLE, stage_layers: range | None = None,
-                 cuda_graph_sizes: Iterable[int] = (), max_blocks_per_seq: int = 0):
+                 cuda_graph_sizes: Iterable[int] = (), max_blocks_per_seq: int = 0,
+                 mixed_graph_sizes: Iterable[int] = (), max_num_seqs: int = 0):
         """With `arena` (KunServe), the KV caches are the arena's views and `host_weights` (every
         parameter by name, on the host) feeds the peer on a drop and the arena on a restore.
         `preempt_every_layers`: how often a pure-offline forward checks the preemption flag.
@@ -156,7 +157,9 @@ class ModelRunner(Executor):
         gathered logits, as the gather is collective). `stage_layers`: a pipeline stage's layers
         (dist/pipeline.py), the only ones it keeps KV for. `cuda_graph_sizes`: the decode batch
         sizes to record CUDA graphs for (cuda_graphs.py; none: every step runs eagerly), over
-        block tables `max_blocks_per_seq` wide; only a single-rank runner without an arena."""
+        block tables `max_blocks_per_seq` wide; only a single-rank runner without an arena.
+        `mixed_graph_sizes`: the token counts of mixed-batch graphs over up to `max_num_seqs`
+        sequences (none: mixed batches run eagerly)."""
         self.model = model
         self.tp = tp
         self.stage_layers = stage_layers
@@ -189,11 +192,12 @@ class ModelRunner(Executor):
         self._launched: deque[LaunchedStep] = deque()
         self._drawing: dict[str, tuple[torch.Tensor, int]] = {}
         self.block_tables = BlockTableRows(pin_memory=device.type == "cuda")  # kept between steps
-        sizes = sorted(set(cuda_graph_sizes))
-        if sizes and (arena is not None or tp.size > 1 or stage_layers is not None):
+        sizes, mixed = sorted(set(cuda_graph_sizes)), sorted(set(mixed_graph_sizes))
+        if (sizes or mixed) and (arena is not None or tp.size > 1 or stage_layers is not None):
             raise ValueError("CUDA graphs need a single-rank runner whose layers never change (no arena)")
-        self.graphs = (DecodeGraphs(model, self.kv_caches, backend, sizes, max_blocks_per_seq, device)
-                       if sizes else None)
+        self.graphs = (StepGraphs(model, self.kv_caches, backend, sizes, max_blocks_per_seq, device,
+                                  mixed_sizes=mixed, max_num_seqs=max_num_seqs)
+                       if sizes or mixed else None)
 
     # -- KunServe: drop and restore layers between steps (§4.1, §4.2, §4.4) --------------------
     def _arena_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -379,8 +383,15 @@ class ModelRunner(Executor):
         preemptible = self.stage_layers is None and all(c.request.priority is RequestClass.OFFLINE
                                                       for c in batch.chunks)
         sampling = [c.request for c in batch.chunks if c.samples]
-        if self._replayable(batch, prepared, preemptible):
+        graph = self._replayable(batch, prepared, preemptible)
+        if graph == "decode":
             logits = self.graphs.replay(prepared.ctx, prepared.input_ids, prepared.positions)
+        elif graph == "mixed":
+            rows = (prepared.sample_index if prepared.sample_index is not None
+                    else torch.tensor(prepared.sample_rows, dtype=torch.int64, device=self.device))
+            logits = self.graphs.replay_mixed(prepared.ctx, prepared.input_ids, prepared.positions, rows)
+            if not sampling:
+                return LaunchedStep()
         else:
             try:
                 hidden = self.run_model(prepared, preemptible=preemptible)
@@ -407,17 +418,20 @@ class ModelRunner(Executor):
                 del self._drawing[request.request_id]
         return self._output(step.sampling, step.draws)
 
-    def _replayable(self, batch: SchedulerOutput, prepared: PreparedBatch, preemptible: bool) -> bool:
-        """Can a CUDA graph run this step (cuda_graphs.py)? Only every sequence decoding one
-        token it samples, left to right, with no Python to run between layers."""
+    def _replayable(self, batch: SchedulerOutput, prepared: PreparedBatch, preemptible: bool) -> str | None:
+        """Which CUDA graph can run this step (cuda_graphs.py): "decode" when every sequence
+        decodes one token it samples, "mixed" for any other batch a mixed graph holds, None to
+        run eagerly. Only left to right, with no Python to run between layers."""
         graphs = self.graphs
         if graphs is None or preemptible or prepared.ctx.directions is not None:
-            return False
+            return None
         if self.host_store is not None and self.host_store.has_layer_waits:
-            return False
-        num_seqs = len(batch.chunks)
-        all_decode = prepared.input_ids.shape[0] == num_seqs == len(prepared.sample_rows)
-        return graphs.can_replay(num_seqs, all_decode, prepared.ctx.block_tables.shape[1])
+            return None
+        num_seqs, num_tokens = len(batch.chunks), prepared.input_ids.shape[0]
+        width = prepared.ctx.block_tables.shape[1]
+        if graphs.can_replay(num_seqs, num_tokens == num_seqs == len(prepared.sample_rows), width):
+            return "decode"
+        return "mixed" if graphs.can_replay_mixed(num_tokens, num_seqs, width) else None
 
     def draw(self, sampling: list[Request], logits: torch.Tensor) -> DrawsOnDevice:
         """Queue the draw of each request's next token from its row of `logits`."""
