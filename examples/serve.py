@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --pp: keep one micro-batch per stage in flight across steps (fcfs, kunserve)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="one device: schedule and prepare the next step while the device runs this one (fcfs)")
+    p.add_argument("--mixed-graphs", action="store_true",
+                   help="on a GPU: CUDA graphs for steps that mix prompt chunks with decodes too")
     p.add_argument("--online-ttft", type=float, default=DEFAULT_SLOS["online"].ttft,
                    help="seconds to the first token an online request is promised (its class default)")
     p.add_argument("--online-tpot", type=float, default=DEFAULT_SLOS["online"].tpot,
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         preempt_every_layers=args.preempt_every_layers, layerwise_kv_copies=args.layerwise_kv_copies,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, async_pipeline=args.async_pipeline,
-        async_scheduling=args.async_scheduling, online_slo=SLO(ttft=args.online_ttft, tpot=args.online_tpot),
+        async_scheduling=args.async_scheduling, mixed_graphs=args.mixed_graphs, online_slo=SLO(ttft=args.online_ttft, tpot=args.online_tpot),
     )))
     engine = async_engine.engine
     app = create_app(async_engine, served_model_name=args.served_model_name, state_dir=args.state_dir,
