@@ -84,16 +84,17 @@ def assert_replays(request) -> None:
         tokens.append(token)
 
 
-def run(engine, prompts, max_tokens):
+def run(engine, prompts, max_tokens, ignore_eos=True):
+    """Serve the prompts to the end: each finished request's (token ids, finish reason)."""
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")
+        engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=ignore_eos), f"r{i}")
     outputs = {}
     for _ in range(3_000):
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
             if out.finished:
-                outputs[out.request_id] = out.token_ids
+                outputs[out.request_id] = (out.token_ids, out.finish_reason)
     assert not engine.has_unfinished_requests()
     return outputs
 
@@ -129,6 +130,19 @@ def test_each_step_takes_its_share_of_the_decodes():
     assert sizes[0] == 8 and max(sizes[1:]) == 4 and sizes.count(4) >= 8
 
 
+class InFlightPreemptions:
+    """Counts the preemptions (through `engine`'s scheduler) of requests with a token in flight."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.count = 0
+        self._preempt = engine.scheduler.preempt
+        engine.scheduler.preempt = self
+
+    def __call__(self, request, keep_resident=False):
+        self.count += request.num_pending_tokens > 0
+        return self._preempt(request, keep_resident)
+
+
 def test_requests_preempted_with_a_token_in_flight_wait_for_it():
     """A pool of 8 blocks for 6 requests preempts often, and with 3 steps in flight the newest
     running request (FCFS's victim) often has its token in one of them: it must not run again
@@ -137,19 +151,13 @@ def test_requests_preempted_with_a_token_in_flight_wait_for_it():
     for seed in range(40):
         rng = random.Random(seed)
         engine, _ = make_engine(num_blocks=8, depth=3, budget=6, max_seqs=4)
-        preempt = engine.scheduler.preempt
-
-        def spy(request, keep_resident=False, preempt=preempt):
-            nonlocal preempted_in_flight
-            preempted_in_flight += request.num_pending_tokens > 0
-            return preempt(request, keep_resident)
-
-        engine.scheduler.preempt = spy
+        spy = InFlightPreemptions(engine)
         prompts = [[rng.randrange(1, 60) for _ in range(rng.randint(1, 14))] for _ in range(6)]
         outputs = run(engine, prompts, [rng.randint(1, 8) for _ in prompts])
         assert len(outputs) == 6 and engine.kv.num_used_blocks == 0
         for request in engine.requests.values():
             assert_replays(request)
+        preempted_in_flight += spy.count
     assert preempted_in_flight > 0
 
 
@@ -159,7 +167,33 @@ def test_policies_that_keep_more_state_refuse_an_asynchronous_pipeline():
         make_scheduler(config, BlockPool(8, BLOCK))
 
 
-class InFlightMachine(RuleBasedStateMachine):
+class StepsInFlightRules(RuleBasedStateMachine):
+    """The rules an engine with steps in flight shares with its variants (test_async_scheduling):
+    aborts of live requests and runs of steps, in any order among the arrivals a subclass adds;
+    at the end, every request drains and the pool is empty."""
+
+    engine: Engine
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = sorted(r.request_id for r in self.engine.requests.values() if not r.is_finished)
+        if live:
+            self.engine.abort_request(data.draw(st.sampled_from(live)))
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            self.engine.step()
+
+    def teardown(self):
+        for _ in range(5_000):
+            if not self.engine.has_unfinished_requests():
+                break
+            self.engine.step()
+        assert not self.engine.has_unfinished_requests() and self.engine.kv.num_used_blocks == 0
+
+
+class InFlightMachine(StepsInFlightRules):
     """Arrivals, aborts and steps in any order, with a pool small enough to preempt requests
     whose tokens are in flight; after every step the KV pool is consistent, no request waits
     for two tokens at once, and every token any request holds is the model's."""
@@ -176,17 +210,6 @@ class InFlightMachine(RuleBasedStateMachine):
         self.engine.add_request([(self.next_id * 5 + j) % 60 + 1 for j in range(prompt_len)],
                                 SamplingParams(max_tokens=max_tokens, ignore_eos=True), rid)
 
-    @rule(data=st.data())
-    def abort(self, data):
-        live = sorted(r.request_id for r in self.engine.requests.values() if not r.is_finished)
-        if live:
-            self.engine.abort_request(data.draw(st.sampled_from(live)))
-
-    @rule(steps=st.integers(1, 4))
-    def step(self, steps):
-        for _ in range(steps):
-            self.engine.step()
-
     @invariant()
     def consistent(self):
         engine = self.engine
@@ -201,11 +224,7 @@ class InFlightMachine(RuleBasedStateMachine):
             assert_replays(request)
 
     def teardown(self):
-        for _ in range(5_000):
-            if not self.engine.has_unfinished_requests():
-                break
-            self.engine.step()
-        assert not self.engine.has_unfinished_requests() and self.engine.kv.num_used_blocks == 0
+        super().teardown()
         for request in self.engine.requests.values():
             assert_replays(request)
 

@@ -19,7 +19,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, rule
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.builder import EngineArgs, build_engine
@@ -31,7 +31,8 @@ from nanoserve.model.runner import Executor, ExecutorOutput, ModelRunner
 from nanoserve.sched import SchedulerOutput, make_scheduler
 
 from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
-from test_async_pipeline import next_token
+from test_async_pipeline import InFlightPreemptions, StepsInFlightRules, next_token
+from test_async_pipeline import run as serve
 from test_invariance import assert_close_greedy
 
 BLOCK = 4
@@ -100,17 +101,7 @@ def assert_replays(request) -> None:
 
 
 def run(engine, prompts, max_tokens):
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(prompt, SamplingParams(max_tokens=n), f"r{i}")
-    outputs = {}
-    for _ in range(3_000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = (out.token_ids, out.finish_reason)
-    assert not engine.has_unfinished_requests()
-    return outputs
+    return serve(engine, prompts, max_tokens, ignore_eos=False)  # the stop tokens end requests
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -167,23 +158,17 @@ def test_preempted_requests_with_a_token_in_flight_wait_for_it():
     for seed in range(30):
         rng = random.Random(seed)
         engine, _ = make_engine(num_blocks=8, budget=6, max_seqs=4)
-        preempt = engine.scheduler.preempt
-
-        def spy(request, keep_resident=False, preempt=preempt):
-            nonlocal preempted_in_flight
-            preempted_in_flight += request.num_pending_tokens > 0
-            return preempt(request, keep_resident)
-
-        engine.scheduler.preempt = spy
+        spy = InFlightPreemptions(engine)
         prompts = [[rng.randrange(1, 60) for _ in range(rng.randint(1, 14))] for _ in range(6)]
         sync, _ = make_engine(asynchronous=False, num_blocks=8, budget=6, max_seqs=4)
         max_tokens = [rng.randint(1, 8) for _ in prompts]
         assert run(engine, prompts, max_tokens) == run(sync, prompts, max_tokens)
         assert engine.kv.num_used_blocks == 0
+        preempted_in_flight += spy.count
     assert preempted_in_flight > 0
 
 
-class AsyncSchedulingMachine(RuleBasedStateMachine):
+class AsyncSchedulingMachine(StepsInFlightRules):
     """Arrivals, aborts and steps in any order over a pool small enough to preempt: after every
     step the pool is consistent, no request computes past its tokens in flight, and every token
     a request holds is the model's."""
@@ -199,17 +184,6 @@ class AsyncSchedulingMachine(RuleBasedStateMachine):
         self.engine.add_request([(self.next_id * 7 + j) % 60 + 1 for j in range(prompt_len)],
                                 SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), f"r{self.next_id}")
 
-    @rule(data=st.data())
-    def abort(self, data):
-        live = sorted(r.request_id for r in self.engine.requests.values() if not r.is_finished)
-        if live:
-            self.engine.abort_request(data.draw(st.sampled_from(live)))
-
-    @rule(steps=st.integers(1, 4))
-    def step(self, steps):
-        for _ in range(steps):
-            self.engine.step()
-
     @invariant()
     def consistent(self):
         engine = self.engine
@@ -222,11 +196,7 @@ class AsyncSchedulingMachine(RuleBasedStateMachine):
             assert_replays(request)
 
     def teardown(self):
-        for _ in range(5_000):
-            if not self.engine.has_unfinished_requests():
-                break
-            self.engine.step()
-        assert not self.engine.has_unfinished_requests() and self.engine.kv.num_used_blocks == 0
+        super().teardown()
         assert not any(self.pipeline.drawn.values())
 
 
