@@ -79,8 +79,8 @@ class PeerStage(nn.Module):
         super().__init__()
         self.peer, self.layer = peer, layer  # LayerPeer is no nn.Module: its weights stay out of the model
 
-    def forward(self, *args: object) -> torch.Tensor:
-        return self.peer.run(self.layer, *args)
+    def forward(self, *args: object) -> object:
+        return self.peer.run(self.layer, *args)  # whatever the layer returns (Llama's: x, residual)
 
 
 class LayerPeer:
@@ -203,7 +203,7 @@ class LayerPeer:
         self._ctx_in = self._ctx_out = None
 
     # -- the forward pass of a dropped layer ---------------------------------------------------
-    def run(self, layer: int, *args: object) -> torch.Tensor:
+    def run(self, layer: int, *args: object) -> object:
         args = tuple(self._context(a) if isinstance(a, ForwardContext) else a for a in args)
         return self._replicas[layer](*args)
 

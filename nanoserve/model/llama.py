@@ -83,17 +83,28 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden state after this layer is `x + residual` (just `x` where `residual` is
+        None), in and out: with the fused ops a layer hands on its MLP's output and the residual
+        stream apart, so the next layer's first norm adds them in the same kernel (vLLM's
+        layout) and no layer ends on an add of its own."""
         fused = ctx.backend.fused
         if fused is None:
+            if residual is not None:
+                x = x + residual
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        # The same layer in fewer launches (kernels/fused.py): the first norm in one kernel, the
-        # residual add and the second norm in another.
+            return x + self.mlp(self.post_attention_layernorm(x)), None
+        # The same layer in fewer launches (kernels/fused.py): each norm in one kernel with the
+        # residual add before it.
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        attended = self.self_attn(fused.rms_norm(x, norm1.weight, norm1.eps), cos, sin, ctx)
-        normed, x = fused.add_rms_norm(attended, x, norm2.weight, norm2.eps)
-        return x + self.mlp(normed, fused)
+        if residual is None:
+            normed, residual = fused.rms_norm(x, norm1.weight, norm1.eps), x
+        else:
+            normed, residual = fused.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        attended = self.self_attn(normed, cos, sin, ctx)
+        normed, residual = fused.add_rms_norm(attended, residual, norm2.weight, norm2.eps)
+        return self.mlp(normed, fused), residual
 
 
 class LlamaModel(nn.Module):
@@ -114,12 +125,15 @@ class LlamaModel(nn.Module):
         ids, holds only its own layers, and only the last stage keeps the final norm."""
         x = self.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.rotary(positions)
+        residual = None
         for i, layer in enumerate(self.layers):
             if isinstance(layer, MissingLayer):
                 continue
-            x = layer(x, cos, sin, ctx)
+            x, residual = layer(x, cos, sin, ctx, residual)
             if self.safe_point is not None:
                 self.safe_point(i + 1)
+        if residual is not None:
+            x = x + residual
         return x if self.norm is None else self.norm(x)
 
 
