@@ -10,6 +10,7 @@ launchers, so the model runs either set the same way (AttentionBackend.fused):
     rms_norm(x, w, eps)              y = w * (x / rms(x))
     add_rms_norm(x, r, w, eps)       h = r + x;  (rms_norm(h), h)
     rope(q, k, cos, sin)             rotate-half RoPE of q and k, into new tensors
+    rope_store(q, k, v, ..., slots)  the same, k and v written to their KV cache slots
     silu_and_mul(gate_up)            silu(gate) * up
 
 The C code takes fp32 and bf16 CPU tensors (others run the PyTorch reference). The library is built
@@ -27,7 +28,8 @@ import torch
 
 from kernels import cpu_build
 from kernels.fused_ops import (
-    FusedOps, add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference,
+    FusedOps, add_rms_norm_reference, rms_norm_reference, rope_reference, rope_store_reference,
+    silu_and_mul_reference,
 )
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -35,7 +37,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_P] * 5 + [_I] * 6 + [_F],
-    "rope": [_P] * 6 + [_I] * 9,
+    "rope": [_P] * 6 + [_I] * 9 + [_P] * 3 + [_I] * 6,
     "silu_mul": [_P] * 2 + [_I] * 4,
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -104,8 +106,28 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     k_out = torch.empty((tokens, k_heads, head_dim), dtype=k.dtype)
     _fn("rope", q.dtype)(q_out.data_ptr(), k_out.data_ptr(), q.data_ptr(), k.data_ptr(), cos.data_ptr(),
                          sin.data_ptr(), tokens, q_heads, k_heads, head_dim // 2, q.stride(0), q.stride(1),
-                         k.stride(0), k.stride(1), cos.stride(0))
+                         k.stride(0), k.stride(1), cos.stride(0), None, None, None, 0, 0, 1, 0, 0, 0)
     return q_out, k_out
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rope`, with the rotated k and v written to the caches at `slot_mapping` (negative: not
+    written) instead of returned; returns the rotated q."""
+    if (not _native(q, k, v, k_cache, v_cache) or cos.device.type != "cpu" or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(3) != 1):
+        return rope_store_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    tokens, q_heads, head_dim = q.shape
+    q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype)
+    _fn("rope", q.dtype)(q_out.data_ptr(), k_cache.data_ptr(), q.data_ptr(), k.data_ptr(), cos.data_ptr(),
+                         sin.data_ptr(), tokens, q_heads, k.shape[1], head_dim // 2, q.stride(0), q.stride(1),
+                         k.stride(0), k.stride(1), cos.stride(0), slots.data_ptr(), v.data_ptr(),
+                         v_cache.data_ptr(), v.stride(0), v.stride(1), k_cache.shape[1], k_cache.stride(0),
+                         k_cache.stride(1), k_cache.stride(2))
+    return q_out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -125,4 +147,4 @@ def cpu_fused_ops() -> FusedOps | None:
     return CPU_FUSED if _library() is not None else None
 
 
-CPU_FUSED = FusedOps(rms_norm, add_rms_norm, rope, silu_and_mul)
+CPU_FUSED = FusedOps(rms_norm, add_rms_norm, rope, silu_and_mul, rope_store)

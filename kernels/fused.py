@@ -10,6 +10,8 @@ decode step at batch 64). Here each of those becomes one kernel:
     rms_norm(x, w)              y = w * (x / rms(x))                                  1 launch
     add_rms_norm(a, r, w)       h = r + a;  y = w * (h / rms(h));  returns (y, h)    1 launch
     rope(q, k, cos, sin)        rotate-half RoPE of q and k, into new tensors         1 launch
+    rope_store(q, k, v, ...)    the same, k and v written to their KV cache slots     1 launch
+                                (the layer's store_kv launch is gone)
     silu_and_mul(gate_up)       silu(gate) * up, gate and up the two halves           1 launch
 
 Numerics follow the PyTorch code they replace (nanoserve/model/layers.py, llama.py), rounding
@@ -52,8 +54,12 @@ def _rms_norm_kernel(out, resid_out, x, residual, weight, stride_x, stride_r, st
 
 @triton.jit
 def _rope_kernel(q_out, k_out, q, k, cos, sin, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                 stride_cos, num_q_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Program (token, head): heads 0..num_q_heads-1 of q, then k's."""
+                 stride_cos, num_q_heads, v, v_cache, slot_mapping, stride_v_tok, stride_v_head,
+                 stride_c_block, stride_c_slot, stride_c_head,
+                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Program (token, head): heads 0..num_q_heads-1 of q, then k's. With STORE, `k_out` is the K
+    cache: a k head goes to its token's slot (none for a negative slot), and v's head of the
+    same index to the V cache (both caches with the `stride_c_*` strides)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, HALF_PAD)
@@ -66,7 +72,17 @@ def _rope_kernel(q_out, k_out, q, k, cos, sin, stride_q_tok, stride_q_head, stri
     else:
         kh = head - num_q_heads
         src = k + token * stride_k_tok + kh * stride_k_head
-        dst = k_out + (token * (tl.num_programs(1) - num_q_heads) + kh) * (2 * HALF)
+        if STORE:
+            slot = tl.load(slot_mapping + token).to(tl.int64)
+            mask = mask & ((dims * 0 + slot) >= 0)  # a padding token (negative slot) writes nothing
+            slot = tl.maximum(slot, 0)
+            at = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot + kh * stride_c_head
+            dst = k_out + at
+            v_src = v + token * stride_v_tok + kh * stride_v_head
+            tl.store(v_cache + at + dims, tl.load(v_src + dims, mask=mask), mask=mask)
+            tl.store(v_cache + at + HALF + dims, tl.load(v_src + HALF + dims, mask=mask), mask=mask)
+        else:
+            dst = k_out + (token * (tl.num_programs(1) - num_q_heads) + kh) * (2 * HALF)
     x1 = tl.load(src + dims, mask=mask, other=0.0)
     x2 = tl.load(src + HALF + dims, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
@@ -123,9 +139,33 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
         cos, sin = cos.contiguous(), sin.contiguous()
         half = head_dim // 2
         _rope_kernel[(tokens, q_heads + k_heads)](q_out, k_out, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0),
-                                                  k.stride(1), cos.stride(0), q_heads, HALF=half,
-                                                  HALF_PAD=triton.next_power_of_2(half))
+                                                  k.stride(1), cos.stride(0), q_heads, k, k, cos, 0, 0, 0, 0, 0,
+                                                  HALF=half, HALF_PAD=triton.next_power_of_2(half), STORE=False,
+                                                  BLOCK_SIZE=1)
     return q_out, k_out
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rope`, with the rotated k and v written to the caches ([blocks, block_size, kv_heads,
+    head_dim], one layout for both) at `slot_mapping` instead of returned; returns the rotated q."""
+    tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        if v.stride(2) != 1:
+            v = v.contiguous()
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+            raise ValueError("the K and V caches must share one layout with a contiguous head_dim")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        half = head_dim // 2
+        _rope_kernel[(tokens, q_heads + k_heads)](q_out, k_cache, q, k, cos, sin, q.stride(0), q.stride(1),
+                                                  k.stride(0), k.stride(1), cos.stride(0), q_heads, v, v_cache,
+                                                  slot_mapping, v.stride(0), v.stride(1), k_cache.stride(0),
+                                                  k_cache.stride(1), k_cache.stride(2), HALF=half,
+                                                  HALF_PAD=triton.next_power_of_2(half), STORE=True,
+                                                  BLOCK_SIZE=k_cache.shape[1])
+    return q_out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -139,4 +179,4 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-TRITON_FUSED = FusedOps(rms_norm, add_rms_norm, rope, silu_and_mul)
+TRITON_FUSED = FusedOps(rms_norm, add_rms_norm, rope, silu_and_mul, rope_store)

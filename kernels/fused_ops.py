@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.reference import store_kv
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
@@ -31,6 +33,15 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return rotate(q), rotate(k)
 
 
+def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """RoPE of q and k, then the rotated k and v written to their cache slots (kernels/
+    reference.store_kv: a negative slot is not written); returns the rotated q."""
+    q_rot, k_rot = rope_reference(q, k, cos, sin)
+    store_kv(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
+
+
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -44,3 +55,6 @@ class FusedOps(NamedTuple):
     add_rms_norm: object
     rope: object
     silu_and_mul: object
+    # RoPE with the KV store in the same pass (ours): the rotated k goes straight to its cache
+    # slot, v beside it, so a layer has no store_kv kernel of its own.
+    rope_store: object

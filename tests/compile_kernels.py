@@ -73,8 +73,11 @@ def variants():
             yield (f"rms_norm {dtype}{' + residual' if residual else ''}", fused._rms_norm_kernel,
                    dict(out=dtype, resid_out=dtype, x=dtype, residual=dtype, weight=dtype),
                    dict(HAS_RESIDUAL=residual, BLOCK=1024), {})
-        yield (f"rope {dtype}", fused._rope_kernel, dict(q_out=dtype, k_out=dtype, q=dtype, k=dtype, cos="fp32",
-                                                         sin="fp32"), dict(HALF=64, HALF_PAD=64), {})
+        for store_kv in (False, True):
+            yield (f"rope {dtype}{' + store' if store_kv else ''}", fused._rope_kernel,
+                   dict(q_out=dtype, k_out=dtype, q=dtype, k=dtype, cos="fp32", sin="fp32", v=dtype, v_cache=dtype,
+                        slot_mapping="i64" if store_kv else "fp32"),
+                   dict(HALF=64, HALF_PAD=64, STORE=store_kv, BLOCK_SIZE=16 if store_kv else 1), {})
         yield (f"silu_and_mul {dtype}", fused._silu_and_mul_kernel, dict(out=dtype, gate_up=dtype),
                dict(BLOCK=4096), {})
 

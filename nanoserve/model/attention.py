@@ -87,13 +87,21 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim]. Returns q's shape."""
         num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ctx.backend.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        k_cache, v_cache = self.cache(ctx)
+        ctx.backend.store_kv(k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                             v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache, ctx.slot_mapping)
+        return self.attend(q.view(num_tokens, self.num_heads, self.head_dim), ctx)
+
+    def cache(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (K, V) cache, for a caller that stores the step's K/V itself (a fused
+        RoPE + store kernel) and then calls `attend`."""
+        return ctx.kv_caches[self.layer_idx]
+
+    def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q: [T, num_heads, head_dim], the step's K/V already in the cache. Returns [T, num_heads * head_dim]."""
+        k_cache, v_cache = self.cache(ctx)
         out = ctx.backend.paged_attention(
             q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
             ctx.directions, self.scale,
         )
-        return out.view(num_tokens, self.num_heads * self.head_dim)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)

@@ -51,11 +51,15 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.normalize_qk(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim))
         fused = ctx.backend.fused
-        q, k = fused.rope(q, k, cos, sin) if fused is not None else (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
-        # v stays a strided view of the fused projection's output: the backends' store_kv reads
-        # rows at any stride, and a copy would be one more kernel a layer.
-        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, ctx)
-        return self.o_proj(out)
+        if fused is not None:
+            # RoPE and the KV store in one kernel (kernels/fused.py's rope_store), then attention
+            # over the cache. v stays a strided view of the fused projection's output.
+            k_cache, v_cache = self.attn.cache(ctx)
+            q = fused.rope_store(q, k, v.view(n, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache,
+                                 ctx.slot_mapping)
+            return self.o_proj(self.attn.attend(q, ctx))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, ctx))
 
 
 class LlamaMLP(nn.Module):
