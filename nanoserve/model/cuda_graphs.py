@@ -1,6 +1,6 @@
 """CUDA graphs for engine steps (vLLM's CUDA-graph runner, nano-vllm's `capture_cudagraph`).
 
-A step of a small model is bound by the CPU launching its kernels, not by the GPU: about 13
+A step of a small model is bound by the CPU launching its kernels, not by the GPU: about 9
 launches per layer with the fused ops (45 without), each tens of microseconds of Python and
 driver on the host. Measured on an H200 (benchmarks/RESULTS.md): a 1B-shaped model's eager decode
 step at batch 64 took 11-17 ms against a 0.97 ms HBM roofline. A CUDA graph records one step's
