@@ -70,6 +70,23 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     assert unseeded[0].token_ids != unseeded[1].token_ids  # 16 random tokens colliding is vanishingly rare
 
 
+def test_generate_builds_outputs_only_for_finished_requests_and_streams_again_after(llm, monkeypatch):
+    """`LLM.generate` returns finished requests only, so its engine builds no per-token output;
+    a stream driven by hand afterwards (or after a failed generate) gets every delta again."""
+    built = []
+    output = llm.engine._output
+    monkeypatch.setattr(llm.engine, "_output", lambda request, new_tokens=0: (built.append(request.is_finished),
+                                                                               output(request, new_tokens))[1])
+    outs = llm.generate(["Hello", "The sea"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [9, 9] and built == [True, True]
+    monkeypatch.setattr(llm.engine, "step", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.engine.stream_outputs and len(stream(llm.engine, "Hi", SamplingParams(max_tokens=4, ignore_eos=True))) == 4
+
+
 def test_abort_frees_blocks(llm):
     engine = llm.engine
     request = engine.add_request("A long story begins", SamplingParams(max_tokens=200, ignore_eos=True))
