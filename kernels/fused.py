@@ -149,14 +149,18 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """`rope`, with the rotated k and v written to the caches ([blocks, block_size, kv_heads,
     head_dim], one layout for both) at `slot_mapping` instead of returned; returns the rotated q."""
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:  # one kernel needs one layout
+        from kernels.store_kv import store_kv
+
+        q_out, k_out = rope(q, k, cos, sin)
+        store_kv(k_out, v, k_cache, v_cache, slot_mapping)
+        return q_out
     tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens:
         if v.stride(2) != 1:
             v = v.contiguous()
-        if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-            raise ValueError("the K and V caches must share one layout with a contiguous head_dim")
         cos, sin = cos.contiguous(), sin.contiguous()
         half = head_dim // 2
         _rope_kernel[(tokens, q_heads + k_heads)](q_out, k_cache, q, k, cos, sin, q.stride(0), q.stride(1),

@@ -59,3 +59,22 @@ def test_rope_store_equals_rope_then_store(rope_store, device, tokens, heads, dt
     close(q_out, q_ref)
     close(caches[0], ref_caches[0])
     assert torch.equal(caches[1], ref_caches[1])  # v is copied, not computed
+
+
+@pytest.mark.parametrize("rope_store, device", list(implementations()))
+def test_caches_of_two_layouts_take_the_two_step_path(rope_store, device):
+    """A K and a V cache with different strides cannot share one kernel's addressing: RoPE and
+    the store run apart, with the same result."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, h, 16, generator=g).to(device) for h in (4, 2, 2))
+    angles = torch.rand(3, 8, generator=g).to(device)
+    slots = torch.tensor([5, -1, 2], device=device)
+    k_cache = torch.zeros(BLOCKS, BLOCK_SIZE, 2, 16, device=device)
+    v_cache = torch.zeros(BLOCKS, BLOCK_SIZE, 4, 16, device=device)[:, :, :2]  # two heads of four: other strides
+    ref = [torch.zeros(BLOCKS, BLOCK_SIZE, 2, 16, device=device) for _ in range(2)]
+    q_out = rope_store(q, k, v, angles.cos(), angles.sin(), k_cache, v_cache, slots)
+    q_ref = rope_store_reference(q, k, v, angles.cos(), angles.sin(), *ref, slots)
+    close(q_out, q_ref)
+    close(k_cache, ref[0])
+    assert torch.equal(v_cache, ref[1])
+
