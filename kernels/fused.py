@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused_ops import FusedOps
+from kernels.store_kv import store_kv
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -150,8 +151,6 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     """`rope`, with the rotated k and v written to the caches ([blocks, block_size, kv_heads,
     head_dim], one layout for both) at `slot_mapping` instead of returned; returns the rotated q."""
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:  # one kernel needs one layout
-        from kernels.store_kv import store_kv
-
         q_out, k_out = rope(q, k, cos, sin)
         store_kv(k_out, v, k_cache, v_cache, slot_mapping)
         return q_out

@@ -122,13 +122,13 @@ class PreparedBatch:
     positions: torch.Tensor
     ctx: ForwardContext
     sample_rows: list[int]  # flat-batch rows whose logits are sampled, one per sampling chunk
-    sample_index: torch.Tensor | None = None  # the same rows on the device (gather without a sync)
+    sample_index: torch.Tensor  # the same rows on the device (gather without a sync)
 
     def sampled(self, hidden: torch.Tensor) -> torch.Tensor:
         """The sampling rows of `hidden`. Indexing a CUDA tensor with a Python list copies the
         list from pageable memory, which can stall the CPU until the GPU catches up; the
         index travelled with the step's other inputs instead."""
-        return hidden[self.sample_rows] if self.sample_index is None else hidden.index_select(0, self.sample_index)
+        return hidden.index_select(0, self.sample_index)
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
@@ -267,7 +267,6 @@ class ModelRunner(Executor):
             seq_lens.append(chunk.end)
             if chunk.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
-        pinned = self.device.type == "cuda"
         tables = self.block_tables.table([(c.request.request_id, c.block_table) for c in batch.chunks])
         tensor = self._to_device
 
@@ -285,8 +284,7 @@ class ModelRunner(Executor):
         ids = tensor(input_ids, torch.int64)
         if fed_rows:
             self._feed(ids, fed_rows, fed_from)
-        return PreparedBatch(ids, tensor(positions, torch.int64), ctx, sample_rows,
-                             tensor(sample_rows, torch.int64) if pinned and sample_rows else None)
+        return PreparedBatch(ids, tensor(positions, torch.int64), ctx, sample_rows, tensor(sample_rows, torch.int64))
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A step input on the device. On CUDA from page-locked memory, so the non-blocking
@@ -387,9 +385,8 @@ class ModelRunner(Executor):
         if graph == "decode":
             logits = self.graphs.replay(prepared.ctx, prepared.input_ids, prepared.positions)
         elif graph == "mixed":
-            rows = (prepared.sample_index if prepared.sample_index is not None
-                    else torch.tensor(prepared.sample_rows, dtype=torch.int64, device=self.device))
-            logits = self.graphs.replay_mixed(prepared.ctx, prepared.input_ids, prepared.positions, rows)
+            logits = self.graphs.replay_mixed(prepared.ctx, prepared.input_ids, prepared.positions,
+                                              prepared.sample_index)
             if not sampling:
                 return LaunchedStep()
         else:
