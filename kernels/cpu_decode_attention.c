@@ -21,6 +21,18 @@ static inline void prefetch(const void *start, size_t bytes) {
     for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch((const char *)start + offset);
 }
 
+/* The element offset of position p's cache row (every KV head's K, or V: `row` elements of
+ * `elem` bytes) in `cache`: block table[p / B], slot p % B, or B - 1 - p % B for a right-to-left
+ * sequence. At a block's first position the next block is prefetched: a jump the hardware
+ * prefetcher misses. */
+static inline int64_t token_row(const void *cache, const int32_t *table, int64_t p, int64_t len, int64_t B,
+                                int flip, int64_t row, size_t elem) {
+    if (p % B == 0 && p + B < len)
+        prefetch((const char *)cache + (size_t)table[p / B + 1] * B * row * elem, B * row * elem);
+    const int64_t slot = flip ? B - 1 - p % B : p % B;
+    return ((int64_t)table[p / B] * B + slot) * row;
+}
+
 typedef struct {
     int64_t num_rows;        /* decode rows to compute */
     const int32_t *rows;     /* [num_rows] each one's row in q and out */
@@ -60,10 +72,7 @@ typedef struct {
                 for (int64_t d = 0; d < D; d++) acc[j * D + d] = 0.0f;                               \
             }                                                                                        \
             for (int64_t p = 0; p < len; p++) {                                                      \
-                const int64_t slot = flip ? B - 1 - p % B : p % B;                                   \
-                const T *kp = k + ((int64_t)table[p / B] * B + slot) * Hkv * D;                      \
-                if (p % B == 0 && p + B < len) /* the next block: a jump the prefetcher misses */    \
-                    prefetch(k + (int64_t)table[p / B + 1] * B * Hkv * D, B * Hkv * D * sizeof(T));    \
+                const T *kp = k + token_row(k, table, p, len, B, flip, Hkv * D, sizeof(T));          \
                 for (int64_t h = h0; h < h1; h++) { /* one K row, converted once, for G heads */     \
                     for (int64_t d = 0; d < D; d++) row[d] = LOAD(kp[h * D + d]);                    \
                     for (int64_t g = 0; g < G; g++) {                                                \
@@ -84,10 +93,7 @@ typedef struct {
                 for (int64_t p = 0; p < len; p++) sj[p] *= inv;                                      \
             }                                                                                        \
             for (int64_t p = 0; p < len; p++) {                                                      \
-                const int64_t slot = flip ? B - 1 - p % B : p % B;                                   \
-                const T *vp = v + ((int64_t)table[p / B] * B + slot) * Hkv * D;                      \
-                if (p % B == 0 && p + B < len) /* the next block: a jump the prefetcher misses */    \
-                    prefetch(v + (int64_t)table[p / B + 1] * B * Hkv * D, B * Hkv * D * sizeof(T));    \
+                const T *vp = v + token_row(v, table, p, len, B, flip, Hkv * D, sizeof(T));          \
                 for (int64_t h = h0; h < h1; h++) { /* one V row, converted once, for G heads */     \
                     for (int64_t d = 0; d < D; d++) row[d] = LOAD(vp[h * D + d]);                    \
                     for (int64_t g = 0; g < G; g++) {                                                \
