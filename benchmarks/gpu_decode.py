@@ -80,8 +80,9 @@ def decode(args) -> dict:
         engine.step()
         times.append(time.perf_counter() - t)
     phases.remove()
-    if engine.stats().num_running < args.batch:
-        raise RuntimeError(f"only {engine.stats().num_running} of {args.batch} requests fit: raise --kv-cache-tokens")
+    running = engine.stats().num_running
+    if running < args.batch:
+        raise RuntimeError(f"only {running} of {args.batch} requests fit: raise --kv-cache-tokens")
     model = engine.executor.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     token_bytes = kv_block_bytes(EngineArgs(), cfg, torch.bfloat16) // 16

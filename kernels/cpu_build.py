@@ -49,14 +49,19 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def torch_libgomp() -> str | None:
-    """The path of the libgomp PyTorch loaded (Linux), or None (another OpenMP, or none)."""
-    torch.ones(1)
+def loaded_libgomps() -> set[str]:
+    """The libgomp files mapped into this process (Linux; empty where /proc cannot be read)."""
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
-        return None
-    paths = {line.split()[-1] for line in maps if "libgomp" in line and line.split()[-1].startswith("/")}
+        return set()
+    return {line.split()[-1] for line in maps if "libgomp" in line and line.split()[-1].startswith("/")}
+
+
+def torch_libgomp() -> str | None:
+    """The path of the libgomp PyTorch loaded (Linux), or None (another OpenMP, or none)."""
+    torch.ones(1)
+    paths = loaded_libgomps()
     return min(paths) if paths else None
 
 

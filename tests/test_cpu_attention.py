@@ -100,8 +100,7 @@ def test_c_kernel_shares_torchs_openmp_runtime():
     """The kernel's parallel regions must run on PyTorch's libgomp, not a second copy with its
     own thread pools (nanoserve/async_engine.py says what two pools cost): one libgomp mapped."""
     cpu_decode_attention.available()
-    maps = Path("/proc/self/maps").read_text().splitlines()
-    loaded = {line.split()[-1] for line in maps if "libgomp" in line and line.split()[-1].startswith("/")}
+    loaded = cpu_build.loaded_libgomps()
     assert len(loaded) == 1, loaded
 
 
