@@ -318,8 +318,7 @@ class Engine:
             # The pipeline failed (a worker is gone): what was in flight never comes back. The
             # caller aborts the requests; nothing may wait for their tokens.
             for batch in self._in_flight:
-                for chunk in batch.chunks:
-                    chunk.request.num_pending_tokens -= chunk.samples
+                self.scheduler.update_after_landing(batch)
             self._in_flight.clear()
             pipeline.discard_in_flight()
             raise

@@ -173,7 +173,7 @@ class StepGraphs:
         return self._replays[bucket]()
 
     def _write_tokens(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
-                      padded: int) -> int:
+                      padded: int) -> None:
         """Copy the step's per-token inputs into the static buffers, padded to `padded` tokens."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids)
@@ -183,7 +183,6 @@ class StepGraphs:
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
             self.slot_mapping[n:padded].fill_(-1)
-        return n
 
     def _write_sequences(self, ctx: ForwardContext) -> int:
         s, width = ctx.block_tables.shape

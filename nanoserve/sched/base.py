@@ -173,7 +173,8 @@ class Scheduler(ABC):
                 chunk.request.num_pending_tokens += 1
 
     def update_after_landing(self, output: SchedulerOutput) -> None:
-        """The step's sampled tokens are back (the engine appends them next)."""
+        """The step's sampled tokens are back (the engine appends them next), or will never
+        come (the pipeline failed): either way none of them is pending any more."""
         for chunk in output.chunks:
             if chunk.samples:
                 chunk.request.num_pending_tokens -= 1
