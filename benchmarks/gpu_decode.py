@@ -13,9 +13,11 @@ With `--async-scheduling` the engine keeps two steps in flight (vLLM v1's asynch
 scheduling): a step's host work (scheduling, preparing, post-processing) runs while the GPU runs
 the step before, so the timed step approaches the forward's GPU time.
 
-Serve: the engine sizes its KV cache itself (weights loaded first, then a profiling forward) and
-serves `serve` requests (prompts 64-512 tokens, outputs 64-256, greedy, EOS ignored); it reports
-the start-up time, the KV cache, throughput and the peak memory.
+Serve: the engine sizes its KV cache itself (weights loaded first, then a profiling forward and
+its CUDA graphs recorded over a small cache) and serves `serve` requests (prompts 64-512 tokens,
+outputs 64-256, greedy, EOS ignored); it reports the start-up time, the KV cache, throughput, the
+peak memory and what share of the device the built engine took (`--mixed-graphs`,
+`--async-scheduling`, `--eager` as for decode).
 """
 from __future__ import annotations
 
@@ -232,8 +234,10 @@ def serve(args) -> dict:
     cfg = load_config(Path(args.model))
     free0, total = torch.cuda.mem_get_info()
     start = time.perf_counter()
-    llm = LLM(args.model, device="cuda", dtype="bfloat16")
+    llm = LLM(args.model, device="cuda", dtype="bfloat16", enforce_eager=args.eager,
+              async_scheduling=args.async_scheduling, mixed_graphs=args.mixed_graphs)
     startup = time.perf_counter() - start
+    graphs = llm.engine.executor.graphs
     stats = llm.engine.stats()
     token_bytes = kv_block_bytes(EngineArgs(), cfg, torch.bfloat16) // 16
     free1, _ = torch.cuda.mem_get_info()
@@ -251,6 +255,11 @@ def serve(args) -> dict:
             "kv_gib": round(stats.kv_blocks_total * 16 * token_bytes / 2**30, 2),
             "device_gib": round(total / 2**30, 1), "free_before_gib": round(free0 / 2**30, 1),
             "free_after_build_gib": round(free1 / 2**30, 1),
+            # what the engine took, graphs and all, against gpu_memory_utilization (0.9)
+            "build_used_fraction": round((free0 - free1) / total, 3),
+            "graphs": None if graphs is None else {"decode": len(graphs.buckets), "mixed": len(graphs.mixed_sizes),
+                                                   "decode_replays": graphs.num_replays,
+                                                   "mixed_replays": graphs.num_mixed_replays},
             "max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "output_tokens": produced, "seconds": round(elapsed, 2), "tok_s": round(produced / elapsed, 1),
             "preemptions": llm.engine.stats().num_preemptions}
@@ -267,6 +276,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule and launch step n+1 while the GPU runs step n (engine.py)")
+    parser.add_argument("--mixed-graphs", action="store_true",
+                        help="serve: steps with prompt chunks through CUDA graphs too (cuda_graphs.py)")
     parser.add_argument("--kv-cache-tokens", type=int, help="KV cache size (default: sized from memory)")
     parser.add_argument("--stub-forward", action="store_true",
                         help="with --eager: no forward at all (zeros), timing the host's share of a step")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -21,7 +22,7 @@ from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import KVManager
 from nanoserve.model.attention import default_attention_backend, get_attention_backend
-from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
+from nanoserve.model.cuda_graphs import StepGraphs, decode_buckets, mixed_buckets
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_config, load_model, resolve_model_path
 from nanoserve.model.runner import Executor, ModelRunner
@@ -33,6 +34,13 @@ from nanoserve.tokenizer import Tokenizer
 CPU_KV_BYTES = 2 << 30  # default KV budget on a CPU
 CPU_KV_MAX_TOKENS = 65536  # ...capped in tokens so tiny test models do not allocate gigabytes
 GPU_ACTIVATION_RESERVE = 1 << 30  # multi-rank only (no profile there): headroom for activations
+
+
+class GraphSizes(NamedTuple):
+    """The CUDA graphs a runner records: decode batch sizes and mixed-step token counts."""
+
+    decode: tuple[int, ...]
+    mixed: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -133,19 +141,44 @@ def _blocks_in(budget: int, block_bytes: int) -> int:
 
 
 def profiled_kv_blocks(model: torch.nn.Module, cfg: ModelConfig, args: EngineArgs, device: torch.device,
-                       dtype: torch.dtype, probe: MemoryProbe) -> int:
+                       dtype: torch.dtype, probe: MemoryProbe, graphs: GraphSizes = GraphSizes((), ())) -> int:
     """vLLM's sizing (kv_sizing.py): with the weights loaded, run the largest step the scheduler
-    may build through a runner over a cache just big enough for it, then give the KV cache what
-    `gpu_memory_utilization` of the device leaves beside the peak."""
+    may build through a runner over a cache just big enough for it, record the CUDA graphs the
+    engine will record (`graphs`) over that same small cache (`graph_memory_bytes`), then give
+    the KV cache what `gpu_memory_utilization` of the device leaves beside the peak and them."""
     batch, blocks = profile_batch(args.max_num_batched_tokens, args.max_num_seqs, args.block_size, cfg.vocab_size)
     probe.reset_peak()
-    runner = ModelRunner(model, cfg, blocks, args.block_size, device, dtype, attention_backend(args, device), args.seed)
+    backend = attention_backend(args, device)
+    runner = ModelRunner(model, cfg, blocks, args.block_size, device, dtype, backend, args.seed)
     runner.execute(batch)
     snapshot = probe.snapshot()
+    graph_bytes = graph_memory_bytes(runner, cfg, args, device, backend, probe, graphs)
     del runner
+    probe.release_cached()
     # The profile's own cache is part of the peak, but the real cache replaces it: add it back.
     block_bytes = kv_block_bytes(args, cfg, dtype)
-    return _blocks_in(kv_budget_bytes(snapshot, args.gpu_memory_utilization) + blocks * block_bytes, block_bytes)
+    budget = kv_budget_bytes(snapshot, args.gpu_memory_utilization) - graph_bytes + blocks * block_bytes
+    return _blocks_in(budget, block_bytes)
+
+
+def graph_memory_bytes(runner: ModelRunner, cfg: ModelConfig, args: EngineArgs, device: torch.device,
+                       backend, probe: MemoryProbe, graphs: GraphSizes) -> int:
+    """What the engine's CUDA graphs will hold: every graph it records (`graphs`), recorded
+    here over the profile's small cache in one span, measured as the device memory that span
+    took (vLLM's CUDA-graph memory profiling: the graphs are recorded after the KV cache exists,
+    since they read its addresses, so their private pool cannot be seen by the profiling
+    forward; it is a second copy of a step's activations beside the eager steps'). Every graph
+    is recorded, not extrapolated from two: they share one pool, so the sum over sizes would
+    overstate it. 0 when no graph is recorded (enforce_eager, a CPU)."""
+    if not graphs.decode and not graphs.mixed:
+        return 0
+    longest = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    before = probe.snapshot().free
+    recorded = StepGraphs(runner.model, runner.kv_caches, backend, graphs.decode, -(-longest // args.block_size),
+                          device, mixed_sizes=graphs.mixed, max_num_seqs=args.max_num_seqs)
+    taken = max(0, before - probe.snapshot().free)
+    del recorded
+    return taken
 
 
 def host_kv_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device_blocks: int) -> int:
@@ -196,8 +229,10 @@ def build_engine(args: EngineArgs) -> Engine:
         # forward leave (kv_sizing.py), unless the user named its size.
         model, cfg = load_model(path, device, dtype)
         probe = memory_probe(device) if args.kv_cache_tokens is None and args.kv_cache_bytes is None else None
+        # The arena's runner records no graph (its layers change); any other records them.
+        graphs = GraphSizes((), ()) if kv_manager == "arena" else graph_sizes(args, device, world_size=1)
         num_blocks = (kv_cache_blocks(args, cfg, device, dtype) if probe is None
-                      else profiled_kv_blocks(model, cfg, args, device, dtype, probe))
+                      else profiled_kv_blocks(model, cfg, args, device, dtype, probe, graphs))
         host_blocks = host_kv_blocks(args, cfg, dtype, num_blocks) if kv_manager in NEEDS_HOST_STORE else None
         plan = RankPlan(args, str(path), num_blocks, host_blocks, topology)
         if kv_manager == "arena":
@@ -312,6 +347,23 @@ def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup, stage: 
     return rank_runner(plan, model, cfg, device, tp, None if layout is None else layout.layers)
 
 
+def graph_sizes(args: EngineArgs, device: torch.device, world_size: int) -> GraphSizes:
+    """The CUDA graphs a single-rank runner records (cuda_graphs.py): decode batch sizes, and
+    mixed-step token counts. On CUDA by default the decode buckets, and the mixed ones with
+    `mixed_graphs`; named sizes are recorded on any device (on a CPU without recording: tests)."""
+    if args.enforce_eager or world_size > 1:
+        return GraphSizes((), ())
+    default = tuple(decode_buckets(args.max_num_seqs)) if device.type == "cuda" else ()
+    decode = default if args.decode_graph_sizes is None else tuple(args.decode_graph_sizes)
+    if args.mixed_graph_sizes is not None:
+        mixed = tuple(args.mixed_graph_sizes)
+    elif args.mixed_graphs and device.type == "cuda":
+        mixed = tuple(mixed_buckets(args.max_num_seqs, args.max_num_batched_tokens))
+    else:
+        mixed = ()
+    return GraphSizes(decode, mixed)
+
+
 def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device: torch.device, tp: TPGroup,
                 stage_layers: range | None = None) -> ModelRunner:
     """The runner over a loaded shard: its KV cache and host store as `plan` sizes them."""
@@ -322,22 +374,14 @@ def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device
         host_store = HostKVStore(plan.host_blocks, args.block_size, cfg.num_layers,
                                  local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype,
                                  layerwise=args.layerwise_kv_copies)
-    graph_sizes: tuple[int, ...] = ()
-    mixed_sizes: tuple[int, ...] = ()
-    if not args.enforce_eager and plan.topology.world_size == 1:
-        default = tuple(decode_buckets(args.max_num_seqs)) if device.type == "cuda" else ()
-        graph_sizes = default if args.decode_graph_sizes is None else args.decode_graph_sizes
-        if args.mixed_graph_sizes is not None:
-            mixed_sizes = args.mixed_graph_sizes
-        elif args.mixed_graphs and device.type == "cuda":
-            mixed_sizes = tuple(mixed_buckets(args.max_num_seqs, args.max_num_batched_tokens))
+    decode_sizes, mixed_sizes = graph_sizes(args, device, plan.topology.world_size)
     if device.type == "cpu" and args.cpu_packed_linears and plan.topology.world_size == 1:
         pack_linear_weights(model, model.logits_head())
     longest = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                   plan.num_blocks * args.block_size)
     return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),
                        args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp,
-                       stage_layers=stage_layers, cuda_graph_sizes=graph_sizes,
+                       stage_layers=stage_layers, cuda_graph_sizes=decode_sizes,
                        max_blocks_per_seq=-(-longest // args.block_size),
                        mixed_graph_sizes=mixed_sizes, max_num_seqs=args.max_num_seqs)
 

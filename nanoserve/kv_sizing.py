@@ -5,13 +5,18 @@ profiling forward at the largest step the scheduler may build (`max_num_batched_
 over up to `max_num_seqs` sequences, each sampling), and give the KV cache what is left under
 `gpu_memory_utilization` of the device:
 
-    |<------------------------- total device memory ------------------------->|
-    |<------------- gpu_memory_utilization x total ------------->|            |
-    | other processes, | weights | activation peak | KV cache     |  headroom  |
-    | CUDA context     |<---- torch peak during the profile --->|             |
+    |<----------------------------- total device memory ------------------------------>|
+    |<------------------ gpu_memory_utilization x total ------------------->|          |
+    | other processes, | weights | activation peak | CUDA graphs | KV cache | headroom |
+    | CUDA context     |<-- torch peak, profile -->|             |          |          |
       (non-torch)
 
-    kv_bytes = utilization x total - torch peak - non-torch use
+    kv_bytes = utilization x total - torch peak - non-torch use - CUDA graphs
+
+The CUDA graphs are recorded after the KV cache exists (they read its addresses), into a pool
+of their own that the profiling forward's cached memory cannot serve: so the profile also
+records every graph the engine will record, over its small cache, and measures what that took
+(vLLM's CUDA-graph memory profiling; builder.graph_memory_bytes).
 
 Sizing before the load (what this module replaces) budgeted the free memory of an empty device,
 and the weights then landed on top: any model over a few GiB ran out of memory.
@@ -51,6 +56,9 @@ class MemoryProbe(Protocol):
 
     def snapshot(self) -> MemorySnapshot: ...
 
+    def release_cached(self) -> None:
+        """Give the allocator's cached, unused memory back to the device (after the profile)."""
+
 
 class CudaMemoryProbe:
     def __init__(self, device: torch.device):
@@ -66,6 +74,10 @@ class CudaMemoryProbe:
         free, total = torch.cuda.mem_get_info(self.device)
         return MemorySnapshot(total, free, torch.cuda.memory_reserved(self.device),
                               torch.cuda.max_memory_allocated(self.device))
+
+    def release_cached(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
 
 
 def memory_probe(device: torch.device) -> MemoryProbe | None:

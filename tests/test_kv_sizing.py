@@ -48,6 +48,9 @@ class FakeProbe:
         self.calls.append("snapshot")
         return self.snap
 
+    def release_cached(self) -> None:
+        self.calls.append("release")
+
 
 def test_build_sizes_the_cache_from_the_profile(tiny_llama_dir, monkeypatch):
     snap = MemorySnapshot(total=GiB, free=GiB // 2, torch_reserved=GiB // 4, torch_peak=GiB // 8)
@@ -71,9 +74,62 @@ def test_build_sizes_the_cache_from_the_profile(tiny_llama_dir, monkeypatch):
     assert sum(c.num_tokens for c in batch.chunks) == 64 and len(batch.chunks) == 4
     expected = (kv_budget_bytes(snap, 0.5) + profile_blocks * block_bytes) // block_bytes
     assert llm.engine.stats().kv_blocks_total == expected
-    assert probe.calls == ["reset", "snapshot"]  # the peak spans the profiling forward
+    assert probe.calls == ["reset", "snapshot", "release"]  # the peak spans the profiling forward
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+def graph_taking(probe: FakeProbe, nbytes: int, monkeypatch) -> list:
+    """Make recording StepGraphs in the builder take `nbytes` of the fake device's memory;
+    returns the sizes each recording was asked for."""
+    from dataclasses import replace
+
+    real_graphs, recorded = builder.StepGraphs, []
+
+    def taking(*args, **kwargs):
+        graphs = real_graphs(*args, **kwargs)
+        recorded.append((tuple(graphs.buckets), tuple(graphs.mixed_sizes)))
+        probe.snap = replace(probe.snap, free=probe.snap.free - nbytes)
+        return graphs
+
+    monkeypatch.setattr(builder, "StepGraphs", taking)
+    return recorded
+
+
+def test_the_cuda_graphs_memory_comes_out_of_the_cache(tiny_llama_dir, monkeypatch):
+    """The profile records the engine's graphs over its small cache and the KV cache gives up
+    what that took (here the fake device loses 5 blocks' bytes and a little more)."""
+    snap = MemorySnapshot(total=GiB, free=GiB // 2, torch_reserved=GiB // 4, torch_peak=GiB // 8)
+    probe = FakeProbe(snap)
+    monkeypatch.setattr(builder, "memory_probe", lambda device: probe)
+    cfg = load_config(tiny_llama_dir)
+    args = EngineArgs(max_num_batched_tokens=64, max_num_seqs=4)
+    block_bytes = kv_block_bytes(args, cfg, torch.float32)
+    recorded = graph_taking(probe, 5 * block_bytes + 1, monkeypatch)
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
+              gpu_memory_utilization=0.5, decode_graph_sizes=(1, 2, 4), mixed_graph_sizes=(32, 64))
+    _, profile_blocks = profile_batch(64, 4, 16, cfg.vocab_size)
+    without_graphs = (kv_budget_bytes(snap, 0.5) + profile_blocks * block_bytes) // block_bytes
+    assert llm.engine.stats().kv_blocks_total == without_graphs - 6
+    # the profile measured the very graphs the engine then recorded
+    graphs = llm.engine.executor.graphs
+    assert recorded == [((1, 2, 4), (32, 64))] == [(tuple(graphs.buckets), tuple(graphs.mixed_sizes))]
+    assert probe.calls == ["reset", "snapshot", "snapshot", "snapshot", "release"]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("engine_args", [dict(enforce_eager=True), dict(policy="kunserve", kv_manager="arena")], ids=["eager", "arena"])
+def test_no_graph_no_graph_memory(tiny_llama_dir, monkeypatch, engine_args):
+    """Nothing recorded, nothing measured: enforce_eager, and KunServe's arena (its runner's
+    layers change, so it records no graph)."""
+    snap = MemorySnapshot(total=GiB, free=GiB // 2, torch_reserved=GiB // 4, torch_peak=GiB // 8)
+    probe = FakeProbe(snap)
+    monkeypatch.setattr(builder, "memory_probe", lambda device: probe)
+    recorded = graph_taking(probe, GiB // 8, monkeypatch)
+    LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
+        gpu_memory_utilization=0.5, decode_graph_sizes=(1, 2), **engine_args)
+    assert recorded == [] and probe.calls == ["reset", "snapshot", "release"]
 
 
 def test_a_named_size_skips_the_profile(tiny_llama_dir, monkeypatch):
@@ -119,6 +175,30 @@ def test_cuda_cache_fits_under_the_utilization(tiny_llama_dir):
     assert free_before - free_after <= 0.3 * total + (1 << 28)
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_graphs_fit_under_the_utilization_too(tiny_llama_dir):
+    """Mixed-step graphs up to a large token budget hold a step's activations in their own pool:
+    the KV cache gives up what they take (fewer blocks than an eager engine's, same profile), so
+    the engine, graphs and all, stays within its share of the device."""
+    import gc
+
+    sizes = dict(gpu_memory_utilization=0.3, max_num_batched_tokens=16384, max_num_seqs=256)
+    eager = LLM(str(tiny_llama_dir), device="cuda", enforce_eager=True, **sizes)
+    eager_blocks = eager.engine.stats().kv_blocks_total
+    del eager
+    gc.collect()
+    torch.cuda.empty_cache()
+    free_before, total = torch.cuda.mem_get_info()
+    llm = LLM(str(tiny_llama_dir), device="cuda", mixed_graphs=True, **sizes)
+    free_after, _ = torch.cuda.mem_get_info()
+    assert llm.engine.executor.graphs.mixed_sizes[-1] == 16384
+    assert llm.engine.stats().kv_blocks_total < eager_blocks
+    assert free_before - free_after <= 0.3 * total + (1 << 27)
+    out = llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 4 for o in out)
 
 
 @pytest.mark.cuda
