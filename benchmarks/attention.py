@@ -185,6 +185,8 @@ def cases(smoke: bool) -> list[Case]:
         tiny = dict(heads=4, kv_heads=2, head_dim=64, block_size=16)
         return [Case("decode", 2, 40, 1, **tiny), Case("prefill", 1, 48, 16, **tiny)]
     decode = [Case("decode", b, c, 1) for b in (1, 4, 16, 64, 256) for c in (1024, 4096, 16384)]
+    # Llama-3.2-1B's layer (head_dim 64), the model of issue 22's decode-step goal (batch 64, 1k)
+    decode += [Case("decode", 64, c, 1, head_dim=64) for c in (1024, 4096)]
     prefill = [Case("prefill", 1, 2 * c, c) for c in (512, 1024, 2048, 4096)]
     return decode + prefill
 
@@ -193,13 +195,14 @@ def print_table(results: list[Result], device_name: str, dtype: torch.dtype, int
     print(f"device: {device_name}; {dtype}; {date.today().isoformat()}")
     if interpreted:
         print("(Triton interpreted on the CPU: a correctness check, its times say nothing about speed)")
-    print("| kind | batch | context | chunk | ours ms | SDPA ms | SDPA/ours | achieved | of peak | bidir/plain "
-          "| unsplit ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| kind | batch | context | chunk | head dim | ours ms | SDPA ms | SDPA/ours | achieved | of peak "
+          "| bidir/plain | unsplit ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         unit = "GB/s" if r.case.kind == "decode" else "TFLOP/s"
         peak = f"{r.fraction_of_peak:.0%}" if r.fraction_of_peak is not None else "n/a"
-        print(f"| {r.case.kind} | {r.case.batch} | {r.case.context} | {r.case.chunk} | {r.ours_ms:.3f} | "
+        print(f"| {r.case.kind} | {r.case.batch} | {r.case.context} | {r.case.chunk} | {r.case.head_dim} | "
+              f"{r.ours_ms:.3f} | "
               f"{r.peer_ms:.3f} | {r.ratio:.2f}x | {r.achieved:.1f} {unit} | {peak} | "
               f"{r.bidirectional_ms / r.ours_ms:.3f} | "
               f"{'' if r.unsplit_ms is None else f'{r.unsplit_ms:.3f}'} |")
@@ -209,31 +212,43 @@ SWEEP = {  # the tile and launch settings --sweep times, per kind of case
     "prefill": [dict(BLOCK_M=m, TILE_N=n, num_warps=w, num_stages=st)
                 for m in (64, 128) for n in (32, 64) for w in (4, 8) for st in (2, 3)],
     "decode": [dict(BLOCK_M=16, TILE_N=n, num_warps=w, num_stages=st) for n in (32, 64, 128) for w in (2, 4)
-               for st in (2, 3)],
+               for st in (2, 3, 4)],
 }
+SWEEP_SPLITS = (2, 4)  # decode: also the context cut into this many parts (split-K), default tiles
+
+
+# A prefill case and two decode cases: head_dim 128, and 64 (Llama-3.2-1B's layer, the model of
+# the decode-step goal).
+SWEEP_CASES = [Case("prefill", 1, 4096, 2048), Case("decode", 64, 1024, 1), Case("decode", 64, 1024, 1, head_dim=64)]
 
 
 def sweep(dtype: torch.dtype, device: torch.device) -> list[dict]:
     """Our kernel's time under each SWEEP setting (an error, e.g. too much shared memory, is
-    recorded as such), for two prefill and two decode cases: the data to pick defaults from."""
+    recorded as such) for each of SWEEP_CASES, decode also split (SWEEP_SPLITS): the data to
+    pick defaults from."""
     rows = []
-    for case in [Case("prefill", 1, 4096, 2048), Case("decode", 64, 1024, 1)]:
+    for case in SWEEP_CASES:
         q, k_cache, v_cache, tables, seq_lens, qsl, _, _ = paged_inputs(case, dtype, device)
         scale = case.head_dim ** -0.5
         default_ms = bench(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, None, scale),
                            device, 3)
-        for tuning in SWEEP[case.kind]:
+        settings = SWEEP[case.kind] + ([dict(num_splits=n) for n in SWEEP_SPLITS] if case.kind == "decode" else [])
+        label = f"{case.kind} {case.batch}x{case.context} head_dim {case.head_dim}"
+        for tuning in settings:
+            splits = tuning.get("num_splits")
+            launch = None if splits is not None else tuning
             try:
                 ms = bench(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, None, scale,
-                                                   tuning=tuning), device, 3)
+                                                   num_splits=splits, tuning=launch), device, 3)
             except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result
                 ms = f"{type(e).__name__}"
             rows.append(asdict(case) | {"tuning": tuning, "ms": ms, "default_ms": default_ms})
-            print(f"{case.kind} {case.batch}x{case.context}: {tuning} {ms if isinstance(ms, str) else f'{ms:.4f}'} ms "
-                  f"(default {default_ms:.4f})", flush=True)
-        best = min((r for r in rows if r["kind"] == case.kind and r["context"] == case.context
-                    and isinstance(r["ms"], float)), key=lambda r: r["ms"], default=None)
-        print(f"{case.kind} batch {case.batch} ctx {case.context}: default {default_ms:.3f} ms, best "
+            print(f"{label}: {tuning} {ms if isinstance(ms, str) else f'{ms:.4f}'} ms (default {default_ms:.4f})",
+                  flush=True)
+        timed = [r for r in rows if r["kind"] == case.kind and r["context"] == case.context
+                 and r["head_dim"] == case.head_dim and isinstance(r["ms"], float)]
+        best = min(timed, key=lambda r: r["ms"], default=None)
+        print(f"{label}: default {default_ms:.3f} ms, best "
               + ("none compiled" if best is None else f"{best['ms']:.3f} ms with {best['tuning']}"), flush=True)
     return rows
 

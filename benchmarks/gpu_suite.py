@@ -14,7 +14,8 @@ the next step runs):
     env           GPU, driver, library versions
     tests         the CUDA tests (pytest -m cuda) and the newest kernels' tests (split-K, fused), compiled
     attention     benchmarks/attention.py: decode/prefill vs SDPA and the HBM/TFLOP roofline
-    sweep         benchmarks/attention.py --sweep: tile and launch settings, for the defaults
+    sweep         benchmarks/attention.py --sweep: tile, launch and split settings, for the defaults
+                  (head_dim 128, and 64: the 1B model's decode attention)
     throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped; SmolLM2
                   again with mixed-step CUDA graphs and asynchronous scheduling
     serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests; again with
@@ -129,7 +130,7 @@ def step_kernel_tests(out: Path, options: Options) -> dict:
 
 
 def step_sweep(out: Path, options: Options) -> dict:
-    return run([sys.executable, "benchmarks/attention.py", "--sweep", str(out / "sweep.json")], 120, out / "sweep.log")
+    return run([sys.executable, "benchmarks/attention.py", "--sweep", str(out / "sweep.json")], 180, out / "sweep.log")
 
 
 def step_attention(out: Path, options: Options) -> dict:
