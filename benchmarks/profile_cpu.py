@@ -49,7 +49,7 @@ def _labelled(label: str, fn):
 def label_parts(llm: LLM) -> None:
     """Wrap the model's parts (instances and the module functions they call) in labels."""
     import nanoserve.model.llama as llama
-    from nanoserve.dist.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+    from nanoserve.model.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
     from nanoserve.model.layers import MergedLinear, RMSNorm
 
     runner = llm.engine.executor

@@ -11,8 +11,8 @@ import torch
 from kernels.cpu_linear import pack_linear_weights
 from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
 from nanoserve.dist.launch import RankPlan, Topology
-from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
-from nanoserve.dist.pipeline import partition_layers, stage_layouts
+from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
+from nanoserve.model.stages import partition_layers, stage_layouts
 from nanoserve.engine import Engine
 from nanoserve.kv_sizing import (MemoryProbe, check_host_kv_fits, host_kv_tokens_default, kv_budget_bytes,
                                  memory_probe, profile_batch)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kernels import cpu_linear
 from nanoserve import LLM, SamplingParams
-from nanoserve.dist.parallel import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 
 from test_invariance import assert_close_greedy
 

@@ -1,5 +1,5 @@
-"""Tensor and pipeline parallelism (nanoserve/dist/parallel.py, pipeline.py, executor.py,
-launch.py).
+"""Tensor and pipeline parallelism (nanoserve/model/parallel.py, stages.py; dist/pipeline.py,
+executor.py, launch.py).
 
 Two levels: in one process, each rank's shard or stage is loaded (a `TPGroup` with a rank but
 no process group: loading needs no collectives) and compared with the slices of the HF tensors
@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.dist.executor import StepMessage, WorkerFailure
-from nanoserve.dist.parallel import TPGroup, kv_head_shard, local_kv_heads
-from nanoserve.dist.pipeline import MissingLayer, partition_layers, split_microbatches, stage_layouts
+from nanoserve.model.parallel import TPGroup, kv_head_shard, local_kv_heads
+from nanoserve.model.stages import MissingLayer, partition_layers, stage_layouts
+from nanoserve.dist.pipeline import split_microbatches
 from nanoserve.memory.copies import KVCopy
 from nanoserve.model.loader import load_model
 from nanoserve.request import Request

@@ -36,7 +36,8 @@ from torch import nn
 from nanoserve.dist import p2p
 from nanoserve.dist.drop_plan import Group
 from nanoserve.dist.executor import StepMessage
-from nanoserve.dist.pipeline import LAST_STAGE_ONLY, MissingLayer, decoder_body, run_stage
+from nanoserve.model.stages import LAST_STAGE_ONLY, MissingLayer, decoder_body
+from nanoserve.dist.pipeline import run_stage
 from nanoserve.model.runner import Executor
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 

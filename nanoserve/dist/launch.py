@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.dist.channel import StepChannel
-from nanoserve.dist.parallel import TPGroup
+from nanoserve.model.parallel import TPGroup
 
 if TYPE_CHECKING:
     from nanoserve.builder import EngineArgs

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.config import ModelConfig
-from nanoserve.dist.parallel import (
+from nanoserve.model.parallel import (
     SINGLE, ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, divide, even_shard, local_kv_heads,
     qkv_shards,
 )
 from nanoserve.model.attention import ForwardContext, PagedAttention
-from nanoserve.dist.pipeline import MissingLayer
+from nanoserve.model.stages import MissingLayer
 from nanoserve.model.layers import (
     LLAMA_STACKED, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights,
 )

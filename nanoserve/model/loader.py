@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
-from nanoserve.dist.parallel import SINGLE, TPGroup
-from nanoserve.dist.pipeline import StageLayout, keep_stage
+from nanoserve.model.parallel import SINGLE, TPGroup
+from nanoserve.model.stages import StageLayout, keep_stage
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.opt import OPTForCausalLM
 from nanoserve.model.qwen2 import Qwen2ForCausalLM

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.config import ModelConfig
-from nanoserve.dist.parallel import (
+from nanoserve.model.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, divide,
     qkv_shards,
 )
 from nanoserve.model.attention import ForwardContext, PagedAttention
-from nanoserve.dist.pipeline import MissingLayer
+from nanoserve.model.stages import MissingLayer
 from nanoserve.model.layers import MergedLinear, load_named_weights
 
 POSITION_OFFSET = 2

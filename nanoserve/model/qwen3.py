@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.config import ModelConfig
-from nanoserve.dist.parallel import SINGLE, TPGroup
+from nanoserve.model.parallel import SINGLE, TPGroup
 from nanoserve.model.layers import RMSNorm
 from nanoserve.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 

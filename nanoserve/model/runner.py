@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
-from nanoserve.dist.parallel import SINGLE, TPGroup, local_kv_heads
+from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
@@ -155,7 +155,7 @@ class ModelRunner(Executor):
         `preempt_every_layers`: how often a pure-offline forward checks the preemption flag.
         `tp`: this rank's tensor-parallel group; only rank 0 samples (every rank computes the
         gathered logits, as the gather is collective). `stage_layers`: a pipeline stage's layers
-        (dist/pipeline.py), the only ones it keeps KV for. `cuda_graph_sizes`: the decode batch
+        (model/stages.py), the only ones it keeps KV for. `cuda_graph_sizes`: the decode batch
         sizes to record CUDA graphs for (cuda_graphs.py; none: every step runs eagerly), over
         block tables `max_blocks_per_seq` wide; only a single-rank runner without an arena.
         `mixed_graph_sizes`: the token counts of mixed-batch graphs over up to `max_num_seqs`
