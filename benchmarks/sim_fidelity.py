@@ -14,10 +14,17 @@ simulator's clock jumps.
     python benchmarks/sim_fidelity.py [--requests 40] [--rate 1.5] [--smoke]
     python benchmarks/sim_fidelity.py --device cuda --dtype bfloat16 --roofline H200 --model DIR --json F
     python benchmarks/sim_fidelity.py --replay F [--iteration-overhead-ms X --layer-overhead-us Y]
+    python benchmarks/sim_fidelity.py ... --async-scheduling [--mixed-graphs]
 
 With `--roofline GPU` the simulator runs on its analytic roofline for that GPU (sim/hardware.py)
 instead of the fitted profile, as every paper experiment does: the per-iteration error is the
 roofline's prediction for each batch the real engine ran (the fitted profile's is reported too).
+
+With `--async-scheduling` the real engine launches each step before the one before it lands,
+and the roofline prices a step launched that way at the larger of its device time and the
+per-step host constant (`Efficiency.host_overlap`; the constants still come from a synchronous
+step). With `--mixed-graphs` steps with prompt chunks replay CUDA graphs too, so the roofline
+charges them no eager constant.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import json
 import platform
 import time
 from datetime import date
+from collections import deque
 from pathlib import Path
 
 from nanoserve import SamplingParams, default_model
@@ -40,10 +48,22 @@ LENGTHS = LengthDist("chat-like, small", 120, 24, min_prompt=16, max_prompt=512,
 
 
 class Recorder:
-    """Wraps the engine's executor to keep each step's batch and wall time (schedule to output)."""
+    """Wraps the engine's executor to keep each step's batch and wall time (schedule to output).
 
-    def __init__(self, executor):
+    Under asynchronous scheduling (the engine's pipeline is this executor) a step's time runs
+    from the previous step's landing to its own when it was launched while that one ran
+    (`follows`), else from the engine's step call that launched it: in a steady stream, the
+    interval between landings, max(host, device). A CPU runs the forward inside the launch, so
+    there a step's time is that of the engine's step call that launched it (which also lands the
+    step before)."""
+
+    def __init__(self, executor, device_runs_ahead: bool = True):
         self.executor, self.batches = executor, []
+        self.device_runs_ahead = device_runs_ahead
+        self.step_began = 0.0  # when the engine's current step() call began
+        self._in_flight: deque[tuple[tuple, float, bool]] = deque()  # launched, not landed
+        self._last_landing = 0.0
+        self.landed: list[tuple[tuple, float, bool]] = []  # (batch, seconds, follows)
 
     def __getattr__(self, name):
         return getattr(self.executor, name)
@@ -52,11 +72,33 @@ class Recorder:
         self.batches.append(tuple(batch_of(batch)))
         return self.executor.execute(batch)
 
+    def submit(self, batch):
+        self._in_flight.append((tuple(batch_of(batch)), self.step_began, bool(self._in_flight)))
+        if not self.device_runs_ahead:
+            self.batches.append(self._in_flight[-1][0])  # timed by the step call, as `execute`
+        return self.executor.submit(batch)
+
+    def follows_last(self) -> bool:
+        """Was the batch launched last launched while another ran (asynchronous scheduling)?"""
+        return bool(self._in_flight) and self._in_flight[-1][2]
+
+    def collect(self):
+        result = self.executor.collect()
+        now = time.perf_counter()
+        batch, began, follows = self._in_flight.popleft()
+        if self.device_runs_ahead:
+            self.landed.append((batch, now - (max(began, self._last_landing) if follows else began), follows))
+        self._last_landing = now
+        return result
+
 
 def run_real(engine, trace: list[TraceRequest]) -> dict:
-    recorder = Recorder(engine.executor)
+    recorder = Recorder(engine.executor, device_runs_ahead=engine.executor.device.type == "cuda")
     engine.executor = recorder
-    steps: list[tuple[tuple, float]] = []
+    pipelined = engine.pipeline is not None
+    if pipelined:
+        engine.pipeline = recorder
+    steps: list[tuple[tuple, float, bool]] = []
     pending = list(enumerate(trace))
     outputs = {}
     start = time.monotonic()  # the engine's clock: arrivals are stamped when they happened
@@ -71,13 +113,16 @@ def run_real(engine, trace: list[TraceRequest]) -> dict:
             time.sleep(max(0.0, pending[0][1].arrival - (time.monotonic() - start)))
             continue
         taken = len(recorder.batches)
-        began = time.perf_counter()
+        began = recorder.step_began = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
         if len(recorder.batches) > taken:
-            steps.append((recorder.batches[-1], time.perf_counter() - began))
+            steps.append((recorder.batches[-1], time.perf_counter() - began, recorder.follows_last()))
+    steps += recorder.landed
     engine.executor = recorder.executor
+    if pipelined:
+        engine.pipeline = recorder.executor
     duration = time.monotonic() - start - trace[0].arrival
     ttfts = [outputs[f"r{i}"].metrics.ttft for i in range(len(trace))]
     tokens = sum(spec.output_len for spec in trace)
@@ -89,16 +134,17 @@ def measure(args) -> dict:
     comparison needs afterwards, JSON-ready (so `--replay` can re-price it with other constants)."""
     model = args.model or default_model()
     engine_args = EngineArgs(model=model, device=args.device, dtype=args.dtype, kv_cache_tokens=args.kv_tokens,
-                             calibrate_cost_model=False)
+                             calibrate_cost_model=False, async_scheduling=args.async_scheduling,
+                             mixed_graphs=args.mixed_graphs)
     engine = build_engine(engine_args)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "warm-up")
     while engine.has_unfinished_requests():
         engine.step()
-    fitted = fit(Sample(batch, seconds) for batch, seconds in run_real(engine, trace(args, seed=11))["steps"])
+    fitted = fit(Sample(batch, seconds) for batch, seconds, _ in run_real(engine, trace(args, seed=11))["steps"])
     real = run_real(engine, trace(args, seed=22))
     return {"model": str(model), "fitted": fitted.to_dict(), "kv_blocks": engine.kv.num_blocks,
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-            "max_num_seqs": engine.config.max_num_seqs, "steps": [[list(b), t] for b, t in real["steps"]],
+            "max_num_seqs": engine.config.max_num_seqs, "steps": [[list(b), t, follows] for b, t, follows in real["steps"]],
             "ttft": real["ttft"], "throughput": real["throughput"]}
 
 
@@ -114,10 +160,11 @@ def roofline_gpu(args):
     constants measured apart from this trace (benchmarks/gpu_decode.py), passed here."""
     from nanoserve.sim.hardware import gpu
 
-    changes = {}
+    changes: dict = {"host_overlap": args.async_scheduling}
     if args.overheads_from:
-        changes = overheads_measured(json.loads(Path(args.overheads_from).read_text()), args)
-        if args.eager_overheads_from:
+        changes |= overheads_measured(json.loads(Path(args.overheads_from).read_text()), args)
+        # With mixed-step graphs no step runs eagerly (the token budget is the largest graph).
+        if args.eager_overheads_from and not args.mixed_graphs:
             eager = json.loads(Path(args.eager_overheads_from).read_text())
             changes["eager_layer_overhead_s"] = eager_layer_overhead(eager, changes["iteration_overhead_s"], args)
     if args.iteration_overhead_ms is not None:
@@ -180,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager-overheads-from", help="with --overheads-from: the per-layer cost of steps "
                         "without a graph (prefill) from a gpu_decode.py --eager JSON (ours)")
     parser.add_argument("--replay", help="no engine: re-price the real run saved in this --json file")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the real engine schedules asynchronously, and the roofline hides the host's per-step "
+                        "work under the device's (Efficiency.host_overlap); its constants still come from a "
+                        "synchronous step (--overheads-from)")
+    parser.add_argument("--mixed-graphs", action="store_true",
+                        help="the real engine runs steps with prompt chunks through CUDA graphs too (no eager "
+                        "constant then)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests = 8
@@ -188,11 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         real = saved["real"]
         for key in ("requests", "rate", "device", "dtype"):
             setattr(args, key, saved["args"][key])
+        for key in ("async_scheduling", "mixed_graphs"):  # absent from runs saved before them
+            setattr(args, key, getattr(args, key) or saved["args"].get(key, False))
         args.roofline = args.roofline or saved["args"]["roofline"]
         args.model = args.model or real["model"]  # the config.json to read, where it is on this machine
     else:
         real = measure(args)
-    steps = [(tuple(tuple(chunk) for chunk in batch), seconds) for batch, seconds in real["steps"]]
+    # [batch, seconds, follows]; runs saved before asynchronous scheduling have no `follows`
+    steps = [(tuple(tuple(chunk) for chunk in step[0]), step[1], bool(step[2:] and step[2])) for step in real["steps"]]
     fitted = CostModel.from_dict(real["fitted"])
     model_config = load_config(Path(args.model or real["model"]))
     eval_trace = trace(args, seed=22)
@@ -210,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, gpu=args.roofline, efficiency=efficiency)
         roofline = Roofline(device, config.model_config)
         sim = simulate(config, eval_trace)  # the roofline is the simulator's own clock
-        predict = roofline.iteration_seconds
-        fitted_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds in steps]
+        def predict(batch, follows):
+            return roofline.iteration_seconds(batch, follows_step=follows)
+
+        fitted_errors = [abs(fitted.predict(batch) - seconds) / seconds for batch, seconds, _ in steps]
         print(f"fitted profile, per-iteration median error: {percentile(fitted_errors, 50):.1%}")
         eager = efficiency.eager_layer_overhead_s
         print(f"roofline engine constants: {efficiency.iteration_overhead_s * 1e3:.3f} ms per step, "
@@ -219,12 +278,13 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if eager is None else f", {eager * 1e6:.1f} us per layer of a step with a prefill chunk"))
     else:
         sim = simulate(config, eval_trace, executor_cost=fitted)
-        predict = fitted.predict
+        def predict(batch, follows):
+            return fitted.predict(batch)
     # Per iteration: the clock's prediction for each batch the real engine ran.
-    step_errors = [abs(predict(batch) - seconds) / seconds for batch, seconds in steps]
-    real_steps = [seconds for _, seconds in steps]
+    step_errors = [abs(predict(batch, follows) - seconds) / seconds for batch, seconds, follows in steps]
+    real_steps = [seconds for _, seconds, _ in steps]
     print(f"real step: median {percentile(real_steps, 50) * 1e3:.2f} ms; predicted median "
-          f"{percentile([predict(b) for b, _ in steps], 50) * 1e3:.2f} ms")
+          f"{percentile([predict(b, follows) for b, _, follows in steps], 50) * 1e3:.2f} ms")
     sim_ttft = [r.ttft for r in sim.records]
     sim_throughput = sum(r.output_len for r in sim.records) / sim.duration
     rows = [("per-iteration latency (median over steps)", None, None, percentile(step_errors, 50)),
@@ -234,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     clock = f"{args.roofline}'s roofline" if args.roofline else "a step profile fitted here"
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {Path(real['model']).name} "
           f"{args.dtype} on {args.device} vs the simulator with {clock}; {args.requests} requests, "
-          f"{LENGTHS.label}, Poisson {args.rate}/s; fcfs")
+          f"{LENGTHS.label}, Poisson {args.rate}/s; fcfs"
+          + (", asynchronous scheduling" if args.async_scheduling else "") + (", mixed graphs" if args.mixed_graphs else ""))
     print("| metric | real engine | simulator | error |")
     print("|---|---|---|---|")
     errors = []

@@ -1,6 +1,7 @@
 """The benchmark scripts keep running: their CPU smoke modes, in a subprocess as a user runs them."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,12 +59,16 @@ def test_sim_speed_benchmark_smoke():
     assert "| fcfs |" in proc.stdout and "| bros |" in proc.stdout and "(synthetic)" in proc.stdout
 
 
-def test_sim_fidelity_benchmark_smoke(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--async-scheduling"]], ids=["sync", "async"])
+def test_sim_fidelity_benchmark_smoke(tmp_path, flags):
     saved = tmp_path / "fidelity.json"
-    proc = subprocess.run([sys.executable, "benchmarks/sim_fidelity.py", "--smoke", "--json", str(saved)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "benchmarks/sim_fidelity.py", "--smoke", "--json", str(saved)] + flags,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| TTFT p99 (s) |" in proc.stdout and "median error" in proc.stdout
+    steps = json.loads(saved.read_text())["real"]["steps"]
+    # under asynchronous scheduling, nearly every step is launched while the one before it runs
+    assert (sum(follows for *_, follows in steps) > len(steps) // 2) == bool(flags)
     # --replay re-prices the saved real run without an engine: the same clock gives the same table.
     replay = subprocess.run([sys.executable, "benchmarks/sim_fidelity.py", "--replay", str(saved)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)

@@ -111,7 +111,7 @@ class PipelineExecutor(SimExecutor):
         self.pipeline = pipeline
         self.token_count_budget = token_count_budget
 
-    def forward_seconds(self, batch: SchedulerOutput) -> float:
+    def forward_seconds(self, batch: SchedulerOutput, follows_step: bool = False) -> float:
         # One stage runs a step as one forward: micro-batches only pay off between stages.
         stages = len(self.pipeline.stages)
         parts = batch.microbatches if batch.microbatches and stages > 1 else [batch.chunks]

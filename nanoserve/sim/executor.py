@@ -167,11 +167,14 @@ class SimExecutor(Executor):
         # As the runner, a pipeline stage is never preemptible: no barrier aligns the stages.
         self._stoppable = shape is not None and shape.layers is None
         self.layerwise = layerwise_copies and self._stoppable
+        self._device_free = float("-inf")  # when the last forward ended
 
-    def forward_seconds(self, batch: SchedulerOutput) -> float:
+    def forward_seconds(self, batch: SchedulerOutput, follows_step: bool = False) -> float:
+        """The step's cost; `follows_step`: it starts as the forward before it ends (the roofline
+        hides its host work then, under asynchronous scheduling: `Efficiency.host_overlap`)."""
         chunks = batch_of(batch)
         if isinstance(self.cost, Roofline):
-            return self.cost.iteration_seconds(chunks, sum(c.samples for c in batch.chunks))
+            return self.cost.iteration_seconds(chunks, sum(c.samples for c in batch.chunks), follows_step)
         return self.cost.predict(chunks)
 
     # -- the link ------------------------------------------------------------------------------
@@ -241,7 +244,7 @@ class SimExecutor(Executor):
         """(seconds before the first decoder layer, seconds per layer) of `batch`'s forward.
         The per-iteration overhead (scheduling, input preparation) comes first, so a stopped
         forward pays it; the LM head comes after the last layer, so a stopped one never does."""
-        if isinstance(self.cost, Roofline):
+        if isinstance(self.cost, Roofline):  # (never overlapped: host_overlap runs no layer-wise forward)
             return self.cost.gpu.efficiency.iteration_overhead_s, self.cost.layer_seconds(batch_of(batch))
         return self.cost.iteration, (forward_s - self.cost.iteration) / self.preemption.num_layers
 
@@ -286,7 +289,8 @@ class SimExecutor(Executor):
         layer_waits = needed if self.layerwise else []
         forward_start = start if layer_waits else max((s.end for s in needed), default=start)
         self.clock.advance_to(forward_start)
-        forward_s = self.forward_seconds(batch)  # priced from the forward's start (a pipeline's stages)
+        # priced from the forward's start (a pipeline's stages)
+        forward_s = self.forward_seconds(batch, follows_step=forward_start <= self._device_free + LANDING_TOLERANCE)
         stoppable = ((flag.on_safe_point is not None or flag.requested) and self._stoppable
                      and all(c.request.priority is RequestClass.OFFLINE for c in batch.chunks))
         layer_ends = self.layer_ends(batch, forward_start, forward_s, layer_waits) if layer_waits or stoppable else []
@@ -304,6 +308,7 @@ class SimExecutor(Executor):
         flag.requested = False  # not consumed by this forward: the next schedule serves it
         # One sum from the forward's start, so unstopped runs keep their exact times.
         self.clock.advance_to(forward_start + forward_s + layer_stall)
+        self._device_free = self.clock.now
         stats.busy_seconds += forward_s
         out = ExecutorOutput()
         gaps, now = self.online_gaps, self.clock.now

@@ -30,6 +30,9 @@ of the orders commonly reported, not measurements of ours:
   engine (nanoserve's own scheduling step costs 1.5-4.7 ms at 1,000 running requests on this
   project's 2-core CPU, benchmarks/RESULTS.md). The simulator charges this constant, not the
   scheduler's wall time here, so results do not depend on how busy this machine is.
+- `host_overlap` (ours, off by default): the engine schedules asynchronously (nanoserve's
+  `async_scheduling`, vLLM v1's), so that per-step host work runs while the device runs the
+  step before: a step that follows another at once costs max(device, host), not their sum.
 
 These factors are inputs, not results: every experiment prints the GPU it used, and changing a
 factor changes the absolute times, never which code runs.
@@ -52,6 +55,13 @@ class Efficiency:
     # graphs decode-only steps; a step with a prefill chunk launches its kernels one by one).
     # None: `layer_overhead_s` for every step, as the papers' eager engines ran.
     eager_layer_overhead_s: float | None = None
+    # Ours: asynchronous scheduling. A step launched while the one before it still runs pays
+    # max(its device time, iteration_overhead_s); one after the device idled pays both.
+    # assumption: the host's work for a step is the same constant whether or not it overlaps,
+    # and the policy schedules as the synchronous engine does (timing only: the real engine
+    # schedules step n+1 before step n's tokens land, which changes a batch at most by a request
+    # whose token in flight may be its last).
+    host_overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,7 @@ class GPU:
                      "network": self.network_bandwidth}[link]
         return nbytes / (bandwidth * self.efficiency.link)
 
-    def with_efficiency(self, **changes: float | None) -> GPU:
+    def with_efficiency(self, **changes: float | bool | None) -> GPU:
         return replace(self, efficiency=replace(self.efficiency, **changes))
 
 

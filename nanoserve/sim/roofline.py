@@ -12,7 +12,9 @@ parallel GPUs:
             (ours: an eager one for steps with a prefill chunk, when the GPU's efficiency sets one)
           + 2 all-reduces of T · hidden activations over NVLink (tp > 1)
 
-and once per iteration the LM head for the sampled rows and the iteration overhead. Prefill
+and once per iteration the LM head for the sampled rows and the iteration overhead (ours: under
+asynchronous scheduling, `host_overlap`, a step that follows another at once pays the larger of
+its device time and that overhead, not their sum). Prefill
 lands on the compute roof (T is large), decode on the memory roof (weights and context are read
 for a single token each): the two regimes every paper's scheduler is built around. A pipeline
 stage (`layers`) costs its share of layers; only the last runs the LM head.
@@ -81,14 +83,21 @@ class Roofline:
         nbytes = self.cost.embedding_params * BYTES / self.tp
         return max(flops / self.gpu.compute_rate, nbytes / self.gpu.memory_rate)
 
-    def iteration_seconds(self, batch: Batch, sampled_rows: int | None = None) -> float:
+    def iteration_seconds(self, batch: Batch, sampled_rows: int | None = None, follows_step: bool = False) -> float:
         """One forward pass over `batch` ((prefix, new) chunks); `sampled_rows` defaults to one
-        per chunk. An empty batch costs nothing: no forward runs."""
+        per chunk. An empty batch costs nothing: no forward runs. `follows_step`: the step is
+        launched while the one before it runs; with the GPU's `host_overlap` (asynchronous
+        scheduling) its host work then hides under the device's, and the step costs the larger
+        of the two."""
         if not batch:
             return 0.0
         rows = len(batch) if sampled_rows is None else sampled_rows
+        efficiency = self.gpu.efficiency
+        if follows_step and efficiency.host_overlap:
+            device = self.num_layers * self.layer_seconds(batch) + self.head_seconds(rows)
+            return max(device, efficiency.iteration_overhead_s)
         return (self.num_layers * self.layer_seconds(batch) + self.head_seconds(rows)
-                + self.gpu.efficiency.iteration_overhead_s)
+                + efficiency.iteration_overhead_s)
 
     def kv_copy_seconds(self, num_tokens: int, link: str = "pcie") -> float:
         """Moving `num_tokens` tokens' K/V of this model's layers (on this GPU's share) over

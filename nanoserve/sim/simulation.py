@@ -53,7 +53,7 @@ from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched import POLICY_MEMORY, make_scheduler
+from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.sim.executor import EOS_TOKEN, FILLER_TOKEN, SimExecutor, VirtualClock
 from nanoserve.sim.hardware import Efficiency, gpu
@@ -188,6 +188,11 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
     roofline = Roofline(device, config.model_config or model(config.model), config.tp)
     num_blocks = kv_blocks(config, roofline)
     name = config.kv_manager or POLICY_MEMORY[config.policy]
+    if device.efficiency.host_overlap and (not scheduler_class(config.policy).ASYNC_SCHEDULING
+                                           or name in NEEDS_HOST_STORE):
+        # as the real engine refuses it (builder.check_async_scheduling)
+        raise ValueError(f"host_overlap models asynchronous scheduling, which {config.policy!r} with the "
+                         f"{name!r} KV manager cannot do")
     host = None
     if name in NEEDS_HOST_STORE:
         host_tokens = config.host_kv_tokens if config.host_kv_tokens is not None else num_blocks * config.block_size
