@@ -40,8 +40,9 @@ class OPTAttention(nn.Module):
         self.attn = PagedAttention(heads, heads, cfg.head_dim, cfg.head_dim**-0.5, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # Strided views of the QKV output: the KV store and the attention kernels read row strides.
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
-        return self.out_proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous(), ctx))
+        return self.out_proj(self.attn(q, k, v, ctx))
 
 
 class OPTDecoderLayer(nn.Module):
