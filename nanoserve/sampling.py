@@ -142,7 +142,9 @@ def sample_on_device(
     default_generator: torch.Generator,
 ) -> DrawsOnDevice:
     """`sample` without waiting: the draws are queued on the logits' device."""
-    logits = logits.float()
+    # Greedy rows take the argmax in the logits' own dtype (widening to fp32 keeps every value and
+    # so the first maximum); only the rows that draw or report logprobs are widened, so a greedy
+    # batch skips a copy of its logits twice their size.
     tokens = logits.argmax(dim=-1)
     device = logits.device
 
@@ -155,7 +157,7 @@ def sample_on_device(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = on_device(random_rows)
-        rows = logits[idx] / on_device([params[i].temperature for i in random_rows], torch.float32).unsqueeze(1)
+        rows = logits[idx].float() / on_device([params[i].temperature for i in random_rows], torch.float32).unsqueeze(1)
         if any(params[i].effective_top_k or params[i].top_p < 1 for i in random_rows):
             top_k = on_device([params[i].effective_top_k for i in random_rows])
             top_p = on_device([params[i].top_p for i in random_rows], torch.float32)
@@ -177,7 +179,7 @@ def sample_on_device(
     host_logprobs = None
     if wanted:
         idx = on_device(wanted)
-        logprobs = logits[idx].log_softmax(dim=-1)
+        logprobs = logits[idx].float().log_softmax(dim=-1)
         k = max(params[i].logprobs or 0 for i in wanted)
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         chosen = logprobs.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)

@@ -18,6 +18,27 @@ def test_greedy_is_argmax():
     assert result.token_ids == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_draw_as_their_fp32_widening(dtype):
+    """Greedy rows take the argmax in the logits' own dtype, ties included (coarse values make
+    many); drawn rows and logprobs are widened first: every result equals that of the fp32
+    copy of the same logits."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 300, generator=g) * 4).round().to(dtype)  # integers: ties in every row
+    params = ([SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=0, logprobs=3)]
+              + [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.2, top_k=5, seed=8),
+                 SamplingParams(temperature=1.0, top_p=0.9, seed=9, logprobs=2), SamplingParams(temperature=0.5)])
+
+    def run(x):
+        generators = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+        return draw(x, params, generators, seed=11)
+
+    half, wide = run(logits), run(logits.float())
+    assert half.token_ids == wide.token_ids
+    assert half.token_ids[:4] == logits.float().argmax(-1).tolist()[:4]
+    assert half.logprobs == wide.logprobs
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     argmax = logits.argmax(-1).tolist()
