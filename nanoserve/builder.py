@@ -21,7 +21,7 @@ from nanoserve.memory.arena import ArenaConfig, MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import KVManager
-from nanoserve.model.attention import default_attention_backend, get_attention_backend
+from nanoserve.model.attention import AttentionBackend, default_attention_backend, get_attention_backend
 from nanoserve.model.cuda_graphs import StepGraphs, decode_buckets, mixed_buckets
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_config, load_model, resolve_model_path
@@ -162,7 +162,7 @@ def profiled_kv_blocks(model: torch.nn.Module, cfg: ModelConfig, args: EngineArg
 
 
 def graph_memory_bytes(runner: ModelRunner, cfg: ModelConfig, args: EngineArgs, device: torch.device,
-                       backend, probe: MemoryProbe, graphs: GraphSizes) -> int:
+                       backend: AttentionBackend, probe: MemoryProbe, graphs: GraphSizes) -> int:
     """What the engine's CUDA graphs will hold: every graph it records (`graphs`), recorded
     here over the profile's small cache in one span, measured as the device memory that span
     took (vLLM's CUDA-graph memory profiling: the graphs are recorded after the KV cache exists,
