@@ -112,6 +112,7 @@ class PipelineExecutor(SimExecutor):
         self.token_count_budget = token_count_budget
 
     def forward_seconds(self, batch: SchedulerOutput, follows_step: bool = False) -> float:
+        # (follows_step never hides host work here: asynchronous scheduling is refused for KunServe.)
         # One stage runs a step as one forward: micro-batches only pay off between stages.
         stages = len(self.pipeline.stages)
         parts = batch.microbatches if batch.microbatches and stages > 1 else [batch.chunks]
