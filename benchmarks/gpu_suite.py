@@ -8,24 +8,24 @@ checkpoints that transformers builds on the GPU from the small config files ship
 benchmarks/gpu_models/ (SmolLM2-135M's shape with its tokenizer, Llama-3.2-1B's, Llama-2-7B's);
 speed does not depend on the weights' values.
 
-Steps, in order (each in its own process, under its own time limit; a failure is recorded and
-the next step runs):
+Steps, in the default order (each in its own process, under its own time limit; a failure is
+recorded and the next step runs):
 
     env           GPU, driver, library versions
+    decode        decode step vs its HBM roofline (weights + KV bytes): graphed with asynchronous
+                  scheduling, graphed (by kernel), eager
     tests         the CUDA tests (pytest -m cuda) and the newest kernels' tests (split-K, fused), compiled
+    serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests; again with
+                  mixed-step graphs and asynchronous scheduling
+    throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped; SmolLM2
+                  again with mixed-step CUDA graphs and asynchronous scheduling
     attention     benchmarks/attention.py: decode/prefill vs SDPA and the HBM/TFLOP roofline
     sweep         benchmarks/attention.py --sweep: tile, launch and split settings, for the defaults
                   (head_dim 128, and 64: the 1B model's decode attention)
-    throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped; SmolLM2
-                  again with mixed-step CUDA graphs and asynchronous scheduling
-    serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests; again with
-                  mixed-step graphs and asynchronous scheduling
-    decode        decode step vs its HBM roofline (weights + KV bytes): graphed with asynchronous
-                  scheduling, graphed (by kernel), eager
     fidelity      benchmarks/sim_fidelity.py: the simulator's roofline for this GPU vs the real engine,
                   its engine constants from a graphed and an eager batch-1 decode step (gpu_decode.py);
                   again with mixed-step graphs and asynchronous scheduling (the roofline's host_overlap)
-    kernel_tests  every test that runs a Triton kernel, compiled
+    kernel_tests  every test that runs a Triton kernel, compiled (long: leave it out of a short lease)
 
 It writes suite.json (every step's numbers and log tail) and suite.md (a summary table).
 """
@@ -42,7 +42,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "gpu_models"
-STEPS = ["env", "decode", "tests", "attention", "throughput", "fidelity", "sweep", "serve7b", "kernel_tests"]
+# The order a short lease should run them in: the decode-step goal first, then whether the new
+# paths (asynchronous scheduling, mixed-step graphs, graph memory in the KV sizing) hold on CUDA.
+STEPS = ["env", "decode", "tests", "serve7b", "throughput", "attention", "sweep", "fidelity", "kernel_tests"]
 
 
 @dataclass(frozen=True)
