@@ -32,8 +32,8 @@ import argparse
 import json
 import platform
 import time
-from datetime import date
 from collections import deque
+from datetime import date
 from pathlib import Path
 
 from nanoserve import SamplingParams, default_model

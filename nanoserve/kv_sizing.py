@@ -65,8 +65,7 @@ class CudaMemoryProbe:
         self.device = device
 
     def reset_peak(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        self.release_cached()  # the profile's peak starts from what is really held
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def snapshot(self) -> MemorySnapshot:
