@@ -253,12 +253,17 @@ def sweep(dtype: torch.dtype, device: torch.device) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny cases on the CPU (interpreted); checks only")
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--sweep", help="time tile/launch settings instead, writing them to this JSON file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.sweep:
         if not torch.cuda.is_available():

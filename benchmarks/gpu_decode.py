@@ -18,6 +18,9 @@ its CUDA graphs recorded over a small cache) and serves `serve` requests (prompt
 outputs 64-256, greedy, EOS ignored); it reports the start-up time, the KV cache, throughput, the
 peak memory and what share of the device the built engine took (`--mixed-graphs`,
 `--async-scheduling`, `--eager` as for decode).
+
+`--device cpu` checks that the script runs (tests/test_gpu_scripts.py): the same engine path, its
+CUDA-graph steps through the graphs' static buffers without recording, and no memory figures.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 from benchmarks.attention import DEVICE_PEAKS
 from nanoserve import LLM, SamplingParams
 from nanoserve.builder import EngineArgs, kv_block_bytes
+from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
 from nanoserve.model.loader import load_config
 
 
@@ -47,6 +51,15 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "H100 (CPU stand-in)"
 
 
+def graph_stand_in(args, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+    """On a CPU, the graph sizes the GPU would record, so the stand-in runs the same path through
+    the static buffers (without recording, cuda_graphs.py); on CUDA nothing: the engine's own."""
+    if args.device.startswith("cuda") or args.eager:
+        return {}
+    mixed = tuple(mixed_buckets(max_num_seqs, max_num_batched_tokens)) if args.mixed_graphs else None
+    return {"decode_graph_sizes": tuple(decode_buckets(max_num_seqs)), "mixed_graph_sizes": mixed}
+
+
 def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(17, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
@@ -60,7 +73,8 @@ def decode(args) -> dict:
     llm = LLM(args.model, device=args.device, dtype="bfloat16", max_num_seqs=args.batch,
               max_num_batched_tokens=budget, enforce_eager=args.eager,
               fused_layer_ops=not args.unfused, async_scheduling=args.async_scheduling,
-              kv_cache_tokens=args.kv_cache_tokens)
+              kv_cache_tokens=args.kv_cache_tokens, mixed_graphs=args.mixed_graphs,
+              **graph_stand_in(args, args.batch, budget))
     startup = time.perf_counter() - start
     engine = llm.engine
     if args.stub_forward:
@@ -97,6 +111,7 @@ def decode(args) -> dict:
     kernels = kernel_table(engine, args.batch, top=10_000) if args.profile else None
     return {"mode": "decode", "model": str(args.model), "batch": args.batch, "context": args.context,
             "steps": args.steps, "eager": args.eager, "async_scheduling": args.async_scheduling,
+            "mixed_graphs": args.mixed_graphs,
             "stub_forward": args.stub_forward,
             "fused_layer_ops": not args.unfused,
             "graph_replays": 0 if graphs is None else graphs.num_replays,
@@ -230,42 +245,55 @@ def forward_gpu_ms(graphs, batch: int, replays: int = 20) -> float:
     return round(start.elapsed_time(end) / replays, 3)
 
 
+def device_memory(device: str) -> tuple[int, int] | None:
+    """(free, total) bytes of the device; None on a CPU (the stand-in reports no memory)."""
+    return torch.cuda.mem_get_info(torch.device(device).index) if device.startswith("cuda") else None
+
+
+def gib(n: int | None, digits: int = 1) -> float | None:
+    return None if n is None else round(n / 2**30, digits)
+
+
 def serve(args) -> dict:
     cfg = load_config(Path(args.model))
-    free0, total = torch.cuda.mem_get_info()
+    before = device_memory(args.device)
     start = time.perf_counter()
-    llm = LLM(args.model, device="cuda", dtype="bfloat16", enforce_eager=args.eager,
-              async_scheduling=args.async_scheduling, mixed_graphs=args.mixed_graphs)
+    llm = LLM(args.model, device=args.device, dtype="bfloat16", enforce_eager=args.eager,
+              async_scheduling=args.async_scheduling, mixed_graphs=args.mixed_graphs,
+              kv_cache_tokens=args.kv_cache_tokens, **graph_stand_in(args, EngineArgs.max_num_seqs, EngineArgs.max_num_batched_tokens))
     startup = time.perf_counter() - start
     graphs = llm.engine.executor.graphs
     stats = llm.engine.stats()
     token_bytes = kv_block_bytes(EngineArgs(), cfg, torch.bfloat16) // 16
-    free1, _ = torch.cuda.mem_get_info()
-    ps = prompts(args.serve, 64, 512, cfg.vocab_size, 1)
+    after = device_memory(args.device)
+    ps = prompts(args.serve, *args.prompt_range, cfg.vocab_size, 1)
     g = torch.Generator().manual_seed(2)
-    params = [SamplingParams(temperature=0, max_tokens=int(torch.randint(64, 257, (1,), generator=g)), ignore_eos=True)
-              for _ in ps]
+    lo, hi = args.output_range
+    params = [SamplingParams(temperature=0, max_tokens=int(torch.randint(lo, hi + 1, (1,), generator=g)),
+                             ignore_eos=True) for _ in ps]
     t = time.perf_counter()
     outs = llm.generate(ps, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == sum(p.max_tokens for p in params)
+    on_cuda = before is not None and after is not None
     return {"mode": "serve", "requests": args.serve, "startup_s": round(startup, 2),
+            "mixed_graphs": args.mixed_graphs, "async_scheduling": args.async_scheduling,
             "kv_blocks": stats.kv_blocks_total, "kv_tokens": stats.kv_blocks_total * 16,
             "kv_gib": round(stats.kv_blocks_total * 16 * token_bytes / 2**30, 2),
-            "device_gib": round(total / 2**30, 1), "free_before_gib": round(free0 / 2**30, 1),
-            "free_after_build_gib": round(free1 / 2**30, 1),
+            "device_gib": gib(before[1]) if on_cuda else None, "free_before_gib": gib(before[0]) if on_cuda else None,
+            "free_after_build_gib": gib(after[0]) if on_cuda else None,
             # what the engine took, graphs and all, against gpu_memory_utilization (0.9)
-            "build_used_fraction": round((free0 - free1) / total, 3),
+            "build_used_fraction": round((before[0] - after[0]) / before[1], 3) if on_cuda else None,
             "graphs": None if graphs is None else {"decode": len(graphs.buckets), "mixed": len(graphs.mixed_sizes),
                                                    "decode_replays": graphs.num_replays,
                                                    "mixed_replays": graphs.num_mixed_replays},
-            "max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "max_allocated_gib": gib(torch.cuda.max_memory_allocated(), 2) if on_cuda else None,
             "output_tokens": produced, "seconds": round(elapsed, 2), "tok_s": round(produced / elapsed, 1),
             "preemptions": llm.engine.stats().num_preemptions}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch", type=int, default=64)
@@ -277,14 +305,22 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule and launch step n+1 while the GPU runs step n (engine.py)")
     parser.add_argument("--mixed-graphs", action="store_true",
-                        help="serve: steps with prompt chunks through CUDA graphs too (cuda_graphs.py)")
+                        help="steps with prompt chunks through CUDA graphs too (cuda_graphs.py)")
     parser.add_argument("--kv-cache-tokens", type=int, help="KV cache size (default: sized from memory)")
     parser.add_argument("--stub-forward", action="store_true",
                         help="with --eager: no forward at all (zeros), timing the host's share of a step")
     parser.add_argument("--unfused", action="store_true", help="PyTorch's layer ops, not kernels/fused.py")
     parser.add_argument("--profile", action="store_true", help="also the step's GPU time by kernel (torch.profiler)")
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(64, 512), metavar=("LO", "HI"),
+                        help="serve: prompt lengths, uniform")
+    parser.add_argument("--output-range", type=int, nargs=2, default=(64, 256), metavar=("LO", "HI"),
+                        help="serve: output lengths, uniform")
     parser.add_argument("--json")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     result = serve(args) if args.serve else decode(args)
     result["device"] = device_name(args.device)
     print(json.dumps(result, indent=1))

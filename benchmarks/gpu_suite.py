@@ -240,7 +240,7 @@ def summary(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--steps", default=",".join(STEPS))
@@ -248,9 +248,17 @@ def main() -> None:
     parser.add_argument("--throughput-models", default="smollm2-135m,llama-1b")
     parser.add_argument("--decode-models", default="llama-1b,smollm2-135m")
     parser.add_argument("--minutes", type=float, default=20.0, help="every step ends by then (each has its own limit too)")
-    args = parser.parse_args()
+    return parser
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    return Options(Path(args.cache), tuple(args.throughput_models.split(",")), tuple(args.decode_models.split(",")))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     DEADLINE[0] = time.time() + 60 * args.minutes
-    options = Options(Path(args.cache), tuple(args.throughput_models.split(",")), tuple(args.decode_models.split(",")))
+    options = options_from(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     options.cache.mkdir(parents=True, exist_ok=True)

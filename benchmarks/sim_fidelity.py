@@ -207,7 +207,7 @@ def data_seconds(decode: dict, args) -> tuple[float, int]:
     return roofline.iteration_seconds([(context, 1)] * decode["batch"]), roofline.num_layers
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--requests", type=int, default=40)
@@ -234,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-graphs", action="store_true",
                         help="the real engine runs steps with prompt chunks through CUDA graphs too (no eager "
                         "constant then)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.smoke:
         args.requests = 8
     if args.replay:

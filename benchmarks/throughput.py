@@ -75,7 +75,7 @@ def run_hf(model: str, requests, args) -> tuple[float, int, int]:
     return elapsed, sum(n for _, n in requests), len(requests) * longest
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -93,7 +93,11 @@ def main() -> None:
                         help="launch step n+1 before step n's tokens reach the host (nanoserve/engine.py)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     model = args.model or default_model()
     from pathlib import Path
