@@ -173,9 +173,14 @@ def graph_memory_bytes(runner: ModelRunner, cfg: ModelConfig, args: EngineArgs, 
     if not graphs.decode and not graphs.mixed:
         return 0
     longest = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    # Both readings without the allocator's cache: the profiling forward left its activations
+    # cached, and recording empties the cache (torch.cuda.graph does, before each capture), so
+    # a reading with them would net them against the pool and measure about nothing.
+    probe.release_cached()
     before = probe.snapshot().free
     recorded = StepGraphs(runner.model, runner.kv_caches, backend, graphs.decode, -(-longest // args.block_size),
                           device, mixed_sizes=graphs.mixed, max_num_seqs=args.max_num_seqs)
+    probe.release_cached()  # what the warm-up forwards left cached; the graphs' pool stays
     taken = max(0, before - probe.snapshot().free)
     del recorded
     return taken

@@ -36,10 +36,12 @@ def test_profile_batch_is_the_largest_step():
 
 
 class FakeProbe:
-    """A device whose memory reads back as set, on a CPU: the build path runs for real."""
+    """A device whose memory reads back as set, on a CPU: the build path runs for real.
+    `cached`: bytes the allocator holds unused (the profiling forward's activations), free
+    again once released."""
 
-    def __init__(self, snapshot: MemorySnapshot):
-        self.snap, self.calls = snapshot, []
+    def __init__(self, snapshot: MemorySnapshot, cached: int = 0):
+        self.snap, self.cached, self.calls = snapshot, cached, []
 
     def reset_peak(self) -> None:
         self.calls.append("reset")
@@ -48,8 +50,14 @@ class FakeProbe:
         self.calls.append("snapshot")
         return self.snap
 
+    def free_cache(self) -> None:
+        from dataclasses import replace
+
+        self.snap, self.cached = replace(self.snap, free=self.snap.free + self.cached), 0
+
     def release_cached(self) -> None:
         self.calls.append("release")
+        self.free_cache()
 
 
 def test_build_sizes_the_cache_from_the_profile(tiny_llama_dir, monkeypatch):
@@ -89,6 +97,7 @@ def graph_taking(probe: FakeProbe, nbytes: int, monkeypatch) -> list:
     def taking(*args, **kwargs):
         graphs = real_graphs(*args, **kwargs)
         recorded.append((tuple(graphs.buckets), tuple(graphs.mixed_sizes)))
+        probe.free_cache()  # as torch.cuda.graph does before each capture
         probe.snap = replace(probe.snap, free=probe.snap.free - nbytes)
         return graphs
 
@@ -98,11 +107,12 @@ def graph_taking(probe: FakeProbe, nbytes: int, monkeypatch) -> list:
 
 def test_the_cuda_graphs_memory_comes_out_of_the_cache(tiny_llama_dir, monkeypatch):
     """The profile records the engine's graphs over its small cache and the KV cache gives up
-    what that took (here the fake device loses 5 blocks' bytes and a little more)."""
+    what that took (here the fake device loses 5 blocks' bytes and a little more). The
+    profiling forward left 3 blocks' bytes cached, which recording frees: not a saving."""
     snap = MemorySnapshot(total=GiB, free=GiB // 2, torch_reserved=GiB // 4, torch_peak=GiB // 8)
-    probe = FakeProbe(snap)
-    monkeypatch.setattr(builder, "memory_probe", lambda device: probe)
     cfg = load_config(tiny_llama_dir)
+    probe = FakeProbe(snap, cached=3 * kv_block_bytes(EngineArgs(), cfg, torch.float32))
+    monkeypatch.setattr(builder, "memory_probe", lambda device: probe)
     args = EngineArgs(max_num_batched_tokens=64, max_num_seqs=4)
     block_bytes = kv_block_bytes(args, cfg, torch.float32)
     recorded = graph_taking(probe, 5 * block_bytes + 1, monkeypatch)
@@ -114,7 +124,7 @@ def test_the_cuda_graphs_memory_comes_out_of_the_cache(tiny_llama_dir, monkeypat
     # the profile measured the very graphs the engine then recorded
     graphs = llm.engine.executor.graphs
     assert recorded == [((1, 2, 4), (32, 64))] == [(tuple(graphs.buckets), tuple(graphs.mixed_sizes))]
-    assert probe.calls == ["reset", "snapshot", "snapshot", "snapshot", "release"]
+    assert probe.calls == ["reset", "snapshot", "release", "snapshot", "release", "snapshot", "release"]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids) == 4
 
