@@ -355,8 +355,15 @@ def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup, stage: 
 def graph_sizes(args: EngineArgs, device: torch.device, world_size: int) -> GraphSizes:
     """The CUDA graphs a single-rank runner records (cuda_graphs.py): decode batch sizes, and
     mixed-step token counts. On CUDA by default the decode buckets, and the mixed ones with
-    `mixed_graphs`; named sizes are recorded on any device (on a CPU without recording: tests)."""
+    `mixed_graphs`; named sizes are recorded on any device (on a CPU without recording: tests).
+    None on CUDA with an attention backend a graph cannot record (torch's: it reads the batch's
+    shape on the host); sizes named for one there are refused."""
     if args.enforce_eager or world_size > 1:
+        return GraphSizes((), ())
+    if device.type == "cuda" and not attention_backend(args, device).graph_capturable:
+        if args.decode_graph_sizes or args.mixed_graph_sizes:
+            raise ValueError(f"CUDA graphs cannot record the {args.attention_backend!r} attention backend (it reads "
+                             "the batch's shape on the host): use the triton backend, or enforce_eager")
         return GraphSizes((), ())
     default = tuple(decode_buckets(args.max_num_seqs)) if device.type == "cuda" else ()
     decode = default if args.decode_graph_sizes is None else tuple(args.decode_graph_sizes)

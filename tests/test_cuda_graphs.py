@@ -110,6 +110,23 @@ def test_enforce_eager_and_other_runners_record_nothing(tiny_llama_dir):
     assert llm.engine.executor.graphs is None
 
 
+def test_cuda_records_only_a_backend_a_graph_can_capture():
+    """torch's attention reads the batch's shape on the host (a capture refuses `.tolist()`): on
+    CUDA it runs eagerly, and sizes named for it are refused; Triton's kernels are recorded.
+    (graph_sizes only reads the device's type: no GPU is needed.)"""
+    from nanoserve.builder import EngineArgs, graph_sizes
+
+    cuda = torch.device("cuda")
+    assert graph_sizes(EngineArgs(attention_backend="torch", mixed_graphs=True), cuda, 1) == ((), ())
+    with pytest.raises(ValueError, match="triton backend, or enforce_eager"):
+        graph_sizes(EngineArgs(attention_backend="torch", decode_graph_sizes=(1, 2)), cuda, 1)
+    triton = graph_sizes(EngineArgs(attention_backend="triton", mixed_graphs=True, max_num_seqs=16), cuda, 1)
+    assert triton == (tuple(decode_buckets(16)), tuple(mixed_buckets(16, 2048)))
+    # On a CPU named sizes run the same path without recording, whatever the backend (tests).
+    assert graph_sizes(EngineArgs(attention_backend="torch", decode_graph_sizes=(1, 2)), torch.device("cpu"), 1) \
+        == ((1, 2), ())
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -27,6 +27,10 @@ class AttentionBackend:
     # The decoder layer's fused elementwise ops (RMSNorm, residual add + RMSNorm, RoPE, SiLU·mul:
     # kernels/fused.py in Triton, kernels/cpu_fused.py in C), or None for PyTorch's own ops.
     fused: Any = None
+    # Can a CUDA graph record its kernels? Only if they read the batch's shape (sequence lengths,
+    # query starts) on the device: torch's path reads them on the host (`.tolist()`), which a
+    # capture refuses, so with it a CUDA engine runs eagerly (builder.graph_sizes).
+    graph_capturable: bool = False
 
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -56,7 +60,7 @@ def get_attention_backend(name: str, device: torch.device | None = None) -> Atte
         from kernels.paged_attention import paged_attention
         from kernels.store_kv import store_kv
 
-        return AttentionBackend("triton", store_kv, paged_attention, TRITON_FUSED)
+        return AttentionBackend("triton", store_kv, paged_attention, TRITON_FUSED, graph_capturable=True)
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")
 
 
