@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from nanoserve.request import Request
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import MAX_LOGPROBS, SamplingParams
 from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
 
 HOST_KV_RAM_FRACTION = 0.25  # ours: the default host store takes at most this share of host RAM
@@ -94,18 +94,26 @@ def kv_budget_bytes(snapshot: MemorySnapshot, utilization: float) -> int:
     return int(snapshot.total * utilization) - snapshot.torch_peak - non_torch
 
 
+WIDEST_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1, logprobs=MAX_LOGPROBS)
+
+
 def profile_batch(max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
                   vocab_size: int) -> tuple[SchedulerOutput, int]:
     """The largest step the scheduler may build: `max_num_batched_tokens` prompt tokens spread
     over min(max_num_seqs, tokens) sequences, every one sampling (so the logits and sampler are
-    at their widest too). Returns the batch and the KV blocks it writes to."""
+    at their widest too). Returns the batch and the KV blocks it writes to.
+
+    Each draws at random through top-k and top-p and reports the most logprobs (vLLM's dummy
+    sampler run): the sampler's widest path, fp32 copies of the logits, a full sort with int64
+    indices and its cumulative sums (~40 bytes per logit: 0.66 GB for 128 rows of a 128k
+    vocabulary), which a greedy profile would leave out of the budget."""
     num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
     chunks, next_block = [], 0
     for i in range(num_seqs):
         length = max_num_batched_tokens // num_seqs + (i < max_num_batched_tokens % num_seqs)
         blocks = -(-length // block_size)
         token_ids = [(7 * i + j) % vocab_size for j in range(length)]
-        request = Request(f"profile-{i}", token_ids, SamplingParams(temperature=0, max_tokens=1))
+        request = Request(f"profile-{i}", token_ids, WIDEST_SAMPLING)
         chunks.append(ScheduledChunk(request, 0, length, list(range(next_block, next_block + blocks))))
         next_block += blocks
     return SchedulerOutput(chunks), next_block

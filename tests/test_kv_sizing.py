@@ -35,6 +35,22 @@ def test_profile_batch_is_the_largest_step():
     assert len(batch.chunks) == 10  # never an empty sequence
 
 
+def test_the_profile_samples_by_the_widest_path(tiny_llama_dir, monkeypatch):
+    """Every profiled row draws through top-k and top-p and reports the most logprobs, so the
+    sampler's fp32 copies and sort are in the peak the KV cache is sized beside."""
+    import nanoserve.sampling as sampling
+
+    snap = MemorySnapshot(total=GiB, free=GiB // 2, torch_reserved=GiB // 4, torch_peak=GiB // 8)
+    monkeypatch.setattr(builder, "memory_probe", lambda device: FakeProbe(snap))
+    filtered, real_filter = [], sampling._apply_top_k_top_p
+    monkeypatch.setattr(sampling, "_apply_top_k_top_p", lambda logits, *a: filtered.append(logits.shape) or
+                        real_filter(logits, *a))
+    LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
+    assert filtered == [(4, load_config(tiny_llama_dir).vocab_size)]  # the profile's 4 rows, the whole vocabulary
+    batch, _ = profile_batch(64, 4, 16, vocab_size=100)
+    assert all(c.request.params.logprobs == sampling.MAX_LOGPROBS for c in batch.chunks)
+
+
 class FakeProbe:
     """A device whose memory reads back as set, on a CPU: the build path runs for real.
     `cached`: bytes the allocator holds unused (the profiling forward's activations), free
