@@ -250,7 +250,8 @@ def build_engine(args: EngineArgs) -> Engine:
             kv: KVManager = ArenaKV(arena)
             executor = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, attention_backend(args, device),
                                    args.seed, arena=arena, host_weights=host_weights,
-                                   preempt_every_layers=args.preempt_every_layers)
+                                   preempt_every_layers=args.preempt_every_layers,
+                                   layerwise_preemption=policy.PREEMPTS_RUNNING_BATCH)
         else:
             runner = executor = rank_runner(plan, model, cfg, device, SINGLE)
     else:
@@ -395,7 +396,8 @@ def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device
                        args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp,
                        stage_layers=stage_layers, cuda_graph_sizes=decode_sizes,
                        max_blocks_per_seq=-(-longest // args.block_size),
-                       mixed_graph_sizes=mixed_sizes, max_num_seqs=args.max_num_seqs)
+                       mixed_graph_sizes=mixed_sizes, max_num_seqs=args.max_num_seqs,
+                       layerwise_preemption=scheduler_class(args.policy).PREEMPTS_RUNNING_BATCH)
 
 
 def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:

@@ -56,6 +56,21 @@ def test_static_buffer_path_matches_eager_on_cpu(tiny_llama_dir, n):
     assert graphed.engine.stats().kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("policy,replays", [("fcfs", True), ("conserve", False)])
+def test_only_a_policy_that_stops_forwards_arms_safe_points(tiny_llama_dir, policy, replays):
+    """A pure-offline batch has ConServe's safe points armed (it runs eagerly, waiting for the
+    device at each) only under a policy that can ask a forward to stop; under fcfs nothing
+    would ask, so it keeps its CUDA graph."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_tokens=2048, block_size=4, policy=policy,
+              decode_graph_sizes=(1, 2, 4))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False, priority="offline")
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    runner = llm.engine.executor
+    assert runner.layerwise_preemption is not replays
+    assert (runner.graphs.num_replays > 0) is replays
+
+
 def test_mixed_buckets():
     assert mixed_buckets(128, 2048) == [256, 384, 512, 768, 1024, 1536, 2048]
     assert mixed_buckets(8, 64) == [16, 24, 32, 48, 64]

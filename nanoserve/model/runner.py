@@ -149,10 +149,13 @@ class ModelRunner(Executor):
                  host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8,
                  tp: TPGroup = SINGLE, stage_layers: range | None = None,
                  cuda_graph_sizes: Iterable[int] = (), max_blocks_per_seq: int = 0,
-                 mixed_graph_sizes: Iterable[int] = (), max_num_seqs: int = 0):
+                 mixed_graph_sizes: Iterable[int] = (), max_num_seqs: int = 0, layerwise_preemption: bool = True):
         """With `arena` (KunServe), the KV caches are the arena's views and `host_weights` (every
         parameter by name, on the host) feeds the peer on a drop and the arena on a restore.
-        `preempt_every_layers`: how often a pure-offline forward checks the preemption flag.
+        `preempt_every_layers`: how often a pure-offline forward checks the preemption flag;
+        `layerwise_preemption`: whether anything may ask a forward to stop (the policy's
+        `Scheduler.PREEMPTS_RUNNING_BATCH`): without it no forward arms a safe point, so a
+        pure-offline batch keeps its CUDA graph and never waits for the device mid-forward.
         `tp`: this rank's tensor-parallel group; only rank 0 samples (every rank computes the
         gathered logits, as the gather is collective). `stage_layers`: a pipeline stage's layers
         (model/stages.py), the only ones it keeps KV for. `cuda_graph_sizes`: the decode batch
@@ -165,6 +168,7 @@ class ModelRunner(Executor):
         self.stage_layers = stage_layers
         # ConServe's layer-wise preemption: the modules whose layer loop has a safe point.
         self.preemption = PreemptionFlag(preempt_every_layers, model_config.num_layers)
+        self.layerwise_preemption = layerwise_preemption
         if tp.size > 1:
             self.preemption.agree = tp.any
         if device.type == "cuda":
@@ -378,8 +382,8 @@ class ModelRunner(Executor):
         prepared = self.prepare(batch)
         # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
         # not as a pipeline stage: the stages run different layers, so no barrier aligns them.
-        preemptible = self.stage_layers is None and all(c.request.priority is RequestClass.OFFLINE
-                                                      for c in batch.chunks)
+        preemptible = (self.layerwise_preemption and self.stage_layers is None
+                       and all(c.request.priority is RequestClass.OFFLINE for c in batch.chunks))
         sampling = [c.request for c in batch.chunks if c.samples]
         graph = self._replayable(batch, prepared, preemptible)
         if graph == "decode":
