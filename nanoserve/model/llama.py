@@ -136,6 +136,11 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, cos, sin, ctx, residual)
             if self.safe_point is not None:
                 self.safe_point(i + 1)
+        fused = ctx.backend.fused
+        if residual is not None and self.norm is not None and fused is not None:
+            # The last layer's MLP output, the residual stream and the final norm: one kernel, as
+            # a layer's first norm adds them (rather than the add and the norm's ~8 ops).
+            return fused.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
         if residual is not None:
             x = x + residual
         return x if self.norm is None else self.norm(x)
