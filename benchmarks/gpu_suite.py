@@ -14,6 +14,8 @@ recorded and the next step runs):
     env           GPU, driver, library versions
     decode        decode step vs its HBM roofline (weights + KV bytes): graphed with asynchronous
                   scheduling, graphed (by kernel), eager
+    gemm          benchmarks/gemm.py: the 1B model's linear layers at decode batches vs the HBM
+                  roofline, cuBLAS and cuBLASLt (is the decode step's gap in its GEMMs?)
     tests         the CUDA tests (pytest -m cuda) and the newest kernels' tests (split-K, fused), compiled
     serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests; again with
                   mixed-step graphs and asynchronous scheduling
@@ -44,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "gpu_models"
 # The order a short lease should run them in: the decode-step goal first, then whether the new
 # paths (asynchronous scheduling, mixed-step graphs, graph memory in the KV sizing) hold on CUDA.
-STEPS = ["env", "decode", "tests", "serve7b", "throughput", "attention", "sweep", "fidelity", "kernel_tests"]
+STEPS = ["env", "decode", "gemm", "tests", "serve7b", "throughput", "attention", "sweep", "fidelity",
+         "kernel_tests"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,11 @@ def step_kernel_tests(out: Path, options: Options) -> dict:
 
 def step_sweep(out: Path, options: Options) -> dict:
     return run([sys.executable, "benchmarks/attention.py", "--sweep", str(out / "sweep.json")], 180, out / "sweep.log")
+
+
+def step_gemm(out: Path, options: Options) -> dict:
+    return run([sys.executable, "benchmarks/gemm.py", "--model", str(MODELS / options.decode_models[0]),
+                "--json", str(out / "gemm.json")], 90, out / "gemm.log", out / "gemm.json")
 
 
 def step_attention(out: Path, options: Options) -> dict:

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import attention, gpu_decode, gpu_suite, sim_fidelity, throughput
+from benchmarks import attention, gemm, gpu_decode, gpu_suite, sim_fidelity, throughput
 
 ROOT = Path(__file__).resolve().parent.parent
 PARSERS = {"benchmarks.gpu_decode": gpu_decode.build_parser, "benchmarks.throughput": throughput.build_parser,
-           "benchmarks.sim_fidelity": sim_fidelity.build_parser, "benchmarks.attention": attention.build_parser}
+           "benchmarks.sim_fidelity": sim_fidelity.build_parser, "benchmarks.attention": attention.build_parser,
+           "benchmarks.gemm": gemm.build_parser}
 
 
 def suite_commands(monkeypatch, tmp_path: Path) -> tuple[list[list[str]], set[str]]:
@@ -136,3 +137,23 @@ def test_kernel_classes_sort_real_kernel_names():
     assert classes["attention"]["fraction_of_peak"] == pytest.approx(0.4 / 0.62, abs=1e-3)
     assert classes["fused ops"] == {"ms_per_step": 0.15, "launches_per_step": 65.0}
     assert classes["other"]["launches_per_step"] == 1.0 and "roofline_ms" not in classes["other"]
+
+
+def test_gemm_shapes_are_the_models_linear_layers():
+    """The 1B model's (Llama-3.2-1B's shape): QKV and gate/up merged as nanoserve runs them."""
+    shapes = {s.name: s for s in gemm.model_shapes(gpu_suite.MODELS / "llama-1b")}
+    assert (shapes["qkv"].n, shapes["qkv"].k) == ((32 + 2 * 8) * 64, 2048)
+    assert (shapes["o"].n, shapes["o"].k, shapes["gate_up"].n, shapes["down"].k) == (2048, 2048, 2 * 8192, 8192)
+    assert (shapes["lm_head"].n, shapes["lm_head"].per_forward, shapes["down"].per_forward) == (128256, 1, 16)
+    rows = [gemm.Row("qkv", "cublas", 64, 3072, 2048, us=4.0, floor_us=3.0, fraction_of_peak=0.75),
+            gemm.Row("lm_head", "cublas", 64, 128256, 2048, us=150.0, floor_us=120.0, fraction_of_peak=0.8)]
+    totals = gemm.forward_totals(rows, list(shapes.values()))
+    assert totals == {"cublas": {"64": {"ms": 0.214, "floor_ms": 0.168, "fraction_of_peak": 0.785}}}
+
+
+def test_gemm_benchmark_smoke(tmp_path):
+    out = tmp_path / "gemm.json"
+    assert gemm.main(["--smoke", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {r["shape"] for r in result["rows"]} == {"qkv", "down", "lm_head"} and not result["errors"]
+    assert all(r["us"] > 0 for r in result["rows"])
