@@ -386,7 +386,7 @@ def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device
     if plan.host_blocks is not None:
         host_store = HostKVStore(plan.host_blocks, args.block_size, cfg.num_layers,
                                  local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype,
-                                 layerwise=args.layerwise_kv_copies)
+                                 layerwise=args.layerwise_kv_copies, layers=stage_layers)
     decode_sizes, mixed_sizes = graph_sizes(args, device, plan.topology.world_size)
     if device.type == "cpu" and args.cpu_packed_linears and plan.topology.world_size == 1:
         pack_linear_weights(model, model.logits_head())
@@ -427,6 +427,11 @@ def _start_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, 
     if launched is not None and launched != (0, topology.world_size):
         raise ValueError(f"under torchrun the engine is built by rank 0 of {topology.world_size} "
                          f"(tensor x pipeline parallel size); got (rank, world) {launched}")
+    if launched is None and device.type == "cuda" and topology.world_size > torch.cuda.device_count():
+        # NCCL runs one rank per GPU: ranks sharing one fail at their first collective ("Duplicate
+        # GPU detected"), after every worker has started and loaded its weights. Refused first.
+        raise ValueError(f"tensor x pipeline parallel size {topology.world_size} needs {topology.world_size} GPUs, "
+                         f"one a rank; this machine has {torch.cuda.device_count()}")
     pool = None if launched else WorkerPool(topology, device)
     device = rank_device(device, 0)
     tp, control = join_group(0, topology, device, None if pool is None else pool.init_method)

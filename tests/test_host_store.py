@@ -205,6 +205,22 @@ def test_a_cpu_store_lands_copies_when_they_are_issued():
     store.retire([copy.ticket])
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_pipeline_stage_stores_only_its_layers(layerwise):
+    """A stage holding layers 2-3 of 4 keeps two rows of K and V (its share of the pinned host
+    budget, which is sized per stage), and a save then a load moves those layers' K/V."""
+    store = HostKVStore(2, 2, 4, 1, 1, torch.float32, pin_memory=False, layerwise=layerwise, layers=range(2, 4))
+    assert store.k.shape == store.v.shape == (2, 4, 1, 1)
+    caches = [None, None] + [(torch.arange(8.0).view(4, 2, 1, 1) + 10 * i, -torch.arange(8.0).view(4, 2, 1, 1))
+                             for i in (2, 3)]
+    host = store.allocate("a", 1)
+    store.execute_step([[KVCopy("save", (2, 3), tuple(store.slots(host[0])))]], caches)
+    assert store.k[:, :2].flatten().tolist() == [22.0, 23.0, 32.0, 33.0]  # rows: layers 2 and 3
+    store.execute_step([[KVCopy("load", tuple(store.slots(host[0])), (6, 7))]], caches)
+    assert [caches[i][0].view(-1)[6:].tolist() for i in (2, 3)] == [[22.0, 23.0], [32.0, 33.0]]
+    assert caches[3][1].view(-1)[6:].tolist() == [-2.0, -3.0]
+
+
 # -- layer by layer (HostKVStore(layerwise=True)) ---------------------------------------------
 
 def _fresh(layerwise: bool) -> tuple[HostKVStore, list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -181,6 +181,19 @@ def test_a_dead_worker_is_an_error_not_a_hang(tiny_dirs, parallel):
         llm.shutdown()
 
 
+def test_more_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypatch, tmp_path):
+    """NCCL runs one rank per GPU; on a one-GPU machine a TP/PP engine is refused up front (no
+    GPU needed: the check reads only the device count)."""
+    from nanoserve import builder
+    from nanoserve.dist.launch import RankPlan, Topology
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("RANK", raising=False)
+    plan = RankPlan(builder.EngineArgs(tensor_parallel_size=2), str(tmp_path), 16, None, Topology(2, 1))
+    with pytest.raises(ValueError, match="needs 2 GPUs, one a rank; this machine has 1"):
+        builder._start_parallel(plan, torch.device("cuda", 0))
+
+
 def test_shutdown_stops_every_worker(tiny_dirs):
     llm = LLM(str(tiny_dirs["qwen2"]), device="cpu", dtype="float32", kv_cache_tokens=1024, tensor_parallel_size=2)
     processes = llm.engine.executor.pool.processes
@@ -276,9 +289,11 @@ def test_host_copies_run_on_every_stage(tiny_dirs, policy, kwargs, fired):
              **kwargs) as llm:
         outputs = llm.generate(prompts, MIXED, priority=PRIORITIES, use_tqdm=False)
         events = llm.engine.kv.events
+        stored_layers = llm.engine.executor.runner.host_store.k.shape[0]  # rank 0: stage 0's layers only
     for ref, out in zip(expected, outputs):
         assert_close_greedy(ref, out, f"{policy} pp=2 {out.request_id}", max_tokens=MAX_TOKENS)
     assert all(events[name] > 0 for name in fired), events
+    assert stored_layers == 1  # of the tiny model's 2
 
 
 def test_layer_wise_preemption_stops_every_tensor_parallel_rank_at_the_same_layer(tmp_path):

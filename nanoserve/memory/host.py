@@ -76,8 +76,10 @@ def _pin_in_place(owner: object, tensors: Sequence[torch.Tensor]) -> weakref.fin
     to a power of two, which turns a 40 GiB store into 64 GiB of locked host memory. Unlocked
     when `owner` is collected (the finalizer holds the tensors, so they outlive it), or earlier by
     calling the finalizer this returns (it runs once)."""
-    cudart = torch.cuda.cudart()
     registered = []
+    if all(t.numel() == 0 for t in tensors):
+        return weakref.finalize(owner, _unpin, registered)  # nothing to lock: no CUDA context either
+    cudart = torch.cuda.cudart()
     for tensor in tensors:
         if tensor.numel() == 0:
             continue
@@ -91,7 +93,19 @@ def _pin_in_place(owner: object, tensors: Sequence[torch.Tensor]) -> weakref.fin
     return weakref.finalize(owner, _unpin, registered)
 
 
+def _slots_on(device: torch.device, slots: list[int]) -> torch.Tensor:
+    """Slot indices on `device` without blocking the host. On CUDA through page-locked memory: a
+    copy from pageable memory makes the host wait for the stream it is issued on (the copy
+    stream, itself waiting for the forward in flight), which would stall the step's launches
+    once per group, or once per layer with layer-wise copies. PyTorch's pinned allocator keeps
+    the buffer until that copy has run."""
+    pinned = device.type == "cuda"
+    return torch.tensor(slots, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
 def _unpin(tensors: list[torch.Tensor]) -> None:
+    if not tensors:
+        return
     cudart = torch.cuda.cudart()
     for tensor in tensors:
         cudart.cudaHostUnregister(tensor.data_ptr())
@@ -99,13 +113,19 @@ def _unpin(tensors: list[torch.Tensor]) -> None:
 
 class HostKVStore:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, pin_memory: bool | None = None, layerwise: bool = False):
-        """`layerwise`: issue a step's copies layer by layer, so a forward waits per layer (above)."""
+                 dtype: torch.dtype, pin_memory: bool | None = None, layerwise: bool = False,
+                 layers: Iterable[int] | None = None):
+        """`layerwise`: issue a step's copies layer by layer, so a forward waits per layer (above).
+        `layers`: the model's layers this rank holds KV for (a pipeline stage's; default all of
+        `num_layers`): the store keeps one row of `k` and `v` per held layer, in layer order, so a
+        stage pins only its own layers' share of the host budget (which is sized per stage)."""
         if num_blocks < 0 or block_size < 1:
             raise ValueError("num_blocks must be >= 0 and block_size >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        held = range(num_layers) if layers is None else sorted(layers)
+        self._row = {layer: row for row, layer in enumerate(held)}  # model layer -> row of k and v
+        shape = (len(held), num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self._unpin = _pin_in_place(self, (self.k, self.v)) if pin else None
@@ -299,8 +319,7 @@ class HostKVStore:
                 self._transfer(kind, src_slots, dst_slots, kv_caches, device)
 
     def _move(self, src_slots: list[int], dst_slots: list[int], kv_caches, device: torch.device) -> None:
-        src = torch.tensor(src_slots, dtype=torch.int64).to(device)
-        dst = torch.tensor(dst_slots, dtype=torch.int64).to(device)
+        src, dst = _slots_on(device, src_slots), _slots_on(device, dst_slots)
         for caches in kv_caches:
             for cache in caches or ():
                 flat = cache.view(-1, *cache.shape[2:])
@@ -310,7 +329,10 @@ class HostKVStore:
     def _layers(self, kv_caches):
         """(host tensor, flat device cache) for every layer's K and V this rank holds."""
         for layer, caches in enumerate(kv_caches):
-            for host, cache in zip((self.k[layer], self.v[layer]), caches or ()):
+            if caches is None:
+                continue
+            row = self._row[layer]
+            for host, cache in zip((self.k[row], self.v[row]), caches):
                 yield host, cache.view(-1, *cache.shape[2:])
 
     def _transfer(self, kind: str, src_slots: list[int], dst_slots: list[int], kv_caches, device) -> None:
@@ -344,8 +366,7 @@ class HostKVStore:
         scatters it with one kernel. Staging tensors are allocated on the copy stream, so the
         caching allocator reuses their memory only after the stream has finished with them."""
         host_slots = dst_slots if kind == "save" else src_slots
-        device_slots = torch.tensor(src_slots if kind == "save" else dst_slots, dtype=torch.int64).to(
-            device, non_blocking=True)
+        device_slots = _slots_on(device, src_slots if kind == "save" else dst_slots)
         host = torch.tensor(host_slots, dtype=torch.int64)
         runs = _runs(host, torch.arange(len(host_slots)))  # (host start, staging start, length)
         for layer_host, flat in self._layers(kv_caches):

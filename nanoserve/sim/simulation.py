@@ -196,7 +196,9 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
     host = None
     if name in NEEDS_HOST_STORE:
         host_tokens = config.host_kv_tokens if config.host_kv_tokens is not None else num_blocks * config.block_size
-        host = HostKVStore(host_tokens // config.block_size, config.block_size, 0, 1, 1, torch.float16)
+        # Bookkeeping only: no layers, and nothing to page-lock (which would open a CUDA context).
+        host = HostKVStore(host_tokens // config.block_size, config.block_size, 0, 1, 1, torch.float16,
+                           pin_memory=False)
     kv = make_kv_manager(name, KVBuildContext(num_blocks, config.block_size, roofline.model, host,
                                               config.kv_manager_options or {},
                                               link_block_seconds=roofline.kv_copy_seconds(config.block_size, "pcie")))
