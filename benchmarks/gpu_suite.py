@@ -1,6 +1,7 @@
 """Everything nanoserve measures on a GPU, in one command that fits a short lease of one H100/H200.
 
     PYTHONPATH=. python3 benchmarks/gpu_suite.py --out results/ [--steps env,tests,...]
+    bash benchmarks/gpu_lease.sh      # the same in one device-tool call, packed into $OUT
 
 It needs no network and none of the serving extras (fastapi, uvicorn, gguf): the GPU machine's
 own python3 (torch, Triton, transformers, pytest) runs it. The models are random-weight
@@ -255,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache", default="/tmp/nanoserve-gpu-models", help="where the random checkpoints go")
     parser.add_argument("--throughput-models", default="smollm2-135m,llama-1b")
     parser.add_argument("--decode-models", default="llama-1b,smollm2-135m")
-    parser.add_argument("--minutes", type=float, default=20.0, help="every step ends by then (each has its own limit too)")
+    # A lease is 15 minutes of device time, the machine's start included.
+    parser.add_argument("--minutes", type=float, default=10.0, help="every step ends by then (each has its own limit too)")
     return parser
 
 

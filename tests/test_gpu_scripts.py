@@ -157,3 +157,24 @@ def test_gemm_benchmark_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert {r["shape"] for r in result["rows"]} == {"qkv", "down", "lm_head"} and not result["errors"]
     assert all(r["us"] > 0 for r in result["rows"])
+
+
+def test_the_lease_script_packs_the_suite_into_out(tmp_path):
+    """`gpu_lease.sh` runs the suite with the device's python3 and leaves suite.json, suite.md
+    and a tar of the steps' files in $OUT (here one step, which fails without a GPU: a failed
+    step is a result too)."""
+    import os
+    import subprocess
+    import tarfile
+
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(), out.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = dict(os.environ, OUT=str(out), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", "benchmarks/gpu_lease.sh", "env", "1"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["results.tar.gz", "suite.json", "suite.md"]
+    assert "env" in json.loads((out / "suite.json").read_text())
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert not any(name.endswith("suite.json") for name in tar.getnames())
