@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -117,6 +118,15 @@ class DrawsOnDevice:
         return SampleResult(token_list, logprob_rows)
 
 
+def to_device(values: list, dtype: torch.dtype | None = None, *, device: torch.device) -> torch.Tensor:
+    """A Python list as a tensor on `device`, without blocking the host. On CUDA through
+    page-locked memory: a copy from pageable memory may wait for its stream to drain, which would
+    stall the host behind the step in flight (asynchronous scheduling's next step, a copy
+    stream's next layer). PyTorch's pinned allocator keeps the buffer until the copy has run."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """Start copying a device tensor into page-locked host memory (returns it at once)."""
     if tensor.device.type == "cpu":
@@ -148,11 +158,7 @@ def sample_on_device(
     tokens = logits.argmax(dim=-1)
     device = logits.device
 
-    def on_device(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
-        # Through page-locked memory: a copy from pageable memory may wait for the device to
-        # drain, which would stall asynchronous scheduling's host behind the step in flight.
-        pinned = device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+    on_device = partial(to_device, device=device)
 
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

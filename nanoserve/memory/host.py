@@ -54,6 +54,7 @@ import torch
 
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.copies import ISSUE_ORDER, LANDED_NOW, InflightCopies, KVCopy
+from nanoserve.sampling import to_device
 
 __all__ = ["HostKVStore", "KVCopy", "LayerEvents"]
 
@@ -91,16 +92,6 @@ def _pin_in_place(owner: object, tensors: Sequence[torch.Tensor]) -> weakref.fin
                                f"of host KV store (CUDA error {int(err)}); lower --host-kv-gb")
         registered.append(tensor)
     return weakref.finalize(owner, _unpin, registered)
-
-
-def _slots_on(device: torch.device, slots: list[int]) -> torch.Tensor:
-    """Slot indices on `device` without blocking the host. On CUDA through page-locked memory: a
-    copy from pageable memory makes the host wait for the stream it is issued on (the copy
-    stream, itself waiting for the forward in flight), which would stall the step's launches
-    once per group, or once per layer with layer-wise copies. PyTorch's pinned allocator keeps
-    the buffer until that copy has run."""
-    pinned = device.type == "cuda"
-    return torch.tensor(slots, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 def _unpin(tensors: list[torch.Tensor]) -> None:
@@ -319,7 +310,7 @@ class HostKVStore:
                 self._transfer(kind, src_slots, dst_slots, kv_caches, device)
 
     def _move(self, src_slots: list[int], dst_slots: list[int], kv_caches, device: torch.device) -> None:
-        src, dst = _slots_on(device, src_slots), _slots_on(device, dst_slots)
+        src, dst = (to_device(slots, torch.int64, device=device) for slots in (src_slots, dst_slots))
         for caches in kv_caches:
             for cache in caches or ():
                 flat = cache.view(-1, *cache.shape[2:])
@@ -366,7 +357,7 @@ class HostKVStore:
         scatters it with one kernel. Staging tensors are allocated on the copy stream, so the
         caching allocator reuses their memory only after the stream has finished with them."""
         host_slots = dst_slots if kind == "save" else src_slots
-        device_slots = _slots_on(device, src_slots if kind == "save" else dst_slots)
+        device_slots = to_device(src_slots if kind == "save" else dst_slots, torch.int64, device=device)
         host = torch.tensor(host_slots, dtype=torch.int64)
         runs = _runs(host, torch.arange(len(host_slots)))  # (host start, staging start, length)
         for layer_host, flat in self._layers(kv_caches):

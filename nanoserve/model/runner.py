@@ -51,7 +51,7 @@ from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import LayerPeer
 from nanoserve.model.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.request import Request
-from nanoserve.sampling import DrawsOnDevice, sample_on_device
+from nanoserve.sampling import DrawsOnDevice, sample_on_device, to_device
 from nanoserve.sched.base import SchedulerOutput
 from nanoserve.slo import RequestClass
 
@@ -294,8 +294,7 @@ class ModelRunner(Executor):
         """A step input on the device. On CUDA from page-locked memory, so the non-blocking
         copy is truly asynchronous: the CPU goes on preparing and launching while the inputs
         travel (PyTorch's pinned allocator keeps the buffer until the copy is done)."""
-        pinned = self.device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
+        return to_device(values, dtype, device=self.device)
 
     def _feed(self, input_ids: torch.Tensor, rows: list[int], sources: list[tuple[torch.Tensor, int]]) -> None:
         """Write each of `rows` of `input_ids` from its (draws, index) source on the device: one
