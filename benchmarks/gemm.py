@@ -105,14 +105,15 @@ def time_shape(shape: Shape, m: int, dtype: torch.dtype, device: torch.device, l
     return statistics.median(times)
 
 
-def run(shapes: list[Shape], batches: tuple[int, ...], libraries: tuple[str, ...], dtype: torch.dtype,
-        device: torch.device) -> tuple[list[Row], str]:
-    name, _, gbs = device_peaks(device)
+def run(shapes: list[Shape], batches: tuple[int, ...], library: str, dtype: torch.dtype,
+        device: torch.device) -> list[Row]:
+    """Every shape at every batch under one BLAS library (CUDA; a CPU has one)."""
+    _, _, gbs = device_peaks(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 1 << 20
     rows = []
-    for library in libraries:
-        if device.type == "cuda":
-            torch.backends.cuda.preferred_blas_library(library)
+    if device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(library)
+    try:
         for shape in shapes:
             for m in batches:
                 us = time_shape(shape, m, dtype, device, l2)
@@ -120,9 +121,10 @@ def run(shapes: list[Shape], batches: tuple[int, ...], libraries: tuple[str, ...
                 floor = None if gbs is None else moved / (gbs * 1e9) * 1e6
                 rows.append(Row(shape.name, library, m, shape.n, shape.k, round(us, 2),
                                 None if floor is None else round(floor, 2), None if floor is None else round(floor / us, 3)))
-    if device.type == "cuda":
-        torch.backends.cuda.preferred_blas_library("cublas")
-    return rows, name
+    finally:
+        if device.type == "cuda":
+            torch.backends.cuda.preferred_blas_library("cublas")  # PyTorch's default
+    return rows
 
 
 def forward_totals(rows: list[Row], shapes: list[Shape]) -> dict:
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, errors, name = [], {}, device_peaks(device)[0]
     for library in libraries:
         try:
-            rows += run(shapes, batches, (library,), getattr(torch, args.dtype), device)[0]
+            rows += run(shapes, batches, library, getattr(torch, args.dtype), device)
         except (RuntimeError, AssertionError) as e:  # one library failing still reports the other
             errors[library] = f"{type(e).__name__}: {e}"
             print(f"{library}: {errors[library]}")
