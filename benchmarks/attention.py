@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
-from kernels.paged_attention import decode_splits, paged_attention  # noqa: E402
+from nanoserve.kernels.paged_attention import decode_splits, paged_attention  # noqa: E402
 
 # Dense bf16 tensor-core TFLOP/s and HBM GB/s from NVIDIA's datasheets; first match wins.
 DEVICE_PEAKS = [

@@ -34,8 +34,8 @@ import time  # noqa: E402
 from datetime import date  # noqa: E402
 
 from nanoserve import SamplingParams, default_model  # noqa: E402
-from nanoserve.builder import EngineArgs  # noqa: E402
-from nanoserve.dist.cluster import Cluster  # noqa: E402
+from nanoserve.config import EngineArgs  # noqa: E402
+from nanoserve.cluster.cluster import Cluster  # noqa: E402
 from nanoserve.slo import percentile  # noqa: E402
 
 

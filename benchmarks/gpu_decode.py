@@ -34,7 +34,8 @@ import torch
 
 from benchmarks.attention import DEVICE_PEAKS
 from nanoserve import LLM, SamplingParams
-from nanoserve.builder import EngineArgs, kv_block_bytes
+from nanoserve.builder import kv_block_bytes
+from nanoserve.config import EngineArgs
 from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
 from nanoserve.model.loader import load_config
 
@@ -309,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-tokens", type=int, help="KV cache size (default: sized from memory)")
     parser.add_argument("--stub-forward", action="store_true",
                         help="with --eager: no forward at all (zeros), timing the host's share of a step")
-    parser.add_argument("--unfused", action="store_true", help="PyTorch's layer ops, not kernels/fused.py")
+    parser.add_argument("--unfused", action="store_true", help="PyTorch's layer ops, not nanoserve/kernels/fused.py")
     parser.add_argument("--profile", action="store_true", help="also the step's GPU time by kernel (torch.profiler)")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(64, 512), metavar=("LO", "HI"),
                         help="serve: prompt lengths, uniform")

@@ -50,7 +50,8 @@ import time  # noqa: E402
 from datetime import date  # noqa: E402
 
 from nanoserve import LLM, SamplingParams, default_model  # noqa: E402
-from nanoserve.builder import EngineArgs, pipeline_microbatches  # noqa: E402
+from nanoserve.builder import pipeline_microbatches  # noqa: E402
+from nanoserve.config import EngineArgs
 
 
 def workload(args) -> list[list[int]]:
@@ -89,7 +90,7 @@ def simulated(seeds: tuple[int, ...] = (0, 1, 2), burst: int = 87) -> list[dict]
     """Fig. 14's burst on a simulated two-stage group, three cuts of a step (see the docstring)."""
     from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
     from nanoserve.sim.cluster_layout import member_microbatches
-    from nanoserve.sim.experiments.kunserve import GPU, MODEL
+    from experiments.kunserve import GPU, MODEL
     from nanoserve.sim.simulation import SimConfig
     from nanoserve.sim.workloads import LENGTHS, make_trace
 

@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
-from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
+from nanoserve.builder import build_engine  # noqa: E402
+from nanoserve.config import EngineArgs
 from nanoserve.sampling import SamplingParams  # noqa: E402
 from nanoserve.slo import percentile  # noqa: E402
 

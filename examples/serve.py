@@ -28,9 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import uvicorn  # noqa: E402
 
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
-from nanoserve.builder import EngineArgs, build_engine  # noqa: E402
-from nanoserve.config import resolve_device  # noqa: E402
-from nanoserve.dist.launch import Topology, run_worker, torchrun_rank  # noqa: E402
+from nanoserve.builder import build_engine  # noqa: E402
+from nanoserve.config import EngineArgs
+from nanoserve.device import resolve_device  # noqa: E402
+from nanoserve.parallel.launch import torchrun_rank  # noqa: E402
+from nanoserve.parallel.worker import run_worker
+from nanoserve.config import Topology
 from nanoserve.memory import KV_MANAGER_NAMES  # noqa: E402
 from nanoserve.model.attention import ATTENTION_BACKENDS  # noqa: E402
 from nanoserve.sched import SCHEDULERS  # noqa: E402
@@ -46,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default="fcfs", choices=sorted(SCHEDULERS), help="scheduling policy (see nanoserve.sched)")
-    p.add_argument("--cost-model", default=None, help="iteration cost model JSON from `python -m nanoserve.sched.profile`")
+    p.add_argument("--cost-model", default=None, help="iteration cost model JSON from `python -m nanoserve.tools.profile`")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--kv-cache-tokens", type=int, default=None,

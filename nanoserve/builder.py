@@ -2,104 +2,37 @@
 the policy and the attention backend. `LLM` and the server both build through here."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from kernels.cpu_linear import pack_linear_weights
-from nanoserve.config import ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
-from nanoserve.dist.launch import RankPlan, Topology
-from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
-from nanoserve.model.stages import partition_layers, stage_layouts
+from nanoserve.config import EngineArgs, ModelConfig, SchedulerConfig, Topology
+from nanoserve.device import resolve_device, resolve_dtype
+from nanoserve.model.rank import GraphSizes, RankPlan, attention_backend, build_rank_runner, graph_sizes, rank_runner
+from nanoserve.model.parallel import SINGLE, local_kv_heads
+from nanoserve.model.stages import partition_layers
 from nanoserve.engine import Engine
 from nanoserve.kv_sizing import (MemoryProbe, check_host_kv_fits, host_kv_tokens_default, kv_budget_bytes,
                                  memory_probe, profile_batch)
 from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
 from nanoserve.memory.arena import ArenaConfig, MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
-from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import KVManager
-from nanoserve.model.attention import AttentionBackend, default_attention_backend, get_attention_backend
-from nanoserve.model.cuda_graphs import StepGraphs, decode_buckets, mixed_buckets
+from nanoserve.model.attention import AttentionBackend
+from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_config, load_model, resolve_model_path
-from nanoserve.model.runner import Executor, ModelRunner
+from nanoserve.model.runner import ModelRunner
+from nanoserve.executor import Executor
 from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
 from nanoserve.sched.cost_model import CostModel
-from nanoserve.slo import DEFAULT_SLOS, SLO, RequestClass
+from nanoserve.slo import DEFAULT_SLOS, RequestClass
 from nanoserve.tokenizer import Tokenizer
 
 CPU_KV_BYTES = 2 << 30  # default KV budget on a CPU
 CPU_KV_MAX_TOKENS = 65536  # ...capped in tokens so tiny test models do not allocate gigabytes
 GPU_ACTIVATION_RESERVE = 1 << 30  # multi-rank only (no profile there): headroom for activations
-
-
-class GraphSizes(NamedTuple):
-    """The CUDA graphs a runner records: decode batch sizes and mixed-step token counts."""
-
-    decode: tuple[int, ...]
-    mixed: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    model: str | None = None  # directory or cached hub id; None means the embedded SmolLM2
-    device: str | None = None
-    dtype: str | torch.dtype | None = None
-    policy: str = "fcfs"
-    kv_cache_tokens: int | None = None
-    kv_cache_bytes: int | None = None
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int | None = None
-    seed: int = 0
-    attention_backend: str | None = None  # None: "triton" on CUDA, else "torch"
-    gpu_memory_utilization: float = 0.9
-    kv_manager: str | None = None  # see nanoserve/memory/__init__.py; None: the policy's own
-    cost_model: str | None = None  # JSON from `python -m nanoserve.sched.profile`; None: a default
-    kv_manager_options: dict | None = None  # knobs of the chosen manager
-    policy_options: dict | None = None  # knobs of the chosen policy (its Scheduler.OPTIONS)
-    host_kv_tokens: int | None = None  # host KV store size; default: kv_sizing.host_kv_tokens_default
-    host_kv_bytes: int | None = None  # ...or in bytes (the server's --host-kv-gb); tokens win
-    preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
-    # Stream each step's KV copies layer by layer, so a forward waits per layer for what it reads
-    # (memory/host.py; BROS §4.1's max(T_exec, T_swap)). Off: a forward waits for whole copies.
-    layerwise_kv_copies: bool = False
-    tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/dist/launch.py)
-    pipeline_parallel_size: int = 1  # stages of consecutive layers, one process (group) each
-    pipeline_microbatches: int | None = None  # per pipelined step; None: twice the stages
-    # Keep micro-batches in flight across steps (engine.py's pipelined step; vLLM v1's batch
-    # queue): each step is one micro-batch and `pipeline_microbatches` (default: the stages) are
-    # in flight. Off: each step's micro-batches fill and drain the pipeline. fcfs and kunserve.
-    async_pipeline: bool = False
-    # vLLM v1's asynchronous scheduling on one device (engine.py): schedule and prepare step
-    # n+1 while the device runs step n. fcfs; no host KV store (its copy stream would not be
-    # ordered after a step still in flight). Off by default.
-    async_scheduling: bool = False
-    # Decode steps replay CUDA graphs (model/cuda_graphs.py) on one CUDA device unless this is
-    # set (vLLM's enforce_eager). `decode_graph_sizes`: the batch sizes to record; None: 1, 2, 4,
-    # 8, then every 8 up to max_num_seqs on CUDA, none elsewhere (given on a CPU, the same path
-    # runs without recording: for tests).
-    enforce_eager: bool = False
-    decode_graph_sizes: tuple[int, ...] | None = None
-    # Mixed batches (prompt chunks with decodes) through CUDA graphs too, one per token count
-    # (cuda_graphs.py; ours, after vLLM v1's full graphs). Off by default until measured on a
-    # GPU; `mixed_graph_sizes` None: cuda_graphs.mixed_buckets of the token budget on CUDA, none
-    # elsewhere (given on a CPU, the path runs without recording: for tests).
-    mixed_graphs: bool = False
-    mixed_graph_sizes: tuple[int, ...] | None = None
-    # The backend's fused layer ops (Triton: kernels/fused.py; torch on a CPU: kernels/cpu_fused.py);
-    # False: PyTorch's ops (an A/B switch)
-    fused_layer_ops: bool = True
-    # On a CPU, one rank: each linear layer also keeps its weight packed for oneDNN
-    # (kernels/cpu_linear.py; the weights' bytes again in RAM). False: F.linear (an A/B switch).
-    cpu_packed_linears: bool = True
-    calibrate_cost_model: bool = True  # scale the cost model by measured step times (cost_model.py)
-    online_slo: SLO | None = None  # the online class's default targets; None: DEFAULT_SLOS
-    offline_slo: SLO | None = None
 
 
 def kv_block_bytes(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -335,71 +268,6 @@ def pipeline_microbatches(args: EngineArgs) -> int:
     return args.pipeline_microbatches or 2 * args.pipeline_parallel_size
 
 
-def attention_backend(args: EngineArgs, device: torch.device):
-    backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
-    return backend if args.fused_layer_ops else replace(backend, fused=None)
-
-
-def build_rank_runner(plan: RankPlan, device: torch.device, tp: TPGroup, stage: int = 0) -> ModelRunner:
-    """One rank's model shard (its pipeline stage's layers, its tensor-parallel slices), KV cache
-    share and host store (all of them with one rank)."""
-    args = plan.args
-    dtype = resolve_dtype(args.dtype, device)
-    layout = None
-    if plan.topology.pipeline_parallel_size > 1:
-        layout = stage_layouts(load_config(Path(plan.model_path)).num_layers,
-                               plan.topology.pipeline_parallel_size)[stage]
-    model, cfg = load_model(Path(plan.model_path), device, dtype, tp, layout)
-    return rank_runner(plan, model, cfg, device, tp, None if layout is None else layout.layers)
-
-
-def graph_sizes(args: EngineArgs, device: torch.device, world_size: int) -> GraphSizes:
-    """The CUDA graphs a single-rank runner records (cuda_graphs.py): decode batch sizes, and
-    mixed-step token counts. On CUDA by default the decode buckets, and the mixed ones with
-    `mixed_graphs`; named sizes are recorded on any device (on a CPU without recording: tests).
-    None on CUDA with an attention backend a graph cannot record (torch's: it reads the batch's
-    shape on the host); sizes named for one there are refused."""
-    if args.enforce_eager or world_size > 1:
-        return GraphSizes((), ())
-    if device.type == "cuda" and not attention_backend(args, device).graph_capturable:
-        if args.decode_graph_sizes or args.mixed_graph_sizes:
-            raise ValueError(f"CUDA graphs cannot record the {args.attention_backend!r} attention backend (it reads "
-                             "the batch's shape on the host): use the triton backend, or enforce_eager")
-        return GraphSizes((), ())
-    default = tuple(decode_buckets(args.max_num_seqs)) if device.type == "cuda" else ()
-    decode = default if args.decode_graph_sizes is None else tuple(args.decode_graph_sizes)
-    if args.mixed_graph_sizes is not None:
-        mixed = tuple(args.mixed_graph_sizes)
-    elif args.mixed_graphs and device.type == "cuda":
-        mixed = tuple(mixed_buckets(args.max_num_seqs, args.max_num_batched_tokens))
-    else:
-        mixed = ()
-    return GraphSizes(decode, mixed)
-
-
-def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device: torch.device, tp: TPGroup,
-                stage_layers: range | None = None) -> ModelRunner:
-    """The runner over a loaded shard: its KV cache and host store as `plan` sizes them."""
-    args = plan.args
-    dtype = resolve_dtype(args.dtype, device)
-    host_store = None
-    if plan.host_blocks is not None:
-        host_store = HostKVStore(plan.host_blocks, args.block_size, cfg.num_layers,
-                                 local_kv_heads(cfg.num_kv_heads, tp.size), cfg.head_dim, dtype,
-                                 layerwise=args.layerwise_kv_copies, layers=stage_layers)
-    decode_sizes, mixed_sizes = graph_sizes(args, device, plan.topology.world_size)
-    if device.type == "cpu" and args.cpu_packed_linears and plan.topology.world_size == 1:
-        pack_linear_weights(model, model.logits_head())
-    longest = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
-                  plan.num_blocks * args.block_size)
-    return ModelRunner(model, cfg, plan.num_blocks, args.block_size, device, dtype, attention_backend(args, device),
-                       args.seed, host_store, preempt_every_layers=args.preempt_every_layers, tp=tp,
-                       stage_layers=stage_layers, cuda_graph_sizes=decode_sizes,
-                       max_blocks_per_seq=-(-longest // args.block_size),
-                       mixed_graph_sizes=mixed_sizes, max_num_seqs=args.max_num_seqs,
-                       layerwise_preemption=scheduler_class(args.policy).PREEMPTS_RUNNING_BATCH)
-
-
 def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
     """The weights' bytes in `dtype`, estimated from the checkpoint's safetensors headers (each
     tensor's element count; no tensor is read); used only where engines size their KV before
@@ -418,9 +286,9 @@ def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
 def _start_parallel(plan: RankPlan, device: torch.device) -> tuple[ModelRunner, Executor]:
     """Become rank 0 (starting ranks 1..N-1 unless torchrun did), send the workers the plan, and
     wrap this rank's runner in the executor that sends them each step."""
-    from nanoserve.dist.channel import StepChannel
-    from nanoserve.dist.executor import DriverExecutor
-    from nanoserve.dist.launch import WorkerPool, join_group, rank_device, send_plan, stop_driver, torchrun_rank
+    from nanoserve.parallel.channel import StepChannel
+    from nanoserve.parallel.executor import DriverExecutor
+    from nanoserve.parallel.launch import WorkerPool, join_group, rank_device, send_plan, stop_driver, torchrun_rank
 
     topology = plan.topology
     launched = torchrun_rank()

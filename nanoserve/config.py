@@ -3,20 +3,103 @@
 Each config is immutable once the engine is built: a component that needs a value reads it
 from its config rather than keeping a mutable copy, so two components can never disagree.
 
-`ModelConfig` is the architecture, parsed from an HF `config.json` by `model/loader.py`.
-`SchedulerConfig` holds the per-step limits a user sets through `LLM(...)`; the rest of the
-user's arguments live in `builder.EngineArgs`.
+`EngineArgs` is everything a user sets through `LLM(...)`, `nanoserve serve` or the server's
+flags, and the one place each of their defaults is written: `SchedulerConfig`, the CLI and
+`LLM` read theirs from it. `ModelConfig` is the architecture, parsed from an HF `config.json` by
+`model/loader.py`. `SchedulerConfig` holds the per-step limits every policy shares.
 """
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from nanoserve.slo import DEFAULT_SLOS, SLO, RequestClass
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = None  # directory or cached hub id; None means the embedded SmolLM2
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    policy: str = "fcfs"
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: str | None = None  # None: "triton" on CUDA, else "torch"
+    gpu_memory_utilization: float = 0.9
+    kv_manager: str | None = None  # see nanoserve/memory/__init__.py; None: the policy's own
+    cost_model: str | None = None  # JSON from `python -m nanoserve.tools.profile`; None: a default
+    kv_manager_options: dict | None = None  # knobs of the chosen manager
+    policy_options: dict | None = None  # knobs of the chosen policy (its Scheduler.OPTIONS)
+    host_kv_tokens: int | None = None  # host KV store size; default: kv_sizing.host_kv_tokens_default
+    host_kv_bytes: int | None = None  # ...or in bytes (the server's --host-kv-gb); tokens win
+    preempt_every_layers: int = 8  # ConServe §4.3: how often a pure-offline forward may be stopped
+    # Stream each step's KV copies layer by layer, so a forward waits per layer for what it reads
+    # (memory/host.py; BROS §4.1's max(T_exec, T_swap)). Off: a forward waits for whole copies.
+    layerwise_kv_copies: bool = False
+    tensor_parallel_size: int = 1  # >1 spawns worker processes (nanoserve/parallel/launch.py)
+    pipeline_parallel_size: int = 1  # stages of consecutive layers, one process (group) each
+    pipeline_microbatches: int | None = None  # per pipelined step; None: twice the stages
+    # Keep micro-batches in flight across steps (engine.py's pipelined step; vLLM v1's batch
+    # queue): each step is one micro-batch and `pipeline_microbatches` (default: the stages) are
+    # in flight. Off: each step's micro-batches fill and drain the pipeline. fcfs and kunserve.
+    async_pipeline: bool = False
+    # vLLM v1's asynchronous scheduling on one device (engine.py): schedule and prepare step
+    # n+1 while the device runs step n. fcfs; no host KV store (its copy stream would not be
+    # ordered after a step still in flight). Off by default.
+    async_scheduling: bool = False
+    # Decode steps replay CUDA graphs (model/cuda_graphs.py) on one CUDA device unless this is
+    # set (vLLM's enforce_eager). `decode_graph_sizes`: the batch sizes to record; None: 1, 2, 4,
+    # 8, then every 8 up to max_num_seqs on CUDA, none elsewhere (given on a CPU, the same path
+    # runs without recording: for tests).
+    enforce_eager: bool = False
+    decode_graph_sizes: tuple[int, ...] | None = None
+    # Mixed batches (prompt chunks with decodes) through CUDA graphs too, one per token count
+    # (cuda_graphs.py; ours, after vLLM v1's full graphs). Off by default until measured on a
+    # GPU; `mixed_graph_sizes` None: cuda_graphs.mixed_buckets of the token budget on CUDA, none
+    # elsewhere (given on a CPU, the path runs without recording: for tests).
+    mixed_graphs: bool = False
+    mixed_graph_sizes: tuple[int, ...] | None = None
+    # The backend's fused layer ops (Triton: nanoserve/kernels/fused.py; torch on a CPU: nanoserve/kernels/cpu_fused.py);
+    # False: PyTorch's ops (an A/B switch)
+    fused_layer_ops: bool = True
+    # On a CPU, one rank: each linear layer also keeps its weight packed for oneDNN
+    # (nanoserve/kernels/cpu_linear.py; the weights' bytes again in RAM). False: F.linear (an A/B switch).
+    cpu_packed_linears: bool = True
+    calibrate_cost_model: bool = True  # scale the cost model by measured step times (cost_model.py)
+    online_slo: SLO | None = None  # the online class's default targets; None: DEFAULT_SLOS
+    offline_slo: SLO | None = None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks laid out stage-major: rank = stage · tp + tp_rank. The ranks of one pipeline stage
+    form a tensor-parallel group; rank r sends its activations to rank r + tp."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.tensor_parallel_size
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        tp = self.tensor_parallel_size
+        return list(range(stage * tp, (stage + 1) * tp))
 
 
 @dataclass(frozen=True)
@@ -50,7 +133,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
@@ -62,14 +145,14 @@ class SchedulerConfig:
     together. `max_model_len` bounds prompt + generated tokens of any single request.
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int = 2048
-    policy: str = "fcfs"
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_model_len: int = 2048  # the engine sets it from the model (EngineArgs.max_model_len: None)
+    policy: str = EngineArgs.policy
     # Latency targets by request class (see nanoserve/slo.py); a request may override them.
     online_slo: SLO = DEFAULT_SLOS[RequestClass.ONLINE]
     offline_slo: SLO = DEFAULT_SLOS[RequestClass.OFFLINE]
-    # Micro-batches a pipelined step runs (nanoserve/dist/pipeline.py; 1: no pipeline). A policy
+    # Micro-batches a pipelined step runs (nanoserve/parallel/pipeline.py; 1: no pipeline). A policy
     # that cuts its own (KunServe) gives each step up to this many.
     pipeline_microbatches: int = 1
     # Micro-batches an asynchronous pipeline keeps in flight (1: every step waits for its
@@ -108,46 +191,3 @@ class SchedulerConfig:
     def slo_for(self, priority: RequestClass | str) -> SLO:
         # ==, not is: the engine asks before the Request it builds has coerced a raw string.
         return self.online_slo if priority == RequestClass.ONLINE else self.offline_slo
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-_DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
-
-
-CPU_DTYPE_ENV = "NANOSERVE_CPU_DTYPE"  # overrides the CPU default (the test suite pins float32)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AMX tiles or AVX512-BF16: the CPUs whose bf16 matmuls beat fp32 (oneDNN uses them; on the
-    2-core Xeon of issue 23, 314 against 162 tok/s). `get_cpu_capability()` says only
-    "AVX512", which CPUs without bf16 units also report, so ask for the units themselves."""
-    try:
-        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
-    except AttributeError:  # a torch without the probes: assume the plain CPU
-        return False
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """Unless the caller names one: bf16 on CUDA and on CPUs with bf16 units (`cpu_has_fast_bf16`),
-    fp32 on other CPUs (exact parity with HF there). `$NANOSERVE_CPU_DTYPE` sets the CPU default."""
-    if dtype is None or dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        if os.environ.get(CPU_DTYPE_ENV):
-            return resolve_dtype(os.environ[CPU_DTYPE_ENV], device)
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPE_NAMES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}") from None

@@ -38,11 +38,12 @@ from typing import NamedTuple
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.manager import KVManager
-from nanoserve.model.runner import Executor, ExecutorOutput, MicrobatchPipeline
+from nanoserve.executor import Executor, ExecutorOutput, MicrobatchPipeline
 from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.sched.base import Scheduler
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import PRIORITIES, SLO, ClassMetrics, RequestClass
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

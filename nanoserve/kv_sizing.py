@@ -34,7 +34,7 @@ import torch
 
 from nanoserve.request import Request
 from nanoserve.sampling import MAX_LOGPROBS, SamplingParams
-from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 
 HOST_KV_RAM_FRACTION = 0.25  # ours: the default host store takes at most this share of host RAM
 

@@ -6,7 +6,8 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from nanoserve.builder import EngineArgs, build_engine
+from nanoserve.builder import build_engine
+from nanoserve.config import EngineArgs
 from nanoserve.engine import Engine
 from nanoserve.outputs import RequestOutput
 from nanoserve.slo import SLO, RequestClass

@@ -17,9 +17,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import kernels.fused as fused  # noqa: E402
-import kernels.paged_attention as attention  # noqa: E402
-import kernels.store_kv as store  # noqa: E402
+import nanoserve.kernels.fused as fused  # noqa: E402
+import nanoserve.kernels.paged_attention as attention  # noqa: E402
+import nanoserve.kernels.store_kv as store  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOATS = {"scale_log2", "eps"}

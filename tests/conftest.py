@@ -11,7 +11,7 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("NANOSERVE_CHECK_INVARIANTS", "1")  # every engine step checks its allocator
 # Parity with HF is exact in fp32: on CPUs with bf16 units the default would be bf16
-# (config.resolve_dtype), so the suite pins fp32; tests that want bf16 name it.
+# (device.resolve_dtype), so the suite pins fp32; tests that want bf16 name it.
 os.environ.setdefault("NANOSERVE_CPU_DTYPE", "float32")
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through Triton's interpreter. It is read when a kernel is

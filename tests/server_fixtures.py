@@ -20,7 +20,8 @@ import pytest
 import uvicorn
 
 from nanoserve.async_engine import AsyncEngine
-from nanoserve.builder import EngineArgs, build_engine
+from nanoserve.builder import build_engine
+from nanoserve.config import EngineArgs
 from nanoserve.server import create_app
 
 MAX_MODEL_LEN = 2048

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import nn
 
-from kernels.reference import store_kv
+from nanoserve.kernels.reference import store_kv
 from nanoserve.config import ModelConfig
 from nanoserve.memory.arena import ArenaConfig, BlocksInUseError, MemoryArena
 from nanoserve.memory.arena_layout import PageRuns
@@ -342,7 +342,7 @@ class ArenaMachine(RuleBasedStateMachine):
 
     @rule(seq=SEQS)
     def release_last_block(self, seq):
-        """A group member gives back a lookup table's block (dist/member.py): the last one here,
+        """A group member gives back a lookup table's block (cluster/member.py): the last one here,
         so the sequence keeps its first tokens."""
         arena = self.arena
         table = arena.block_table(seq)

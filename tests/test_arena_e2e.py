@@ -15,7 +15,8 @@ import torch
 from test_invariance import assert_close_greedy
 
 from nanoserve import SamplingParams
-from nanoserve.builder import EngineArgs, build_engine
+from nanoserve.builder import build_engine
+from nanoserve.config import EngineArgs
 from nanoserve.engine import Engine
 from nanoserve.memory.arena import BlocksInUseError
 from nanoserve.model.layer_peer import PeerStage

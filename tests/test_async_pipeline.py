@@ -23,7 +23,7 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import Executor, ExecutorOutput
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import SchedulerOutput, make_scheduler
 

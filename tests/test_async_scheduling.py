@@ -22,12 +22,14 @@ from hypothesis import settings
 from hypothesis.stateful import initialize, invariant, rule
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.builder import EngineArgs, build_engine
+from nanoserve.builder import build_engine
+from nanoserve.config import EngineArgs
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import Executor, ExecutorOutput, ModelRunner
+from nanoserve.model.runner import ModelRunner
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.sched import SchedulerOutput, make_scheduler
 
 from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor

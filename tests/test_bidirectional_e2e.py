@@ -24,7 +24,7 @@ from nanoserve.engine import Engine
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.bidirectional_kv import BidirectionalKV
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import Executor, ExecutorOutput
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.sched import SchedulerOutput
 from nanoserve.sched.fcfs import FCFSScheduler
 from test_invariance import assert_close_greedy

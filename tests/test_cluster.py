@@ -1,4 +1,4 @@
-"""KunServe's cluster (nanoserve/dist/cluster.py, instance.py): the dispatcher balances KV
+"""KunServe's cluster (nanoserve/cluster/cluster.py, instance.py): the dispatcher balances KV
 demand (held plus the whole queue's, Llumnix's virtual usage), the monitor reports throttling
 (held plus the head of the queue, kunserve.txt §2.2) as blocks short, and a cluster of real instance
 processes serves greedy outputs identical to a single engine, throttled or not."""
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.builder import EngineArgs
-from nanoserve.dist.cluster import Cluster, Dispatcher, InstanceLoad, ThrottleMonitor
+from nanoserve.config import EngineArgs
+from nanoserve.cluster.cluster import Cluster, Dispatcher, InstanceLoad, ThrottleMonitor
 from test_invariance import assert_close_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)

@@ -1,5 +1,5 @@
 """KunServe's drop -> exchange -> serve -> restore cycle in a real cluster of instance processes
-(nanoserve/dist/cluster.py, regroup.py, member.py, group.py), and recovery when a member dies.
+(nanoserve/cluster/cluster.py, regroup.py, member.py, group.py), and recovery when a member dies.
 
 Every test compares greedy outputs with an unthrottled single engine: a regrouped pipeline, a
 KV exchange or a restore that put one block in the wrong place would change them."""
@@ -12,9 +12,9 @@ import torch
 
 from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.builder import EngineArgs
-from nanoserve.dist.cluster import Cluster
-from nanoserve.dist.regroup import split_pool
+from nanoserve.config import EngineArgs
+from nanoserve.cluster.cluster import Cluster
+from nanoserve.cluster.regroup import split_pool
 from test_invariance import assert_close_greedy
 
 BLOCK = 16
@@ -233,7 +233,7 @@ def test_regrouped_pipelines_serve_every_architecture(arch, tmp_path):
 
 
 def test_instances_get_their_own_gpu_or_a_share_of_one():
-    from nanoserve.dist.cluster import instance_devices
+    from nanoserve.cluster.cluster import instance_devices
 
     assert instance_devices("cpu", 2, 0) == [("cpu", 1), ("cpu", 1)]
     assert instance_devices(None, 2, 4) == [(None, 1), (None, 1)]
@@ -244,7 +244,7 @@ def test_instances_get_their_own_gpu_or_a_share_of_one():
 
 
 def test_cuda_tensors_travel_over_gloo_through_the_host(monkeypatch):
-    from nanoserve.dist import p2p
+    from nanoserve.parallel import p2p
 
     class Fake:
         device = type("D", (), {"type": "cuda"})()

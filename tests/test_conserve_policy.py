@@ -22,7 +22,7 @@ from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.checkpoint import CheckpointConfig
 from nanoserve.memory.checkpoint_kv import CheckpointKV
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.preemption import ForwardPreempted, PreemptionFlag
+from nanoserve.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.sched.conserve import ConServeScheduler
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.slo import SLO

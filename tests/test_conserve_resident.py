@@ -29,7 +29,7 @@ from nanoserve.memory.checkpoint_kv import CheckpointKV
 from nanoserve.memory.host import HostKVStore
 from nanoserve.request import RequestStatus
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.conserve import ConServeScheduler
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.slo import SLO

@@ -9,13 +9,15 @@ import time
 import pytest
 
 from conftest import build_tiny_model
-from nanoserve.builder import EngineArgs, build_engine
+from nanoserve.builder import build_engine
+from nanoserve.config import EngineArgs
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
-from nanoserve.model.runner import Executor, ExecutorOutput
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.sched.cost_model import FEATURES, Calibration, CostModel, Sample, evaluate, features, fit
-from nanoserve.sched.profile import FULL, QUICK, Profiler, main, synthetic_batches
+from nanoserve.sched.profile_grid import FULL, QUICK, synthetic_batches
+from nanoserve.tools.profile import Profiler, main
 
 # Roughly a small model on a GPU: 1 ms per iteration, 20 µs per prefill token...
 TRUE = CostModel(prefill_attn=2e-9, prefill_tokens=2e-5, prefill_chunks=5e-5, decode_context=3e-8,

@@ -1,6 +1,6 @@
-"""kernels/cpu_attention.py (the torch backend's paged attention) against kernels/reference.py
+"""nanoserve/kernels/cpu_attention.py (the torch backend's paged attention) against nanoserve/kernels/reference.py
 and dense attention: grouping decode rows by length, folding query heads onto their KV head,
-the causal first chunk and the C decode kernel (kernels/cpu_decode_attention.py) must change
+the causal first chunk and the C decode kernel (nanoserve/kernels/cpu_decode_attention.py) must change
 nothing but the memory traffic. Each case runs on both decode paths: the C kernel's (where it
 builds) and the gathered SDPA's it replaces."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attention_cases import TOLERANCE, build_case, case_specs
-from kernels import cpu_attention, cpu_build, cpu_decode_attention, reference
+from nanoserve.kernels import cpu_attention, cpu_build, cpu_decode_attention, reference
 
 needs_c_kernel = pytest.mark.skipif(not cpu_decode_attention.available(),
                                     reason="the C decode kernel did not build here (no C compiler?)")

@@ -1,4 +1,4 @@
-"""The CPU's default dtype (config.resolve_dtype): bf16 where the CPU has bf16 units (AMX or
+"""The CPU's default dtype (device.resolve_dtype): bf16 where the CPU has bf16 units (AMX or
 AVX512-BF16), fp32 elsewhere; and bf16 greedy output against fp32's, with vLLM's near-tie rule.
 
 The suite itself pins fp32 (conftest sets $NANOSERVE_CPU_DTYPE), so parity with HF stays exact
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve import config
-from nanoserve.config import CPU_DTYPE_ENV, resolve_dtype
+from nanoserve import device as device_module
+from nanoserve.device import CPU_DTYPE_ENV, resolve_dtype
 from test_invariance import assert_close_greedy
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -19,14 +19,14 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 @pytest.mark.parametrize("fast_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_a_cpu_with_bf16_units_defaults_to_bf16(monkeypatch, fast_bf16, expected):
     monkeypatch.delenv(CPU_DTYPE_ENV, raising=False)
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: fast_bf16)
     assert resolve_dtype(None, CPU) == resolve_dtype("auto", CPU) == expected
     assert resolve_dtype(None, CUDA) == torch.bfloat16
     assert resolve_dtype("float32", CPU) == torch.float32  # a named dtype always wins
 
 
 def test_the_environment_sets_the_cpu_default(monkeypatch):
-    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: True)
     monkeypatch.setenv(CPU_DTYPE_ENV, "fp32")
     assert resolve_dtype(None, CPU) == torch.float32
     monkeypatch.setenv(CPU_DTYPE_ENV, "bfloat16")
@@ -37,7 +37,7 @@ def test_the_environment_sets_the_cpu_default(monkeypatch):
 
 
 def test_the_probe_answers_a_bool():
-    assert isinstance(config.cpu_has_fast_bf16(), bool)
+    assert isinstance(device_module.cpu_has_fast_bf16(), bool)
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",

@@ -1,5 +1,5 @@
-"""kernels/cpu_fused.py (the layer's elementwise ops in C) against the PyTorch references in
-kernels/fused_ops.py: fp32 to rounding, bf16 to two units in the last place (the mean's sum runs
+"""nanoserve/kernels/cpu_fused.py (the layer's elementwise ops in C) against the PyTorch references in
+nanoserve/kernels/fused_ops.py: fp32 to rounding, bf16 to two units in the last place (the mean's sum runs
 in another order, which can flip the rounding of the normalised value by one unit before the
 weight multiplies it and the product rounds again), the residual sum exactly. Shapes include SmolLM2's odd widths (576 hidden, 9
 heads, 1536 MLP), q and k as strided views of one qkv row, and row counts on both sides of the
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_fused
-from kernels.fused_ops import add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference
+from nanoserve.kernels import cpu_fused
+from nanoserve.kernels.fused_ops import add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference
 
 pytestmark = pytest.mark.skipif(cpu_fused.cpu_fused_ops() is None,
                                 reason="the C layer ops did not build here (no C compiler?)")

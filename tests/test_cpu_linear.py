@@ -1,4 +1,4 @@
-"""kernels/cpu_linear.py: linear layers on a CPU from oneDNN-packed weights must compute what
+"""nanoserve/kernels/cpu_linear.py: linear layers on a CPU from oneDNN-packed weights must compute what
 F.linear computes (to fp32 rounding), and an engine with packed weights must give the greedy
 output of one without them (near-tie for near-tie)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_linear
+from nanoserve.kernels import cpu_linear
 from nanoserve import LLM, SamplingParams
 from nanoserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 

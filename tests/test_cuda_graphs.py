@@ -129,7 +129,8 @@ def test_cuda_records_only_a_backend_a_graph_can_capture():
     """torch's attention reads the batch's shape on the host (a capture refuses `.tolist()`): on
     CUDA it runs eagerly, and sizes named for it are refused; Triton's kernels are recorded.
     (graph_sizes only reads the device's type: no GPU is needed.)"""
-    from nanoserve.builder import EngineArgs, graph_sizes
+    from nanoserve.model.rank import graph_sizes
+    from nanoserve.config import EngineArgs
 
     cuda = torch.device("cuda")
     assert graph_sizes(EngineArgs(attention_backend="torch", mixed_graphs=True), cuda, 1) == ((), ())

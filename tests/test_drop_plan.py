@@ -1,4 +1,4 @@
-"""KunServe's drop plan (Fig. 6) and restore plan (§4.4): nanoserve/dist/drop_plan.py.
+"""KunServe's drop plan (Fig. 6) and restore plan (§4.4): nanoserve/cluster/drop_plan.py.
 
 Examples from the paper, then hypothesis over clusters of 1-64 instances and 1-80 layers (full
 replicas, or pipelines an earlier plan built), checked against independent recounts, a brute-force
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.dist import drop_plan
-from nanoserve.dist.drop_plan import HOST, Cluster, Group, plan_drop, plan_restore
+from nanoserve.cluster import drop_plan
+from nanoserve.cluster.drop_plan import HOST, Cluster, Group, plan_drop, plan_restore
 
 FAST = settings(max_examples=200, deadline=None)
 

@@ -25,10 +25,10 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import Executor, ExecutorOutput
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.ecoserve import EcoServeScheduler, _is_generation, _lacking
 from nanoserve.sched.ecoserve_queue import TaskQueue, deadline_bucket
 from nanoserve.slo import SLO

@@ -1,4 +1,4 @@
-"""kernels/fused.py against its PyTorch references: under TRITON_INTERPRET=1 on a CPU (CI),
+"""nanoserve/kernels/fused.py against its PyTorch references: under TRITON_INTERPRET=1 on a CPU (CI),
 compiled on a GPU. Shapes include SmolLM2's odd widths (576 hidden, 9 heads, 1536 MLP)."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from kernels import fused  # noqa: E402  (after the interpreter check)
-from kernels.fused_ops import (  # noqa: E402
+from nanoserve.kernels import fused  # noqa: E402  (after the interpreter check)
+from nanoserve.kernels.fused_ops import (  # noqa: E402
     add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference,
 )
 
@@ -97,12 +97,13 @@ def test_silu_and_mul(rows, cols, dtype, seed):
 
 
 def test_each_backend_brings_its_fused_ops_and_the_switch_removes_them():
-    from kernels.cpu_fused import cpu_fused_ops
-    from nanoserve.builder import EngineArgs, attention_backend
+    from nanoserve.kernels.cpu_fused import cpu_fused_ops
+    from nanoserve.model.rank import attention_backend
+    from nanoserve.config import EngineArgs
 
     device = torch.device(DEVICE)
     assert attention_backend(EngineArgs(attention_backend="triton"), device).fused is fused.TRITON_FUSED
     assert attention_backend(EngineArgs(attention_backend="triton", fused_layer_ops=False), device).fused is None
-    # The torch backend's are the C ones where they build (kernels/cpu_fused.py), else none.
+    # The torch backend's are the C ones where they build (nanoserve/kernels/cpu_fused.py), else none.
     assert attention_backend(EngineArgs(attention_backend="torch"), device).fused is cpu_fused_ops()
     assert attention_backend(EngineArgs(attention_backend="torch", fused_layer_ops=False), device).fused is None

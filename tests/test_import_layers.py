@@ -21,13 +21,13 @@ LAYERS = [
 # where the builder does), and moving them out of their packages would change the commands
 # users type. A new back edge fails the test; one mended must leave this list.
 KNOWN_BACK_EDGES = {
-    ("nanoserve.sched.profile", "nanoserve.builder"): "`python -m nanoserve.sched.profile` builds an engine",
+    ("nanoserve.sched.profile", "nanoserve.builder"): "`python -m nanoserve.tools.profile` builds an engine",
     ("nanoserve.sched.profile", "nanoserve.model.runner"): "...and times its runner's steps",
-    ("nanoserve.dist.launch", "nanoserve.builder"): "each worker process builds its rank's runner",
-    ("nanoserve.dist.cluster", "nanoserve.builder"): "KunServe's cluster: an engine per instance",
-    ("nanoserve.dist.instance", "nanoserve.builder"): "one KunServe instance: an engine in its process",
-    ("nanoserve.dist.instance", "nanoserve.engine"): "...",
-    ("nanoserve.dist.member", "nanoserve.engine"): "an instance's engine taking part in a drop or restore",
+    ("nanoserve.parallel.launch", "nanoserve.builder"): "each worker process builds its rank's runner",
+    ("nanoserve.cluster.cluster", "nanoserve.builder"): "KunServe's cluster: an engine per instance",
+    ("nanoserve.cluster.instance", "nanoserve.builder"): "one KunServe instance: an engine in its process",
+    ("nanoserve.cluster.instance", "nanoserve.engine"): "...",
+    ("nanoserve.cluster.member", "nanoserve.engine"): "an instance's engine taking part in a drop or restore",
 }
 
 
@@ -71,13 +71,13 @@ def test_imports_flow_one_way():
 def test_the_model_never_imports_dist():
     model = ROOT / "nanoserve" / "model"
     offending = [f"{p.name}:{line} {target}" for p in model.rglob("*.py") for line, target in imports(p)
-                 if target.startswith("nanoserve.dist")]
+                 if target.startswith("nanoserve.parallel")]
     assert not offending
 
 
 def test_a_back_edge_is_caught(tmp_path):
     """The checker itself: a model module importing dist/ is a back edge."""
     path = tmp_path / "probe.py"
-    path.write_text("def f():\n    from nanoserve.dist.executor import Executor\n")
+    path.write_text("def f():\n    from nanoserve.parallel.executor import Executor\n")
     (line, target), = imports(path)
     assert line == 2 and layer_of(target) > layer_of("nanoserve.model.probe")

@@ -1,4 +1,4 @@
-"""The regime arithmetic of nanoserve/sim/experiments/kunserve_regime.py: Little's law and the
+"""The regime arithmetic of experiments/kunserve_regime.py: Little's law and the
 decode-in-what-prefills-leave model hold together, and §2.2's numbers read back as the paper
 states them."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.sim.experiments import kunserve_regime as regime
-from nanoserve.sim.experiments.kunserve import DATASETS, GPU, MODEL, kv_tokens_per_gpu
+from experiments import kunserve_regime as regime
+from experiments.kunserve import DATASETS, GPU, MODEL, kv_tokens_per_gpu
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.models import model
 from nanoserve.sim.roofline import Roofline

@@ -1,4 +1,4 @@
-"""KunServe's coordinated KV exchange (nanoserve/dist/kv_exchange.py) between two real gloo
+"""KunServe's coordinated KV exchange (nanoserve/cluster/kv_exchange.py) between two real gloo
 processes: every moved block arrives bit-exact where the move list says, nothing else is
 touched, the bytes are accounted, and the sender yields to pending activations between chunks."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoserve.dist.kv_exchange import KVMove, block_bytes, chunk_moves, recv_kv, send_kv
+from nanoserve.cluster.kv_exchange import KVMove, block_bytes, chunk_moves, recv_kv, send_kv
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 10, 4, 2, 8
 MOVES = [KVMove(1, 3, 0), KVMove(1, 7, 9), KVMove(2, 0, 4), KVMove(2, 5, 5), KVMove(2, 9, 1)]

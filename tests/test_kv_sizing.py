@@ -8,10 +8,12 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve import builder
-from nanoserve.builder import EngineArgs, host_kv_blocks, kv_block_bytes
+from nanoserve.builder import host_kv_blocks, kv_block_bytes
+from nanoserve.config import EngineArgs
 from nanoserve.kv_sizing import (HOST_KV_RAM_FRACTION, MemorySnapshot, check_host_kv_fits, host_kv_tokens_default,
                                  kv_budget_bytes, profile_batch)
 from nanoserve.model.loader import load_config
+from nanoserve.sampling import MAX_LOGPROBS
 
 GiB = 2**30
 
@@ -38,7 +40,7 @@ def test_profile_batch_is_the_largest_step():
 def test_the_profile_samples_by_the_widest_path(tiny_llama_dir, monkeypatch):
     """Every profiled row draws through top-k and top-p and reports the most logprobs, so the
     sampler's fp32 copies and sort are in the peak the KV cache is sized beside."""
-    import nanoserve.sampling as sampling
+    import nanoserve.model.sampler as sampling
 
     snap = MemorySnapshot(total=GiB, free=GiB // 2, torch_reserved=GiB // 4, torch_peak=GiB // 8)
     monkeypatch.setattr(builder, "memory_probe", lambda device: FakeProbe(snap))
@@ -48,7 +50,7 @@ def test_the_profile_samples_by_the_widest_path(tiny_llama_dir, monkeypatch):
     LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
     assert filtered == [(4, load_config(tiny_llama_dir).vocab_size)]  # the profile's 4 rows, the whole vocabulary
     batch, _ = profile_batch(64, 4, 16, vocab_size=100)
-    assert all(c.request.params.logprobs == sampling.MAX_LOGPROBS for c in batch.chunks)
+    assert all(c.request.params.logprobs == MAX_LOGPROBS for c in batch.chunks)
 
 
 class FakeProbe:

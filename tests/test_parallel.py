@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism (nanoserve/model/parallel.py, stages.py; dist/pipeline.py,
+"""Tensor and pipeline parallelism (nanoserve/model/parallel.py, stages.py; parallel/pipeline.py,
 executor.py, launch.py).
 
 Two levels: in one process, each rank's shard or stage is loaded (a `TPGroup` with a rank but
@@ -20,14 +20,14 @@ from safetensors.torch import load_file
 
 from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.dist.executor import StepMessage, WorkerFailure
+from nanoserve.parallel.executor import StepMessage, WorkerFailure
 from nanoserve.model.parallel import TPGroup, kv_head_shard, local_kv_heads
 from nanoserve.model.stages import MissingLayer, partition_layers, stage_layouts
-from nanoserve.dist.pipeline import split_microbatches
+from nanoserve.parallel.pipeline import split_microbatches
 from nanoserve.memory.copies import KVCopy
 from nanoserve.model.loader import load_model
 from nanoserve.request import Request
-from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from test_invariance import assert_close_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -113,7 +113,8 @@ def test_microbatches_cut_by_token_count(chunks, count):
 
 
 def test_a_step_survives_its_wire_message(tiny_dirs):
-    from nanoserve.builder import EngineArgs, build_engine
+    from nanoserve.builder import build_engine
+    from nanoserve.config import EngineArgs
 
     engine = build_engine(EngineArgs(model=str(tiny_dirs["llama"]), device="cpu", kv_cache_tokens=256))
     runner = engine.executor
@@ -185,7 +186,8 @@ def test_more_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypatch, 
     """NCCL runs one rank per GPU; on a one-GPU machine a TP/PP engine is refused up front (no
     GPU needed: the check reads only the device count)."""
     from nanoserve import builder
-    from nanoserve.dist.launch import RankPlan, Topology
+    from nanoserve.model.rank import RankPlan
+    from nanoserve.config import Topology
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("RANK", raising=False)

@@ -21,7 +21,7 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ExecutorOutput
+from nanoserve.executor import ExecutorOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import POLICY_MEMORY, SCHEDULERS, SchedulerOutput, make_scheduler
 from nanoserve.sched.cost_model import DEFAULT_COST_MODEL

@@ -1,4 +1,4 @@
-"""kernels/reference.py against dense causal softmax attention over K/V laid out by hand."""
+"""nanoserve/kernels/reference.py against dense causal softmax attention over K/V laid out by hand."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention_cases import TOLERANCE, build_case, case_specs
-from kernels.reference import paged_attention, store_kv
+from nanoserve.kernels.reference import paged_attention, store_kv
 
 SPECS = case_specs(block_sizes=(1, 4, 8, 16), head_dims=(4, 8), groups=(1, 3),
                    dtypes=(torch.float32, torch.float16, torch.bfloat16), max_len=40, max_seqs=5)

@@ -1,4 +1,4 @@
-"""The KV moves of a drop or restore (dist/member.py `Relayout.moves`), checked without processes
+"""The KV moves of a drop or restore (cluster/member.py `Relayout.moves`), checked without processes
 over random sequences of drops and restores: every block of every layer of every request that
 holds KV goes exactly once from the member that held that layer for its owner to the member
 that holds it now, and both ends of a pair enumerate the same list."""
@@ -8,9 +8,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from nanoserve.dist.drop_plan import Cluster, Group, plan_drop, plan_restore
-from nanoserve.dist.group import GroupLayout
-from nanoserve.dist.member import Relayout
+from nanoserve.cluster.drop_plan import Cluster, Group, plan_drop, plan_restore
+from nanoserve.cluster.group import GroupLayout
+from nanoserve.cluster.member import Relayout
 
 
 def layouts(groups) -> dict[int, GroupLayout]:

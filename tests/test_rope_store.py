@@ -1,6 +1,6 @@
-"""RoPE with the KV store in the same pass (`FusedOps.rope_store`), in C (kernels/cpu_fused.py) and
-in Triton (kernels/fused.py, interpreted on a CPU), against its reference: RoPE, then
-kernels/reference.store_kv. q, k and v are strided views of one projection row, as the model has
+"""RoPE with the KV store in the same pass (`FusedOps.rope_store`), in C (nanoserve/kernels/cpu_fused.py) and
+in Triton (nanoserve/kernels/fused.py, interpreted on a CPU), against its reference: RoPE, then
+nanoserve/kernels/reference.store_kv. q, k and v are strided views of one projection row, as the model has
 them; slots are scattered over a paged cache, some negative (padding: nothing written), in
 either BROS direction (folded into the slot). The returned q and the cached k equal the
 reference's to rounding; v is copied exactly; every slot the step does not name is untouched.
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_fused
-from kernels.fused_ops import rope_store_reference
+from nanoserve.kernels import cpu_fused
+from nanoserve.kernels.fused_ops import rope_store_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCKS, BLOCK_SIZE = 6, 4
@@ -26,7 +26,7 @@ def implementations():
         yield pytest.param(cpu_fused.rope_store, "cpu", id="c")
     triton_runs = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     if triton_runs:
-        from kernels import fused
+        from nanoserve.kernels import fused
 
         yield pytest.param(fused.rope_store, DEVICE, id="triton")
 

@@ -1,4 +1,4 @@
-"""BROS's experiment (nanoserve/sim/experiments/bros.py) at ci scale: OPT-13B at TP=2 on
+"""BROS's experiment (experiments/bros.py) at ci scale: OPT-13B at TP=2 on
 A100-40G, RT at 10 req/s for 30 s beside 32 BE requests every 10 s. Only directions that held with
 a margin at seeds 0-3, never the paper's magnitudes.
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from nanoserve.sim.experiments import ExperimentResult
-from nanoserve.sim.experiments.bros import (BROS, FCFS, POLICIES, RR, SETUPS, VLLM_V0, ablation_variants,
+from experiments import ExperimentResult
+from experiments.bros import (BROS, FCFS, POLICIES, RR, SETUPS, VLLM_V0, ablation_variants,
                                             be_busy_seconds, run)
 
 

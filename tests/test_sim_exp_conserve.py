@@ -1,12 +1,12 @@
-"""ConServe's experiment (nanoserve/sim/experiments/conserve.py) at ci scale: the mechanisms'
+"""ConServe's experiment (experiments/conserve.py) at ci scale: the mechanisms'
 counts, and only the directions that held with a margin over every seed tried (0-4), never the
 paper's magnitudes (the notes and RESULTS.md compare those at paper scale)."""
 from __future__ import annotations
 
 import pytest
 
-from nanoserve.sim.experiments import ExperimentResult
-from nanoserve.sim.experiments.conserve import (BASELINES, CONSERVE, FIG5, FIG78, ONLINE_ONLY, SETUPS, VLLMPP,
+from experiments import ExperimentResult
+from experiments.conserve import (BASELINES, CONSERVE, FIG5, FIG78, ONLINE_ONLY, SETUPS, VLLMPP,
                                                VLLMPP_SELECTIVE, offline_pool_size, run, run_label)
 
 PARTS = {part.figure: part for part in SETUPS["ci"].parts}

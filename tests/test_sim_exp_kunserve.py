@@ -1,6 +1,6 @@
 """KunServe in the simulator: the simulated cluster (nanoserve/sim/cluster.py and
-cluster_layout.py: drop, KV exchange and restore of dist/ on virtual time, pipeline stages) and
-the ci-scale run of the paper's comparison (nanoserve/sim/experiments/kunserve.py)."""
+cluster_layout.py: drop, KV exchange and restore of cluster/ on virtual time, pipeline stages) and
+the ci-scale run of the paper's comparison (experiments/kunserve.py)."""
 from __future__ import annotations
 
 import math
@@ -8,11 +8,11 @@ import math
 import pytest
 
 from nanoserve import SamplingParams
-from nanoserve.dist.cluster import ThrottleMonitor
+from nanoserve.cluster.cluster import ThrottleMonitor
 from nanoserve.sim.cluster import ClusterConfig, SimCluster, simulate_cluster
 from nanoserve.sim.cluster_layout import StagePipeline
-from nanoserve.sim.experiments import run_experiment
-from nanoserve.sim.experiments.report import save_plots
+from experiments import run_experiment
+from experiments.report import save_plots
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import summarize
 from nanoserve.sim.models import ModelCost, model
@@ -241,8 +241,8 @@ def test_ci_experiment_kunserve(monkeypatch, tmp_path):
 
 
 def test_the_long_scale_is_fig_15s_run_with_the_restore_ablation():
-    from nanoserve.sim.experiments import check_scale
-    from nanoserve.sim.experiments.kunserve import NO_RESTORE, SCALES, configs
+    from experiments import check_scale
+    from experiments.kunserve import NO_RESTORE, SCALES, configs
 
     long = SCALES["long"]
     assert long.duration == 640.0 and long.restore_ablation and not SCALES["paper"].restore_ablation

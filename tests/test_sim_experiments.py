@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.sim.experiments import EXPERIMENTS, Comparison, ExperimentResult, run_experiment
-from nanoserve.sim.experiments.baselines import BASELINES, FASTGEN, ORCA, markdown
-from nanoserve.sim.experiments import ecoserve as ecoserve_experiment
-from nanoserve.sim.experiments.ecoserve import sustained_rate
-from nanoserve.sim.experiments.report import comparison_table, format_report, save_json
+from experiments import EXPERIMENTS, Comparison, ExperimentResult, run_experiment
+from experiments.baselines import BASELINES, FASTGEN, ORCA, markdown
+from experiments import ecoserve as ecoserve_experiment
+from experiments.ecoserve import sustained_rate
+from experiments.report import comparison_table, format_report, save_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def test_ecoserve_latency_rises_with_the_rate(ecoserve):
 
 def test_sweep_plot_draws_a_panel_per_dataset(ecoserve, tmp_path):
     pytest.importorskip("matplotlib")
-    from nanoserve.sim.experiments.report import save_plots
+    from experiments.report import save_plots
     rows = [dict(row, dataset=name) for name in ("ShareGPT", "Alpaca") for row in ecoserve.extra["sweep"]]
     threshold = ecoserve.extra["threshold_s_per_token"]["ShareGPT"]
     fake = ExperimentResult("eco-two", "two datasets", "synthetic", {}, [],
@@ -137,7 +137,7 @@ def test_report_and_json_say_synthetic(ecoserve, tmp_path):
 
 def test_simulate_example_writes_json_and_plots(ecoserve, tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
-    import nanoserve.sim.experiments as experiments
+    import experiments as experiments
     monkeypatch.setattr(experiments, "run_experiment", lambda name, scale, seed: ecoserve)  # ran once already
     monkeypatch.setattr(sys, "argv", ["simulate.py", "ecoserve", "--scale", "ci", "--json",
                                       str(tmp_path / "out.json"), "--plot", str(tmp_path / "plots")])
@@ -152,7 +152,7 @@ def test_simulate_example_writes_json_and_plots(ecoserve, tmp_path, monkeypatch,
 
 
 def test_simulate_example_runs_several_seeds_and_tables_every_ratio(tmp_path, monkeypatch, capsys):
-    import nanoserve.sim.experiments as experiments
+    import experiments as experiments
 
     def fake(name, scale, seed):  # a ratio that moves with the seed; one comparison only seed 1 has
         comparisons = [Comparison("A / B", 2.0 + seed, "2-4x higher", 2.0, "B (Fig. 1)")]
@@ -173,7 +173,7 @@ def test_simulate_example_runs_several_seeds_and_tables_every_ratio(tmp_path, mo
 def test_all_workload_is_fixed_and_priority_protects_online_work():
     """The `all` workload (one trace for every policy) at CI scale, under fcfs and priority; the
     whole experiment, every policy, runs from examples/simulate.py (BROS is slow in its bursts)."""
-    from nanoserve.sim.experiments import mixed
+    from experiments import mixed
     from nanoserve.sim.metrics import summarize
     from nanoserve.sim.simulation import simulate
     trace, rate, batch = mixed.workload("ci", 0)
@@ -189,7 +189,7 @@ def test_all_runs_on_conserves_setup_host_memory_included():
     """`all` declares ConServe's setup: the same GPU and model, and the same host memory for
     swapped-out and checkpointed KV (left out, the policies with a host store got one the size
     of the device's KV, which BROS filled; RESULTS.md, issue 20)."""
-    from nanoserve.sim.experiments import conserve, mixed
+    from experiments import conserve, mixed
     from nanoserve.sim.roofline import Roofline
     from nanoserve.sim.hardware import gpu
     from nanoserve.sim.models import model

@@ -12,7 +12,7 @@ import torch
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.sim.executor import SimExecutor, VirtualClock
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.models import model

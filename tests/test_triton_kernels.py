@@ -1,4 +1,4 @@
-"""The Triton kernels against kernels/reference.py: under TRITON_INTERPRET=1 on the CPU (CI),
+"""The Triton kernels against nanoserve/kernels/reference.py: under TRITON_INTERPRET=1 on the CPU (CI),
 compiled on CUDA when a GPU is present. Cases are kept small because the interpreter runs each
 program in NumPy."""
 from __future__ import annotations
@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention_cases import TOLERANCE, CaseSpec, SeqSpec, build_case, case_specs
-from kernels import reference
+from nanoserve.kernels import reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from kernels.paged_attention import paged_attention  # noqa: E402  (after the interpreter check)
-from kernels.store_kv import store_kv  # noqa: E402
+from nanoserve.kernels.paged_attention import paged_attention  # noqa: E402  (after the interpreter check)
+from nanoserve.kernels.store_kv import store_kv  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

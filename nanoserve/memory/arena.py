@@ -419,7 +419,7 @@ class MemoryArena:
         self._reserved[seq_id] = len(self._tables[seq_id]) * self.config.block_size
 
     def free_all(self) -> int:
-        """Free every sequence's blocks (a regroup re-carves them all, dist/member.py)."""
+        """Free every sequence's blocks (a regroup re-carves them all, cluster/member.py)."""
         return sum(self.free(seq_id) for seq_id in list(self._tables))
 
     def layer_bytes(self, layer: int) -> int:

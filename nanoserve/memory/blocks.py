@@ -12,7 +12,7 @@ returns it once the copy has landed.
 
 A *retired* block leaves circulation: `retire` takes the free ones off the free list at once
 and each owned or held one when it is freed; `unretire` puts them back. KunServe's background
-restore retires the logical blocks whose pages the returning weights need (dist/member.py).
+restore retires the logical blocks whose pages the returning weights need (cluster/member.py).
 
 Invariants (checked by `check_invariants`):
   1. Every block id in [0, num_blocks) is free, held, retired-and-free, or in exactly one table,

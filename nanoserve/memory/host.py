@@ -54,7 +54,7 @@ import torch
 
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.copies import ISSUE_ORDER, LANDED_NOW, InflightCopies, KVCopy
-from nanoserve.sampling import to_device
+from nanoserve.device import to_device
 
 __all__ = ["HostKVStore", "KVCopy", "LayerEvents"]
 

@@ -13,10 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-import kernels.cpu_attention
-import kernels.cpu_decode_attention
-import kernels.cpu_fused
-import kernels.reference
+from nanoserve.kernels import cpu_attention, cpu_decode_attention, cpu_fused, reference
 
 
 @dataclass(frozen=True)
@@ -25,7 +22,7 @@ class AttentionBackend:
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     # The decoder layer's fused elementwise ops (RMSNorm, residual add + RMSNorm, RoPE, SiLU·mul:
-    # kernels/fused.py in Triton, kernels/cpu_fused.py in C), or None for PyTorch's own ops.
+    # nanoserve/kernels/fused.py in Triton, nanoserve/kernels/cpu_fused.py in C), or None for PyTorch's own ops.
     fused: Any = None
     # Can a CUDA graph record its kernels? Only if they read the batch's shape (sequence lengths,
     # query starts) on the device: torch's path reads them on the host (`.tolist()`), which a
@@ -45,20 +42,19 @@ def get_attention_backend(name: str, device: torch.device | None = None) -> Atte
     """The kernels for `name`. Triton off CUDA runs only through its interpreter
     (TRITON_INTERPRET=1): correct and slow, which is how CI tests the kernels."""
     if name == "torch":
-        # The reference's semantics with less memory traffic (kernels/cpu_attention.py), and the
-        # layer's elementwise ops in C where that builds (kernels/cpu_fused.py; CPU tensors only,
+        # The reference's semantics with less memory traffic (nanoserve/kernels/cpu_attention.py), and the
+        # layer's elementwise ops in C where that builds (nanoserve/kernels/cpu_fused.py; CPU tensors only,
         # others run PyTorch's references). Building here puts the one-off compile at start-up,
-        # the decode attention's too (kernels/cpu_decode_attention.py).
-        kernels.cpu_decode_attention.available()
-        return AttentionBackend("torch", kernels.reference.store_kv, kernels.cpu_attention.paged_attention,
-                                kernels.cpu_fused.cpu_fused_ops())
+        # the decode attention's too (nanoserve/kernels/cpu_decode_attention.py).
+        cpu_decode_attention.available()
+        return AttentionBackend("torch", reference.store_kv, cpu_attention.paged_attention, cpu_fused.cpu_fused_ops())
     if name == "triton":
         if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton attention backend needs a CUDA device (got {device.type!r}); "
                              "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU")
-        from kernels.fused import TRITON_FUSED
-        from kernels.paged_attention import paged_attention
-        from kernels.store_kv import store_kv
+        from nanoserve.kernels.fused import TRITON_FUSED
+        from nanoserve.kernels.paged_attention import paged_attention
+        from nanoserve.kernels.store_kv import store_kv
 
         return AttentionBackend("triton", store_kv, paged_attention, TRITON_FUSED, graph_capturable=True)
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")
@@ -66,7 +62,7 @@ def get_attention_backend(name: str, device: torch.device | None = None) -> Atte
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """Where this step's tokens read and write K/V. See kernels/reference.py for the layout."""
+    """Where this step's tokens read and write K/V. See nanoserve/kernels/reference.py for the layout."""
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]

@@ -25,7 +25,7 @@ and slots translate with one integer division per step. A later drop changes blo
 the peer re-keys the live blocks it holds (a copy), before the arena's geometry changes.
 
 Room for the peer (issue 22, defect 3). On one device this stand-in cannot take its memory from
-the bytes the drop frees, as the real peer does (dist/member.py receives into blocks carved
+the bytes the drop frees, as the real peer does (cluster/member.py receives into blocks carved
 from its own freed weight bytes): the freed bytes become this device's KV pages, and the peer's
 replica of the dropped layers is exactly as large as what they freed, so a stand-in that
 borrowed them would cancel the drop's gain. Its replica and KV therefore sit beside the arena,
@@ -153,7 +153,7 @@ class LayerPeer:
                 f"dropping layers {layers} needs {needed / 2**30:.2f} GiB on {self.device} for the "
                 f"single-process peer's replica weights and KV, and {free / 2**30:.2f} GiB is free: "
                 "this stand-in keeps the peer beside the arena on the same device (a drop there cannot "
-                "gain capacity). Serve with a KunServe cluster (nanoserve.dist.cluster, one device per "
+                "gain capacity). Serve with a KunServe cluster (nanoserve.cluster.cluster, one device per "
                 "instance), whose peers receive the KV into their own freed weight bytes, or leave the "
                 "device room for the stand-in (a lower gpu_memory_utilization).")
 

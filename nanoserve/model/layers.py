@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from kernels.cpu_linear import PackedWeight, linear
+from nanoserve.kernels.cpu_linear import PackedWeight, linear
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +99,7 @@ class MergedLinear(PackedWeight, nn.Linear):
         getattr(self, param_name).data[start : start + size].copy_(tensor.narrow(0, *self.part_shards[part]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)  # packed on a CPU: kernels/cpu_linear.py
+        return linear(x, self.weight, self.bias, self.packed_weight)  # packed on a CPU: nanoserve/kernels/cpu_linear.py
 
 
 # (HF module name, fused module name, part index) used by Llama-family models.

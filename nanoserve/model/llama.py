@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
         q, k = self.normalize_qk(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim))
         fused = ctx.backend.fused
         if fused is not None:
-            # RoPE and the KV store in one kernel (kernels/fused.py's rope_store), then attention
+            # RoPE and the KV store in one kernel (nanoserve/kernels/fused.py's rope_store), then attention
             # over the cache. v stays a strided view of the fused projection's output.
             k_cache, v_cache = self.attn.cache(ctx)
             q = fused.rope_store(q, k, v.view(n, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache,
@@ -99,7 +99,7 @@ class LlamaDecoderLayer(nn.Module):
                 x = x + residual
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
             return x + self.mlp(self.post_attention_layernorm(x)), None
-        # The same layer in fewer launches (kernels/fused.py): each norm in one kernel with the
+        # The same layer in fewer launches (nanoserve/kernels/fused.py): each norm in one kernel with the
         # residual add before it.
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
@@ -125,7 +125,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """A pipeline stage (dist/pipeline.py) passes the previous stage's `hidden` instead of
+        """A pipeline stage (parallel/pipeline.py) passes the previous stage's `hidden` instead of
         ids, holds only its own layers, and only the last stage keeps the final norm."""
         x = self.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.rotary(positions)

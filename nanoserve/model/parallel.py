@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_linear import PackedWeight, linear
+from nanoserve.kernels.cpu_linear import PackedWeight, linear
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def qkv_shards(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) ->
 # -- layers --------------------------------------------------------------------------------------
 class ColumnParallelLinear(PackedWeight, nn.Linear):
     """y[:, this rank's rows] = x W_r^T + b_r; the output stays split across ranks. On a CPU the
-    product may run from a packed copy of W_r (kernels/cpu_linear.py)."""
+    product may run from a packed copy of W_r (nanoserve/kernels/cpu_linear.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE):
         self.shard = even_shard(out_features, tp, "the output width")
@@ -166,7 +166,7 @@ class RowParallelLinear(PackedWeight, nn.Linear):
 class VocabParallelEmbedding(PackedWeight, nn.Embedding):
     """Rank r holds token rows [r·n, (r+1)·n), n = ceil(vocab / tp) (the last rank's tail is
     zero padding). It looks up the ids in its range, zeroes the rest, and the all-reduce sums
-    the ranks' rows into the full embedding. Packed (kernels/cpu_linear.py) only as an LM head."""
+    the ranks' rows into the full embedding. Packed (nanoserve/kernels/cpu_linear.py) only as an LM head."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup = SINGLE):
         self.tp, self.vocab_size = tp, num_embeddings

@@ -20,7 +20,7 @@ Layer-wise preemption (ConServe, conserve.txt §4.3 and §5) is the one extra: w
 runs a pure-offline batch it arms the model's safe points (one after every layer, checked every
 `preempt_every_layers`); if someone has called `request_preemption()` by then, the forward stops
 there and `execute` returns `ExecutorOutput(preempted=True)`, which the engine discards. See
-`PreemptionFlag` (model/preemption.py).
+`PreemptionFlag` (nanoserve/preemption.py).
 
 Under asynchronous scheduling (engine.py) the runner is the engine's two-deep pipeline:
 `submit` launches a step and returns before its tokens are known, `collect` waits for the
@@ -36,12 +36,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
@@ -49,62 +51,11 @@ from nanoserve.model.attention import AttentionBackend, ForwardContext
 from nanoserve.model.block_table import BlockTableRows
 from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import LayerPeer
-from nanoserve.model.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.request import Request
-from nanoserve.sampling import DrawsOnDevice, sample_on_device, to_device
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.device import to_device
+from nanoserve.model.sampler import DrawsOnDevice, sample_on_device
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import RequestClass
-
-
-@dataclass
-class ExecutorOutput:
-    """The token each sampling request drew this step, keyed by request id."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    # The forward stopped at a safe point (ConServe's layer-wise preemption): nothing was
-    # computed that counts, and the engine discards the step.
-    preempted: bool = False
-
-
-class Executor:
-    """What the engine runs its steps on: a model runner, a driver of worker processes, the
-    simulator. `execute` is the one required method; the others are optional capabilities,
-    declared here with what an executor without them does."""
-
-    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        raise NotImplementedError
-
-    def request_preemption(self) -> None:
-        """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
-        PREEMPTRUNNING). Default: nothing, the forward runs to its end (no safe points)."""
-
-    def shutdown(self) -> None:
-        """Stop worker processes and let go of what they hold. Default: nothing to stop."""
-
-    def discard_in_flight(self) -> None:
-        """Forget the steps submitted and not collected: the engine gave up on them after a
-        failure (their requests are aborted). Default: an executor that keeps none."""
-
-
-class MicrobatchPipeline(Protocol):
-    """An executor that takes a step and returns before its result is ready, so that up to
-    `depth` steps are in flight at once (a pipeline's stages each working on a different one).
-    Results come back in submission order. nanoserve/dist/executor.py's `DriverExecutor` is one
-    under pipeline parallelism, `ModelRunner` (two deep) one under asynchronous scheduling; the
-    engine's pipelined step drives them."""
-
-    depth: int
-
-    def submit(self, batch: SchedulerOutput) -> None: ...
-
-    def collect(self) -> ExecutorOutput:
-        """The result of the oldest step submitted and not yet collected (waits for it)."""
-        ...
-
-    def discard_in_flight(self) -> None:
-        """Forget every step submitted and not collected (after a failure)."""
-        ...
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Which decoder layers a pipeline stage holds, and a model cut down to them (the model's side of
-pipeline parallelism; dist/pipeline.py runs the stages).
+pipeline parallelism; parallel/pipeline.py runs the stages).
 
     stage 0: embeddings, layers [0, a)    stage 1: layers [a, b)    ...    last: ..., norm, LM head
 

@@ -23,7 +23,8 @@ from typing import Callable
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
-from nanoserve.sched.base import Scheduler, ScheduledChunk, SchedulerOutput
+from nanoserve.sched.base import Scheduler
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.cost_model import CostModel
 
 # name -> "module:class", imported on first use.

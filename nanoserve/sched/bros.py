@@ -94,7 +94,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.bros_batch import INF, WAITING, Batch, is_rt
 from nanoserve.sched.bros_queue import PulledQueues
 

@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.slo import RequestClass
 
 if TYPE_CHECKING:

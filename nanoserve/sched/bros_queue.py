@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 
 from nanoserve.memory.bidirectional_kv import BidirectionalKV
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.sched.base import Scheduler
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.bros_batch import INF, is_rt
 
 Rank = Any  # anything ordered: a deadline, a slot count, a seniority tuple

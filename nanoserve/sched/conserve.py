@@ -64,7 +64,7 @@ from collections import Counter
 from typing import Literal
 
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.priority import PriorityScheduler
 from nanoserve.slo import RequestClass
 

@@ -71,7 +71,8 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.sched.base import Scheduler
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.sched.ecoserve_queue import TaskQueue, deadline_bucket
 

@@ -23,7 +23,8 @@ does not hold it back (`Scheduler.schedulable`): the executor feeds it from the 
 from __future__ import annotations
 
 from nanoserve.request import Request
-from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.sched.base import Scheduler
+from nanoserve.sched.output import SchedulerOutput
 
 
 class FCFSScheduler(Scheduler):

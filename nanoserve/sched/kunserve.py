@@ -44,7 +44,7 @@ ratio that `num_stages` pipeline stages would see for the whole lookahead, and f
 chunking into as many micro-batches, so the gain can be reported (`last_bubble_ratio`, `stats`).
 
 Under pipeline parallelism (`SchedulerConfig.pipeline_microbatches` = m > 1,
-nanoserve/dist/pipeline.py) the step is FCFS's (the token budget says how much is in flight) and
+nanoserve/parallel/pipeline.py) the step is FCFS's (the token budget says how much is in flight) and
 the lookahead's balancing cuts it into up to m micro-batches of equal cost, each of at least
 MIN tokens (Fig. 11 lines 4-5, "Don't chunk if with few tokens": a decode step of 87 requests
 is not cut into four micro-batches of 22, each re-reading every weight);
@@ -71,7 +71,7 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
 from nanoserve.request import Request
-from nanoserve.sched.base import ScheduledChunk, SchedulerOutput
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.fcfs import FCFSScheduler
 from nanoserve.sched.cost_model import CostModel
 

@@ -23,13 +23,14 @@ vLLM v0 required `max_num_batched_tokens >= max_model_len`, so a prompt always f
 nanoserve allows a smaller budget; then a prompt longer than the budget runs alone in budget-
 sized pieces, in prefill steps of their own, before anything else.
 
-This is a baseline, kept for the simulator's paper experiments (sim/experiments/): the
+This is a baseline, kept for the simulator's paper experiments (experiments/): the
 difference between it and `fcfs` (vLLM v1) is part of what the papers' gains were measured against.
 """
 from __future__ import annotations
 
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.sched.base import Scheduler
+from nanoserve.sched.output import SchedulerOutput
 
 
 class PrefillFirstScheduler(Scheduler):

@@ -21,7 +21,8 @@ from collections import deque
 from typing import Iterator, Literal
 
 from nanoserve.request import Request
-from nanoserve.sched.base import ScheduledChunk, Scheduler, SchedulerOutput
+from nanoserve.sched.base import Scheduler
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.slo import RequestClass
 
 CLASSES = (RequestClass.ONLINE, RequestClass.OFFLINE)  # served in this order

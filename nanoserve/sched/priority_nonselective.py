@@ -24,7 +24,7 @@ an online request needs room, is the stronger "vLLM++ (selective, recompute)".
 """
 from __future__ import annotations
 
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.priority import CLASSES, PriorityScheduler
 
 

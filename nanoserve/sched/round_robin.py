@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections import deque
 
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import Scheduler, SchedulerOutput
+from nanoserve.sched.base import Scheduler
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import RequestClass
 
 CLASSES = (RequestClass.ONLINE, RequestClass.OFFLINE)  # RT, BE

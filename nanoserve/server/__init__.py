@@ -1,6 +1,7 @@
 """nanoserve's OpenAI-compatible HTTP server.
 
-    from nanoserve.builder import EngineArgs, build_engine
+    from nanoserve.builder import build_engine
+    from nanoserve.config import EngineArgs
     from nanoserve.async_engine import AsyncEngine
     from nanoserve.server import create_app
 

@@ -1,6 +1,6 @@
 """A simulated KunServe cluster (kunserve.txt §3, §4.1-§4.4, §5.1): N instances, each a real
 engine (the policy's scheduler, a paged KV manager) on its own virtual clock, behind the
-Llumnix-style dispatcher, with the throttling monitor, drop and restore of dist/ reused as
+Llumnix-style dispatcher, with the throttling monitor, drop and restore of cluster/ reused as
 they are:
 
     dist.cluster.Dispatcher        least-loaded routing by KV demand, held plus the whole
@@ -41,9 +41,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from nanoserve.dist.cluster import Dispatcher, InstanceLoad, ThrottleMonitor
-from nanoserve.dist.instance import load_of
-from nanoserve.dist.regroup import LayoutChange, Regrouper
+from nanoserve.cluster.cluster import Dispatcher, InstanceLoad, ThrottleMonitor
+from nanoserve.cluster.instance import load_of
+from nanoserve.cluster.regroup import LayoutChange, Regrouper
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sim.cluster_layout import PipelineExecutor, SimMember, StagePipeline

@@ -1,8 +1,8 @@
 """One simulated instance of a KunServe cluster (kunserve.txt §4.1, §4.2, §4.3, §4.4): the
 member side of a layout change, on virtual time, and what a step costs in a pipeline group.
 
-A `SimMember` answers the four phases that dist/regroup.py's `Regrouper` drives on a real
-cluster (dist/member.py's `ClusterMember` does them with tensors), so the simulator reuses the
+A `SimMember` answers the four phases that cluster/regroup.py's `Regrouper` drives on a real
+cluster (cluster/member.py's `ClusterMember` does them with tensors), so the simulator reuses the
 real drop plan (`plan_drop`, Fig. 6), pool split and restore plan unchanged:
 
     manifest()       the running requests that hold KV, with their block tables
@@ -29,7 +29,7 @@ its GPU is free and the previous stage's activations have arrived over the link.
 `sched.kunserve.pipeline_time`'s recurrence, carried across the members' steps, with each
 stage priced by the roofline for its own layers (only the last stage runs the LM head). A
 lone instance is a pipeline of one stage, and then costs exactly `Roofline.iteration_seconds`.
-(nanoserve's own GroupExecutor, dist/group.py, steps the members in lockstep instead; both
+(nanoserve's own GroupExecutor, cluster/group.py, steps the members in lockstep instead; both
 papers' systems build on vLLM's engines, so the simulator follows those.) KunServe's members
 cut each step into cost-balanced micro-batches (`SimMember.schedule_for_layout`); vLLM (PP)'s
 run each member's batch as one.
@@ -40,17 +40,18 @@ import math
 from collections import defaultdict
 from typing import Mapping, Sequence
 
-from nanoserve.builder import EngineArgs, pipeline_microbatches
-from nanoserve.dist.drop_plan import Group
-from nanoserve.dist.group import GroupLayout
-from nanoserve.dist.member import Manifest, Relayout
-from nanoserve.dist.pipeline import split_microbatches
+from nanoserve.builder import pipeline_microbatches
+from nanoserve.config import EngineArgs
+from nanoserve.cluster.drop_plan import Group
+from nanoserve.cluster.group import GroupLayout
+from nanoserve.cluster.member import Manifest, Relayout
+from nanoserve.parallel.pipeline import split_microbatches
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import PagedKV
 from nanoserve.request import Request
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.kunserve import KunServeScheduler
 from nanoserve.sim.executor import SimExecutor, VirtualClock
 from nanoserve.sim.models import BYTES, ModelCost
@@ -149,7 +150,7 @@ class SimMember:
         self.prefetched = False  # the layers a restore needs were pulled in the background
         self.schedule_for_layout()
 
-    # -- what the cluster reads (dist/instance.py load_of) -------------------------------------
+    # -- what the cluster reads (cluster/instance.py load_of) -------------------------------------
     @property
     def capacity_blocks(self) -> int:
         return self.engine.kv.num_blocks

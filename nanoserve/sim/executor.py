@@ -73,9 +73,9 @@ from typing import Hashable, Iterable, Mapping
 
 from nanoserve.memory.copies import ISSUE_ORDER
 from nanoserve.memory.host import HostKVStore, KVCopy
-from nanoserve.model.preemption import ForwardPreempted, PreemptionFlag
-from nanoserve.model.runner import Executor, ExecutorOutput
-from nanoserve.sched.base import SchedulerOutput
+from nanoserve.preemption import ForwardPreempted, PreemptionFlag
+from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.cost_model import CostModel, batch_of
 from nanoserve.sim.roofline import Roofline
 from nanoserve.slo import RequestClass

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from nanoserve.dist.instance import load_of
+from nanoserve.cluster.instance import load_of
 
 if TYPE_CHECKING:
     from nanoserve.request import Request

@@ -21,7 +21,7 @@ stage (`layers`) costs its share of layers; only the last runs the LM head.
 
 Policies do not read this model: they budget with the linear `CostModel` of
 sched/cost_model.py, which `fitted_cost_model` fits to this roofline over the same synthetic
-batches `python -m nanoserve.sched.profile` times on real hardware. A policy therefore meets
+batches `python -m nanoserve.tools.profile` times on real hardware. A policy therefore meets
 the simulated GPU as it meets a real one: through a profile, with its fitting error.
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ class Roofline:
 def fitted_cost_model(roofline: Roofline, max_len: int = 8192, kv_tokens: int = 1 << 20) -> CostModel:
     """The linear cost model a policy would get by profiling this simulated GPU (profile.py's
     FULL grid, fitted the same way)."""
-    from nanoserve.sched.profile import FULL, synthetic_batches
+    from nanoserve.sched.profile_grid import FULL, synthetic_batches
 
     block = 16
     batches = synthetic_batches(FULL, max_len, kv_tokens // block, block)

@@ -1,0 +1,357 @@
+"""KunServe's cluster (kunserve.txt §3, §4): several instances, each a full model replica in
+its own process, behind one dispatcher, with a monitor that detects memory throttling.
+
+    requests ─► Dispatcher ─► instance 0 (engine, replica, KV)   python -m nanoserve.cluster.instance
+                     │    └─► instance 1 ...
+                     └── ThrottleMonitor reads every instance's InstanceLoad after each step
+
+- `Dispatcher` (§3's global scheduler, "incorporates the load-balancing design from Llumnix"): a
+  new request goes to the instance whose KV would be least full counting what it holds, what
+  every request in its queue needs (Llumnix's virtual usage: its dispatch load is used blocks
+  plus `num_blocks_all_waiting_requests`, over the total), and the new request itself; ties go
+  to the lowest id. Counting only the queue's head would let an instance whose queue waits for
+  compute, not KV, look free while its queue grows.
+- `ThrottleMonitor` (§3, "memory throttling"): an instance is throttled when the KV its running
+  requests hold plus what its head-of-line request needs exceeds its capacity: the head cannot
+  run without a preemption. The monitor reports how many blocks each throttled instance is
+  short; that is the R of the drop plan (`drop_plan.plan_drop`, Fig. 6).
+- `Cluster` starts the instances in one gloo world (instance id = rank), routes requests,
+  steps them in lockstep, gathers outputs and, with `drop=True`, answers throttling by dropping
+  layers and regrouping instances into pipelines, and restores them when the burst has passed
+  (cluster/regroup.py), pulling the weights back while the pipelines serve (cluster/restore.py). A
+  dead instance's group recovers from the host copy and its requests are retried on the live
+  instances (§4.4).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Listener
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import torch
+
+from nanoserve.cluster.regroup import Regrouper
+from nanoserve.cluster.restore import BackgroundRestore
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.slo import RequestClass
+
+if TYPE_CHECKING:
+    from nanoserve.config import EngineArgs
+    from nanoserve.cluster.regroup import LayoutChange
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """One instance's KV state after its latest step, in blocks."""
+
+    instance: int
+    total_blocks: int
+    used_blocks: int
+    head_blocks: int  # what the request at the head of its queue needs to start (0: no queue)
+    queued_blocks: int  # what every queued request needs to start, the head's included
+    num_waiting: int
+    num_running: int
+    replica_blocks: int = 0  # capacity with every layer held (before any drop)
+    exchanging: bool = False  # still moving KV after a drop or restore (no new change starts)
+    retired_free: frozenset[int] = frozenset()  # its pool's blocks a background restore may take
+    pull_pages_left: int = 0  # reserved pages its background restore can still fill now
+    pulled_bytes: int = 0  # weight bytes pulled in the background, over its life
+
+    @property
+    def demand_blocks(self) -> int:
+        """The monitor's demand (kunserve.txt §2.2): "a standard approach [41] that counts the
+        memory demands by considering both the in-processing requests and head-of-line queuing
+        requests". Over capacity means the head cannot start without a preemption."""
+        return self.used_blocks + self.head_blocks
+
+    @property
+    def virtual_blocks(self) -> int:
+        """The dispatcher's demand (Llumnix's virtual usage): held plus the whole queue's."""
+        return self.used_blocks + self.queued_blocks
+
+    def usage_with(self, blocks: int) -> float:
+        """The KV fill if `blocks` more were asked of it, every queued request included."""
+        return (self.virtual_blocks + blocks) / self.total_blocks
+
+
+class PeerLost(RuntimeError):
+    """An instance's pipeline step failed because a member of its group is gone (§4.4)."""
+
+
+class Dispatcher:
+    """Least-loaded routing by KV demand; `pick` also books the request against the chosen
+    instance until its next load report, so a burst does not all land on one instance."""
+
+    def __init__(self) -> None:
+        self._booked: dict[int, int] = {}
+
+    def pick(self, loads: Sequence[InstanceLoad], request_blocks: int) -> int:
+        if not loads:
+            raise ValueError("no instance to dispatch to")
+        best = min(loads, key=lambda load: (load.usage_with(request_blocks + self._booked.get(load.instance, 0)),
+                                             load.instance))
+        self._booked[best.instance] = self._booked.get(best.instance, 0) + request_blocks
+        return best.instance
+
+    def reported(self, instance: int) -> None:
+        """The instance's load now includes what was booked for it."""
+        self._booked.pop(instance, None)
+
+
+class ThrottleMonitor:
+    def short_blocks(self, loads: Sequence[InstanceLoad]) -> dict[int, int]:
+        """Blocks each throttled instance lacks (demand over capacity); empty when none is."""
+        return {load.instance: load.demand_blocks - load.total_blocks
+                for load in loads if load.demand_blocks > load.total_blocks}
+
+
+def instance_devices(device: str | None, num_instances: int, device_count: int) -> list[tuple[str | None, int]]:
+    """(device, how many instances share it) per instance. On CUDA each instance gets its own
+    GPU, `cuda:(first + i) % device_count`; with fewer GPUs than instances they share, and each
+    then takes a share of the memory (for tests on one GPU). Elsewhere every instance runs on
+    `device` as given."""
+    if device is None or not device.startswith("cuda") or device_count < 1:
+        return [(device, 1)] * num_instances
+    first = int(device.split(":")[1]) if ":" in device else 0
+    devices = [f"cuda:{(first + i) % device_count}" for i in range(num_instances)]
+    return [(d, devices.count(d)) for d in devices]
+
+
+class Cluster:
+    """N instances of `args` (each a full engine in its own process) behind a dispatcher. With
+    `drop=True` (KunServe) the instances use the arena KV manager, a throttled step triggers
+    a drop and a quiet one a restore. `chunk_bytes` sizes the KV exchange's chunks, one per step
+    (§4.2: about what the link moves in one stage's execution time; the default suits gloo over
+    loopback, ~2 GiB/s measured here, so ~15 ms a chunk, and CPU steps of 50-300 ms), and the
+    weights a background restore pulls per step (`background_restore`, §4.4; off: the restore
+    loads them while every member waits)."""
+
+    def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 32 << 20,
+                 restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True):
+        if num_instances < 1:
+            raise ValueError("a cluster needs at least one instance")
+        if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
+            raise ValueError("each instance is one process here; run tensor or pipeline parallelism inside "
+                             "an instance in a later version")
+        if drop and args.kv_manager not in (None, "arena"):
+            raise ValueError("dropping layers needs the arena KV manager (kv_manager='arena')")
+        self.args = replace(args, kv_manager="arena" if drop else args.kv_manager, kv_manager_options=None)
+        self.drop_enabled = drop
+        authkey = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        host, port = self._listener.address
+        world = (f"tcp://127.0.0.1:{_free_port()}", num_instances)
+        self.processes = [subprocess.Popen([sys.executable, "-m", "nanoserve.cluster.instance", f"{host}:{port}",
+                                            authkey.hex(), str(i), str(os.getpid())])
+                          for i in range(num_instances)]
+        self._connections = {}
+        try:
+            for _ in range(num_instances):
+                connection = self._listener.accept()
+                self._connections[connection.recv()] = connection
+            device = self.args.device or ("cuda" if torch.cuda.is_available() else None)
+            placed = instance_devices(device, num_instances, torch.cuda.device_count())
+            for i, connection in self._connections.items():
+                instance_device, sharing = placed[i]
+                connection.send((replace(self.args, device=instance_device), world, peer_timeout_s, sharing))
+            started = {i: self._connections[i].recv() for i in range(num_instances)}
+        except BaseException:
+            self.shutdown()
+            raise
+        self.loads: dict[int, InstanceLoad] = {i: reply[0] for i, reply in started.items()}
+        _, layer_bytes, block_bytes = started[0]
+        self.regrouper = Regrouper(num_instances, layer_bytes, block_bytes, chunk_bytes, restore_fraction)
+        self.dispatcher = Dispatcher()
+        self.monitor = ThrottleMonitor()
+        self.placement: dict[str, int] = {}  # request id -> instance
+        self._submitted: dict[str, tuple[list[int], SamplingParams, str]] = {}  # unfinished, for retries
+        self.throttle_events: list[dict[int, int]] = []  # the monitor's reports, one per throttled step
+        self.retried: list[str] = []  # requests restarted on a live instance after theirs died
+        self.dead: set[int] = set()
+        self.background_restore = background_restore
+        self.pending_restore: BackgroundRestore | None = None
+        self.restore_pulls: list[dict[str, object]] = []  # per background restore: steps, bytes, outcome
+
+    @property
+    def layout_changes(self) -> list[LayoutChange]:
+        return self.regrouper.history
+
+    def _call(self, instance: int, *message):
+        return _raise(self.call_all({instance: message})[instance])
+
+    def call_all(self, messages: Mapping[int, tuple]) -> dict[int, object]:
+        """Send every message, then read every reply: the instances work at once. An instance
+        that is gone answers `InstanceGone`."""
+        replies: dict[int, object] = {}
+        for instance, message in messages.items():
+            try:
+                self._connections[instance].send(message)
+            except OSError:
+                replies[instance] = InstanceGone(instance)
+        for instance in messages:
+            if instance not in replies:
+                try:
+                    replies[instance] = self._connections[instance].recv()
+                except (OSError, EOFError):
+                    replies[instance] = InstanceGone(instance)
+        return replies
+
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                    priority: RequestClass | str = RequestClass.ONLINE) -> int:
+        """Route the request; returns the instance it went to."""
+        blocks = -(-len(token_ids) // self.args.block_size)
+        instance = self.dispatcher.pick(list(self.loads.values()), blocks)
+        self._call(instance, "add", request_id, token_ids, params, priority)
+        self.placement[request_id] = instance
+        self._submitted[request_id] = (token_ids, params, priority)
+        return instance
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every instance; then the monitor's look at the loads, and a drop, a
+        restore or a recovery if one is due."""
+        outputs: list[RequestOutput] = []
+        replies = self.call_all({i: ("step",) for i in self.loads})
+        for instance, reply in replies.items():
+            if isinstance(reply, (InstanceGone, PeerLost)):
+                continue
+            produced, self.loads[instance] = _raise(reply)
+            self.dispatcher.reported(instance)
+            outputs.extend(produced)
+            for out in produced:
+                if out.finished:
+                    self._submitted.pop(out.request_id, None)
+        gone = {i for i, reply in replies.items() if isinstance(reply, InstanceGone)}
+        lost = {i for i, reply in replies.items() if isinstance(reply, PeerLost)}
+        if gone or lost:
+            self._recover(gone, lost)
+            return outputs
+        short = self.monitor.short_blocks(list(self.loads.values()))
+        if short:
+            self.throttle_events.append(short)
+        if any(load.exchanging for load in self.loads.values()):
+            return outputs  # one layout change at a time
+        if self.drop_enabled and short:
+            if self.pending_restore is not None:  # demand is back: the pulled weights are not used
+                self._end_pull(list(self.pending_restore.groups), [])
+            if self.regrouper.drop(short, self.loads, self.call_all) is not None:
+                self._refresh_loads()
+        elif self.drop_enabled:
+            groups = self.regrouper.restorable(self.loads)
+            if self.background_restore:
+                groups = self._restore_when_pulled(groups)
+            if groups:
+                self.regrouper.restore(groups, self.loads, self.call_all)
+                self._refresh_loads()
+        return outputs
+
+    def _restore_when_pulled(self, restorable: list) -> list:
+        """§4.4's overlapped restore (cluster/restore.py): the first time groups are restorable their
+        members start pulling; the groups are returned once the pull has nothing left to fill,
+        those still restorable then (the others give their pull back). Ours: an idle cluster
+        switches at once, pulled or not (no step would come to pull in)."""
+        pending, idle = self.pending_restore, not self.has_unfinished_requests()
+        if pending is None:
+            if restorable and not idle:
+                self.pending_restore = BackgroundRestore(restorable, self.regrouper.chunk_bytes, self.loads,
+                                                         self.call_all)
+                self._refresh_loads()
+                return []
+            return restorable  # idle: nothing to overlap with, and the stop delays no one
+        if not pending.ready(self.loads, self.call_all) and not idle:
+            return []
+        kept = [g for g in pending.groups if g in restorable]
+        self._end_pull([g for g in pending.groups if g not in kept], kept)
+        return kept
+
+    def _end_pull(self, cancelled: list, kept: list, skip: set[int] = frozenset()) -> None:
+        """The pending pull ends: `cancelled` groups give theirs back (`skip`: members that are
+        gone), `kept` ones switch now; recorded in `restore_pulls`."""
+        pending = self.pending_restore
+        assert pending is not None
+        if cancelled:
+            pending.cancel(self.call_all, cancelled, skip)
+        self.restore_pulls.append({"steps": pending.steps, "pulled_bytes": pending.pulled_bytes(self.loads),
+                                   "groups": len(kept), "outcome": "switched" if kept else "cancelled"})
+        self.pending_restore = None
+
+    def _refresh_loads(self) -> None:
+        for instance, reply in self.call_all({i: ("load",) for i in self.loads}).items():
+            self.loads[instance] = _raise(reply)
+            self.dispatcher.reported(instance)  # the fresh load holds what was booked for it
+
+    def _recover(self, gone: set[int], lost: set[int]) -> None:
+        """§4.4: the dead leave, their groups' survivors reload from the host copy, and the dead
+        instances' unfinished requests start again on live ones."""
+        self.dead |= gone
+        if self.pending_restore is not None:  # a recovery reloads every layer anyway
+            self._end_pull(list(self.pending_restore.groups), [], skip=gone)
+        for instance in gone:
+            self.loads.pop(instance, None)
+            self.processes[instance].kill()
+        if not self.loads:
+            raise RuntimeError(f"every instance of the cluster is gone (last: {sorted(gone)})")
+        self.regrouper.recover(self.dead, lost, self.loads, self.call_all)
+        self._refresh_loads()
+        for request_id, instance in list(self.placement.items()):
+            if instance in gone and request_id in self._submitted:
+                self.retried.append(request_id)
+                self.add_request(request_id, *self._submitted[request_id])
+
+    def has_unfinished_requests(self) -> bool:
+        return any(load.num_running or load.num_waiting for load in self.loads.values())
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        ids = [f"cluster-{len(self.placement) + i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            self.add_request(request_id, prompt, params)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def shutdown(self) -> None:
+        for connection in self._connections.values():
+            try:
+                connection.send(("stop",))
+                connection.recv()
+            except (OSError, EOFError):
+                pass  # already gone
+        for process in getattr(self, "processes", []):
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self._connections = {}
+        self._listener.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+
+class InstanceGone(RuntimeError):
+    def __init__(self, instance: int):
+        super().__init__(f"instance {instance} is gone")
+        self.instance = instance
+
+
+def _raise(reply):
+    if isinstance(reply, BaseException):
+        raise reply
+    return reply
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,191 @@
+"""Instances regrouped into one pipeline after a drop (kunserve.txt §3 Fig. 3 (d), §4.1, §4.2):
+each member holds a contiguous run of layers, and together they hold one copy of the model.
+
+Who schedules. Every member keeps its own scheduler, its own requests and its own queue, as
+vLLM's pipeline-parallel "virtual engines" do: a step runs each member's batch through every
+stage, one after another, so the members' batches are the pipeline's micro-batches (§4.3's
+lookahead micro-batches, when the policy cuts them, subdivide a member's batch further). Nothing
+has to migrate on a drop but KV, and the dispatcher keeps routing to members as before.
+
+    member A (stage 0: layers [0, h))         member B (stage 1: layers [h, L))
+    schedule A's batch ─┐                  ┌─ schedule B's batch
+                        └── exchange step messages ──┘
+    stage 0 of A's batch ──── hidden ───► stage 1 of A's batch ── logits ─► A samples
+    stage 0 of B's batch ──── hidden ───► stage 1 of B's batch    (B samples its own)
+
+Block ids. Arena block ids are page numbers, and a member's arena has its own layout, so the
+same request's KV sits at different blocks on different members. Each member's scheduler keeps
+*logical* block ids from a pool of its own (`PagedKV` over a `BlockPool`). Every member that
+holds layers for it has carved that many physical blocks out of its arena (one `lut` per
+owner: logical id -> physical block), so a block table translates with one lookup per block
+and no allocation protocol runs per step. Pools are fixed for the life of the group (§4.1's
+drop gives a fixed amount of memory); the member's next load report tells the monitor if it
+is throttled again.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanoserve.parallel import p2p
+from nanoserve.cluster.drop_plan import Group
+from nanoserve.parallel.executor import StepMessage
+from nanoserve.model.stages import LAST_STAGE_ONLY, MissingLayer, decoder_body
+from nanoserve.parallel.pipeline import run_stage
+from nanoserve.executor import Executor
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from nanoserve.model.runner import ModelRunner
+    from nanoserve.executor import ExecutorOutput
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """`members[k]` (an instance id, which is also its rank in the cluster's gloo world) runs
+    stage k, the layers `stages[k]`."""
+
+    members: tuple[int, ...]
+    stages: tuple[range, ...]
+
+    @classmethod
+    def of(cls, group: Group) -> GroupLayout:
+        return cls(tuple(group.instances), tuple(group.stages))
+
+    @property
+    def solo(self) -> bool:
+        return len(self.members) == 1
+
+    def stage_of(self, member: int) -> range:
+        return self.stages[self.members.index(member)]
+
+    def holder(self, layer: int) -> int:
+        return next(m for m, stage in zip(self.members, self.stages) if layer in stage)
+
+
+# -- objects over point-to-point links ------------------------------------------------------
+def exchange_objects(obj: Any, me: int, peers: Sequence[int]) -> dict[int, Any]:
+    """Send `obj` to every peer and receive theirs. Every operation is posted before any is
+    waited on, so members calling this in any order cannot deadlock."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = {p: torch.empty(1, dtype=torch.int64) for p in peers}
+    works = [dist.isend(size, p) for p in peers] + [dist.irecv(sizes[p], p) for p in peers]
+    for work in works:
+        work.wait()
+    received = {p: torch.empty(int(sizes[p]), dtype=torch.uint8) for p in peers}
+    works = [dist.isend(payload, p) for p in peers] + [dist.irecv(received[p], p) for p in peers]
+    for work in works:
+        work.wait()
+    return {p: pickle.loads(received[p].numpy().tobytes()) for p in peers} | {me: obj}
+
+
+# -- the model as one stage ----------------------------------------------------------------
+class StageModules:
+    """Turns a full model into one stage of a group and back, without moving a weight: the
+    layers it does not hold become `MissingLayer`s (their parameters are the arena's empty
+    tensors after a drop) and a stage before the last skips the final norm."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._saved: dict[tuple[str, int | None], nn.Module] = {}
+
+    def set_stage(self, layers: range, is_last: bool) -> None:
+        self.release()
+        body = decoder_body(self.model)
+        for i, layer in enumerate(body.layers):
+            if i not in layers:
+                self._saved["layers", i] = layer
+                body.layers[i] = MissingLayer()
+        if not is_last:
+            for name in LAST_STAGE_ONLY:
+                if getattr(body, name, None) is not None:
+                    self._saved[name, None] = getattr(body, name)
+                    setattr(body, name, None)
+
+    def release(self) -> None:
+        """The whole model again (its weights must be back in place first)."""
+        body = decoder_body(self.model)
+        for (name, index), module in self._saved.items():
+            if index is None:
+                setattr(body, name, module)
+            else:
+                body.layers[index] = module
+        self._saved.clear()
+
+
+def translate(chunks: Sequence[ScheduledChunk], lut: Sequence[int]) -> list[ScheduledChunk]:
+    """Logical block tables -> this member's physical blocks."""
+    return [c._replace(block_table=[lut[b] for b in c.block_table]) for c in chunks]
+
+
+class GroupExecutor(Executor):
+    """One member's executor while it is in a group (see the module docstring). `luts[owner]`
+    maps the owner's logical blocks to this member's arena blocks."""
+
+    def __init__(self, runner: ModelRunner, layout: GroupLayout, me: int, luts: Mapping[int, Sequence[int]]):
+        self.runner, self.layout, self.me, self.luts = runner, layout, me, dict(luts)
+        position = layout.members.index(me)
+        self.is_first, self.is_last = position == 0, position == len(layout.members) - 1
+        self.prev = None if self.is_first else layout.members[position - 1]
+        self.next = None if self.is_last else layout.members[position + 1]
+        self.peers = [m for m in layout.members if m != me]
+        self.steps = 0  # steps this member took part in (the cluster joins idle members in)
+        self.dtype = next(p for p in runner.model.parameters() if p.numel()).dtype  # dropped ones are empty
+        self.busy_seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:  # model_config, ... as the runner has them
+        return getattr(self.runner, name)
+
+    def request_preemption(self) -> None:
+        self.runner.request_preemption()
+
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        from nanoserve.executor import ExecutorOutput
+
+        if batch.kv_copies:
+            raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
+        self.steps += 1
+        runner, cfg = self.runner, self.runner.model_config
+        own = batch.microbatches or [batch.chunks]
+        messages = exchange_objects(StepMessage.of(batch, own), self.me, self.peers)
+        work: list[tuple[int, list[ScheduledChunk]]] = []  # (owner, chunks), in stage order
+        for owner in self.layout.members:
+            parts = own if owner == self.me else [mb.chunks for mb in messages[owner].outputs()]
+            work.extend((owner, translate(part, self.luts[owner])) for part in parts if part)
+        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        kept: list[torch.Tensor] = []  # logits of this member's own rows (when it runs the last stage)
+        sampling: list = []
+        dtype = self.dtype
+        for owner, chunks in work:
+            prepared = runner.prepare(SchedulerOutput(chunks))
+            if owner == self.me:
+                sampling.extend(c.request for c in chunks if c.samples)
+            hidden, begin = run_stage(runner, prepared, self.prev, dtype)
+            if not self.is_last:
+                sends.append(p2p.isend(hidden, self.next))
+            elif prepared.sample_rows:
+                logits = runner.model.compute_logits(prepared.sampled(hidden)).contiguous()
+                if owner == self.me:
+                    kept.append(logits)
+                else:
+                    sends.append(p2p.isend(logits, owner))
+            self.busy_seconds += time.perf_counter() - begin
+        out = ExecutorOutput()
+        if sampling:
+            if not self.is_last:
+                for chunks in own:  # the last stage sends them in micro-batch order
+                    rows = sum(c.samples for c in chunks)
+                    if rows:
+                        kept.append(torch.empty(rows, cfg.vocab_size, dtype=dtype, device=runner.device))
+                        p2p.recv(kept[-1], self.layout.members[-1])
+            out = runner.sample(sampling, torch.cat(kept))
+        for handle, _ in sends:
+            handle.wait()
+        return out

@@ -1,0 +1,129 @@
+"""One serving instance of a KunServe cluster (nanoserve/cluster/cluster.py): a whole engine, its
+own model replica and KV cache, in its own process.
+
+    python -m nanoserve.cluster.instance ADDRESS AUTHKEY_HEX INSTANCE_ID PARENT_PID
+
+It connects back to the cluster over a local socket (`multiprocessing.connection`), receives
+the engine arguments and the cluster's gloo world (instance id = rank; a drop's pipelines send
+activations and KV point to point in it), builds its engine, then answers messages until told
+to stop:
+
+    ("add", request_id, token_ids, params, priority)  -> None
+    ("step",)                                         -> (outputs, InstanceLoad)
+    ("load",)                                         -> InstanceLoad
+    ("abort", request_id)                             -> None
+    ("manifest",) ("reweigh", Relayout) ("allocate", pools) ("exchange", manifests, chunk_bytes)
+                                                      -> a drop's or restore's phases (cluster/member.py)
+    ("recover",)                                      -> requests requeued (a group peer died)
+    ("begin_restore", chunk_bytes) ("retire", ids) ("release", [(owner, ids)]) ("cancel_restore",)
+                                                      -> a restore in the background (cluster/restore.py)
+    ("stop",)                                         -> None, then exits
+
+A step runs one engine step (if there is work, or if its group's peers have some) and reports
+the instance's load, so the dispatcher and the throttling monitor always see the state after
+the step. A step that fails because a group peer is gone answers `PeerLost`; the cluster then
+sends "recover".
+"""
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from multiprocessing.connection import Client
+from typing import Protocol
+
+import torch.distributed as dist
+
+from nanoserve.cluster.cluster import InstanceLoad, PeerLost
+from nanoserve.cluster.group import GroupExecutor
+from nanoserve.cluster.member import ClusterMember
+from nanoserve.engine import Engine
+
+
+class LoadSource(Protocol):
+    """What `load_of` reads of an instance: a real one (`ClusterMember`) or a simulated one
+    (sim/cluster_layout.py `SimMember`)."""
+
+    id: int
+    engine: Engine
+    stalled: dict
+    replica_blocks: int
+
+    @property
+    def exchanging(self) -> bool: ...
+    @property
+    def capacity_blocks(self) -> int: ...
+    @property
+    def retired_free(self) -> frozenset[int]: ...
+    @property
+    def pull_pages_left(self) -> int: ...
+    @property
+    def restore_pulled_bytes(self) -> int: ...
+
+
+def load_of(member: LoadSource) -> InstanceLoad:
+    """What the dispatcher and the monitor read: blocks held, the blocks the request at the head
+    of the queue needs (the monitor's "head-of-line" demand, kunserve.txt §2.2), and the blocks
+    every queued request needs (the dispatcher's, Llumnix's virtual usage)."""
+    engine: Engine = member.engine
+    kv, waiting = engine.kv, engine.scheduler.waiting
+    needs = [-(-request.num_tokens // kv.block_size) for request in waiting]
+    return InstanceLoad(member.id, member.capacity_blocks, kv.num_used_blocks, needs[0] if needs else 0,
+                        sum(needs), len(waiting), engine.scheduler.num_running + len(member.stalled),
+                        member.replica_blocks, member.exchanging, member.retired_free, member.pull_pages_left,
+                        member.restore_pulled_bytes)
+
+
+def serve(connection, instance_id: int) -> None:
+    from nanoserve.builder import build_engine, shared_device_args
+
+    args, world, timeout_s, sharing = connection.recv()
+    engine = build_engine(shared_device_args(args, sharing))
+    dist.init_process_group("gloo", init_method=world[0], rank=instance_id, world_size=world[1],
+                            timeout=timedelta(seconds=timeout_s))
+    member = ClusterMember(instance_id, engine)
+    connection.send((load_of(member), member.layer_bytes(), member.replica_block_bytes))
+    while True:
+        kind, *rest = connection.recv()
+        try:
+            if kind == "add":
+                request_id, token_ids, params, priority = rest
+                engine.add_request(token_ids, params, request_id, priority=priority)
+                reply = None
+            elif kind == "step":
+                try:
+                    outputs = member.step()
+                except RuntimeError as exc:
+                    if not (isinstance(engine.executor, GroupExecutor) or member.exchanging):
+                        raise
+                    reply = PeerLost(f"instance {instance_id}: a pipeline peer is gone: {exc}")
+                else:
+                    reply = (outputs, load_of(member))
+            elif kind == "load":
+                reply = load_of(member)
+            elif kind == "abort":
+                member.unstall(rest[0])
+                engine.abort_request(rest[0])
+                reply = None
+            elif kind in ("manifest", "reweigh", "allocate", "exchange", "recover",
+                          "begin_restore", "retire", "release", "cancel_restore"):
+                reply = getattr(member, kind)(*rest)
+            elif kind == "stop":
+                engine.shutdown()
+                connection.send(None)
+                return
+            else:
+                reply = ValueError(f"unknown message {kind!r}")
+        except Exception as exc:  # the cluster raises it; this instance keeps serving
+            reply = exc
+        connection.send(reply)
+
+
+if __name__ == "__main__":
+    from nanoserve.parallel.launch import exit_with_parent
+
+    address, authkey, instance_arg, parent_arg = sys.argv[1:5]
+    exit_with_parent(int(parent_arg))
+    host, port = address.rsplit(":", 1)
+    with Client((host, int(port)), authkey=bytes.fromhex(authkey)) as conn:
+        conn.send(int(instance_arg))
+        serve(conn, int(instance_arg))

@@ -1,0 +1,381 @@
+"""One instance's side of KunServe's drop, KV exchange, restore and failure recovery
+(kunserve.txt §4.1, §4.2, §4.4). The cluster (cluster/cluster.py) drives every change of layout
+in four phases, each sent to all the members involved before any reply is read:
+
+    1. manifest()          each member lists its requests that hold KV, with their block tables
+    2. reweigh(...)        each stages out the KV it holds for those requests, frees every block,
+                           drops (or loads back) layers and reports the blocks its arena now has
+    3. allocate(pools)     each carves its blocks: per-request tables when alone, one
+                           logical -> physical table per owner in a group (cluster/group.py)
+    4. exchange(...)       each sends what it staged to the member that now holds those layers
+                           (chunked, cluster/kv_exchange.py) and installs what it keeps or receives
+
+A drop goes from one layout to a pipeline (layers leave, KV of the dropped layers goes to the
+peer); a restore goes back (layers return from the host copy, the peer's KV comes home); a plan
+that must fetch a layer (drop_plan's fallback) loads it from the host copy too. The same four
+phases do all three: the KV of layer l of owner O's request moves from whoever held l for O to
+whoever holds it now. Staging the KV first (a copy in host memory) is what lets a member free
+and re-carve its arena in any order; the paper remaps pages in place instead (§4.1).
+
+A restore can also run in the background first (§4.4, "we overlap restoring with the normal
+request processing"; cluster/restore.py drives it): `begin_restore` reserves the home pages of the
+layers this member lacks and names the logical blocks of each owner's pool that lie on them;
+each owner `retire`s those (no request gets them again); once an owner's retired blocks are
+free, every member `release`s their pages to the pull, and each step fills a chunk of them
+(`step`, after the step's activations and KV chunk). The restore's reweigh then copies only
+what is left. `cancel_restore` undoes it all when throttling comes back first.
+
+A member whose group loses a peer (`recover`, §4.4) loads every layer it lacks from the host
+copy and recomputes its requests: their KV for the peer's layers died with the peer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+from nanoserve.cluster.group import GroupExecutor, GroupLayout, StageModules
+from nanoserve.cluster.drop_plan import Group
+from nanoserve.cluster.kv_exchange import KVMove, block_bytes, chunk_moves, recv_chunk, send_chunk
+from nanoserve.engine import Engine
+from nanoserve.memory.arena_kv import ArenaKV
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.manager import PagedKV
+from nanoserve.request import Request, RequestStatus
+from nanoserve.sched.output import SchedulerOutput
+
+Manifest = tuple[tuple[str, tuple[int, ...]], ...]  # an owner's (request id, block table) pairs
+LUT = "group lookup tables"  # the arena sequence that owns every block of a group's pools
+
+
+@dataclass
+class Transfer:
+    """The chunks `src` sends `dst` after a layout change, and how many have gone."""
+
+    src: int
+    dst: int
+    chunks: list[list[KVMove]]
+    done: int = 0
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """Every involved member's layout before and after, and its requests' tables before."""
+
+    old: Mapping[int, GroupLayout]
+    new: Mapping[int, GroupLayout]
+    manifests: Mapping[int, Manifest]
+
+    def members(self) -> list[int]:
+        return sorted(self.new)
+
+    def staged(self, holder: int) -> Iterator[tuple[int, str, int, int]]:
+        """(owner, request id, block index, block) for every block `holder` held before, in the
+        order both ends of an exchange enumerate them."""
+        for owner in self.old[holder].members:
+            for request_id, table in self.manifests[owner]:
+                for j, block in enumerate(table):
+                    yield owner, request_id, j, block
+
+    def moves(self, src: int, dst: int) -> Iterator[tuple[int, str, int, int]]:
+        """(owner, request id, block index, layer) of every block-layer `src` held before and
+        `dst` holds after (`src == dst`: what stays), in the order both ends use."""
+        for owner, request_id, j, _ in self.staged(src):
+            for layer in self.old[src].stage_of(src):
+                if self.new[owner].holder(layer) == dst:
+                    yield owner, request_id, j, layer
+
+
+class ClusterMember:
+    def __init__(self, instance_id: int, engine: Engine):
+        self.id, self.engine = instance_id, engine
+        self.runner = engine.executor
+        self.arena = getattr(self.runner, "arena", None)  # None: this member cannot drop layers
+        self.layout = GroupLayout.of(Group.replica(instance_id, self.runner.model_config.num_layers))
+        self.luts: dict[int, list[int]] = {}
+        self.stage = StageModules(self.runner.model)
+        self.replica_blocks = engine.kv.num_blocks  # KV capacity with every layer held
+        # One block of K and V for every layer: the unit of the cluster's "blocks short".
+        self.replica_block_bytes = self.arena.block_pages * self.arena.config.page_bytes if self.arena else 0
+        self._relayout: Relayout | None = None
+        self._staging: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self._index: dict[tuple[int, str, int], int] = {}
+        self._transfers: list[Transfer] = []
+        self._rounds = 0
+        self.stalled: dict[str, tuple[Request, int]] = {}  # waiting for their K/V: (request, rounds)
+        self.owner_pool: BlockPool | None = None  # this member's logical pool while in a group
+        self._released: dict[int, set[int]] = {}  # owner -> logical blocks given to a restore's pull
+        self._pull_chunk = 0  # weight bytes a background restore copies per step
+        self.weights_copied = 0  # by the latest layout change itself (not in the background)
+
+    # -- serving ---------------------------------------------------------------------------
+    def step(self) -> list:
+        """One engine step. In a group a member with nothing to run still runs its stage of
+        its peers' batches."""
+        executor = self.engine.executor
+        taken = getattr(executor, "steps", 0)
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        if isinstance(executor, GroupExecutor) and executor.steps == taken:
+            executor.execute(SchedulerOutput([]))
+        self.advance()  # the step's activations went first
+        if self.arena is not None and self.arena.restoring:
+            self.arena.fill_restore(self._pull_chunk)  # §4.4: "prioritizing the pipeline network"
+        return outputs
+
+    # -- what the cluster reads (cluster/instance.py load_of) -------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        """KV blocks this member's requests can have: its pool, less the retired blocks."""
+        return self.engine.kv.num_blocks - len(self.retired_free)
+
+    @property
+    def retired_free(self) -> frozenset[int]:
+        """Its pool's retired blocks no request holds: a background restore may take them."""
+        return self.owner_pool.retired_free if self.owner_pool is not None else frozenset()
+
+    @property
+    def pull_pages_left(self) -> int:
+        return self.arena.pull_pages_left if self.arena is not None else 0
+
+    @property
+    def restore_pulled_bytes(self) -> int:
+        return self.arena.pulled_bytes if self.arena is not None else 0
+
+    def layer_bytes(self) -> list[int]:
+        return [self.arena.layer_bytes(layer) for layer in self.arena.layer_ids] if self.arena else []
+
+    # -- phase 1 ---------------------------------------------------------------------------
+    def manifest(self) -> Manifest:
+        kv = self.engine.kv
+        return tuple((r.request_id, tuple(kv.block_table(r))) for r in self.engine.scheduler.running
+                     if kv.block_table(r))
+
+    # -- phase 2 ---------------------------------------------------------------------------
+    def _physical(self, layout: GroupLayout, owner: int, block: int) -> int:
+        return block if layout.solo else self.luts[owner][block]
+
+    def reweigh(self, relayout: Relayout) -> int:
+        if self._transfers:
+            raise RuntimeError("the previous layout change is still exchanging KV")
+        old, new = relayout.old[self.id], relayout.new[self.id]
+        entries = list(relayout.staged(self.id))
+        self._index = {(o, r, j): i for i, (o, r, j, _) in enumerate(entries)}
+        rows = torch.tensor([self._physical(old, o, b) for o, _, _, b in entries], dtype=torch.long,
+                            device=self.runner.device)
+        self._staging = [None] * len(self.runner.kv_caches)
+        for layer in old.stage_of(self.id):
+            k_cache, v_cache = self.runner.kv_caches[layer]
+            # To the host, one layer at a time: a drop is due when the arena is full, so the
+            # device has no room for a second copy of the live KV (a GPU would run out of
+            # memory); one layer's rows pass through it at a time. On a CPU .cpu() is free.
+            self._staging[layer] = (k_cache[rows].cpu(), v_cache[rows].cpu())  # indexing by a tensor copies
+        self._hold(new)
+        self._relayout = relayout
+        return self.arena.num_free_blocks
+
+    def _hold(self, layout: GroupLayout) -> None:
+        """Free every block, then drop or load back layers (from the host copy) until the arena
+        holds this member's stage of `layout`, and run the model and the caches as that stage."""
+        self.arena.free_all()
+        held, keep = set(self.arena.resident_layers), set(layout.stage_of(self.id))
+        self.weights_copied = 0
+        if held - keep:
+            if self.arena.restoring:  # every block is free by now: nothing to adopt back
+                self.arena.cancel_restore()
+                self._released = {}
+            self.arena.drop_layers(held - keep)
+        if keep - held:
+            self.weights_copied = self.arena.restore_layers(keep - held, self.runner.host_weights).copied_bytes
+        if layout.solo:
+            self.stage.release()
+        else:
+            self.stage.set_stage(layout.stage_of(self.id), is_last=layout.members[-1] == self.id)
+        self.runner.kv_caches = self.runner._arena_kv_caches()
+
+    # -- phase 3 ---------------------------------------------------------------------------
+    def allocate(self, pools: Mapping[int, int] | None) -> Manifest:
+        """`pools`: each owner's logical pool in blocks when the new layout is a group."""
+        assert self._relayout is not None
+        new, size = self._relayout.new[self.id], self.arena.block_size
+        requests = {r.request_id: r for r in self.engine.scheduler.running}
+        self._released, self.owner_pool = {}, None
+        if new.solo:
+            self.luts = {}
+            kv: PagedKV = ArenaKV(self.arena)
+            self.engine.executor = self.runner
+        else:
+            assert pools is not None
+            self.luts = self._deal_blocks(new.members, pools)
+            self.owner_pool = BlockPool(pools[self.id], size)
+            kv = PagedKV(self.owner_pool)
+            self.engine.executor = GroupExecutor(self.runner, new, self.id, self.luts)
+        tables = []
+        for request_id, table in self._relayout.manifests.get(self.id, ()):
+            kv.reserve(requests[request_id], len(table) * size)
+            tables.append((request_id, tuple(kv.block_table(requests[request_id]))))
+        self.engine.scheduler.kv = kv
+        self.layout = new
+        return tuple(tables)
+
+    def _deal_blocks(self, members: tuple[int, ...], pools: Mapping[int, int]) -> dict[int, list[int]]:
+        """Carve the group's blocks from the arena (one table, `LUT`) and deal them out: owner ->
+        logical -> physical block. Ours: the blocks on the dropped layers' homes are dealt last
+        and evenly, so they are every owner's highest logical ids, which a fresh pool hands out
+        last: a later background restore then finds them free more often, and retiring them
+        leaves each owner about its share of the rest."""
+        self.arena.allocate(LUT, sum(pools[o] for o in members) * self.arena.block_size)
+        dropped = set(self.arena.layer_ids) - set(self.arena.resident_layers)
+        blocks = sorted(self.arena.block_table(LUT), key=lambda b: self.arena.overlaps_restore(b, dropped))
+        luts: dict[int, list[int]] = {o: [] for o in members}
+        turn = 0
+        for block in blocks:
+            while len(luts[members[turn % len(members)]]) == pools[members[turn % len(members)]]:
+                turn += 1
+            luts[members[turn % len(members)]].append(block)
+            turn += 1
+        return luts
+
+    # -- phase 4, then one chunk per step -----------------------------------------------------
+    def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
+        """Install what stays here and plan the rest: each pair of members then moves one chunk
+        per serving step (`advance`), after that step's activations. Every member derives every
+        pair's chunks from the same lists, so an owner knows the step after which each of its
+        requests has all its K/V in place; until then the request is stalled (§4.2: a request
+        waits only for its own exchange, and the queued requests run meanwhile)."""
+        relayout = self._relayout
+        assert relayout is not None
+        new_tables = {(o, r): table for o, manifest in new_manifests.items() for r, table in manifest}
+        members = relayout.members()
+        kv_block_bytes = block_bytes(self.runner.kv_caches)  # one layer's K and V of one block
+        report = {"sent": 0, "kept": 0, "rounds": 0, "weights_copied": self.weights_copied}
+        ready: dict[str, int] = {}  # this member's request -> exchange rounds before it may run
+        self._transfers = []
+        for src in members:
+            for dst in members:
+                moves, requests = [], []
+                for owner, request_id, j, layer in relayout.moves(src, dst):
+                    target = new_tables[owner, request_id][j]
+                    dst_block = self._physical(relayout.new[dst], owner, target) if self.id == dst else 0
+                    src_row = self._index[owner, request_id, j] if self.id == src else 0
+                    moves.append(KVMove(layer, src_row, dst_block))
+                    requests.append((owner, request_id))
+                if not moves:
+                    continue
+                if src == dst:
+                    if self.id == src:
+                        report["kept"] += self._install(moves)
+                    continue
+                chunks = chunk_moves(moves, kv_block_bytes, chunk_bytes)
+                report["sent"] += len(moves) * kv_block_bytes if self.id == src else 0
+                report["rounds"] = max(report["rounds"], len(chunks))
+                owners = iter(requests)  # moves and their requests, chunk by chunk
+                for rounds, chunk in enumerate(chunks, 1):
+                    for owner, request_id in (next(owners) for _ in chunk):
+                        if owner == self.id:
+                            ready[request_id] = max(ready.get(request_id, 0), rounds)
+                if self.id in (src, dst):
+                    self._transfers.append(Transfer(src, dst, chunks))
+        scheduler = self.engine.scheduler
+        for request in [r for r in scheduler.running if r.request_id in ready]:
+            scheduler.running.remove(request)
+            self.stalled[request.request_id] = (request, ready[request.request_id])
+        self._rounds = 0
+        self._relayout = None
+        self._finish_exchange()
+        return report
+
+    def advance(self) -> None:
+        """One chunk of every transfer this member is part of, in the same order everywhere."""
+        if not self._transfers:
+            return
+        for transfer in self._transfers:
+            if transfer.done < len(transfer.chunks):
+                chunk = transfer.chunks[transfer.done]
+                if self.id == transfer.src:
+                    send_chunk(self._staging, chunk, transfer.dst)
+                else:
+                    recv_chunk(self.runner.kv_caches, chunk, transfer.src)
+                transfer.done += 1
+        self._rounds += 1
+        for request_id, (request, rounds) in list(self.stalled.items()):
+            if rounds <= self._rounds:
+                del self.stalled[request_id]
+                self.engine.scheduler.running.append(request)
+        self._finish_exchange()
+
+    def _finish_exchange(self) -> None:
+        if all(t.done == len(t.chunks) for t in self._transfers):
+            self._transfers, self._staging, self._index = [], [], {}
+
+    @property
+    def exchanging(self) -> bool:
+        return bool(self._transfers)
+
+    def unstall(self, request_id: str) -> None:
+        """Put a stalled request back among the running (before an abort)."""
+        if request_id in self.stalled:
+            self.engine.scheduler.running.append(self.stalled.pop(request_id)[0])
+
+    def _install(self, moves: list[KVMove]) -> int:
+        copied = 0
+        for m in moves:
+            (k_stage, v_stage), (k_cache, v_cache) = self._staging[m.layer], self.runner.kv_caches[m.layer]
+            k_cache[m.dst_block].copy_(k_stage[m.src_block])
+            v_cache[m.dst_block].copy_(v_stage[m.src_block])
+            copied += 2 * k_stage[m.src_block].numel() * k_stage.element_size()
+        return copied
+
+    # -- §4.4 restore in the background ------------------------------------------------------
+    def begin_restore(self, chunk_bytes: int) -> dict[int, tuple[int, ...]]:
+        """Start pulling every layer this member lacks (from the host copy; the paper pulls
+        from peers "whenever possible"): reserve their home pages, and return, per owner, the
+        logical blocks of its pool whose pages here lie on them."""
+        lacking = set(self.arena.layer_ids) - set(self.arena.resident_layers)
+        self.arena.begin_restore(lacking, self.runner.host_weights)
+        self._pull_chunk = chunk_bytes
+        return {owner: tuple(i for i, block in enumerate(lut) if self.arena.overlaps_restore(block))
+                for owner, lut in self.luts.items()}
+
+    def retire(self, logical: Iterable[int]) -> None:
+        """No request of this member's gets these logical blocks again (the others' pulls want
+        their pages); the ones in use leave as their requests free them."""
+        assert self.owner_pool is not None, "only a group member has a logical pool"
+        self.owner_pool.retire(logical)
+
+    def release(self, freed: Iterable[tuple[int, Iterable[int]]]) -> None:
+        """(owner, logical blocks) its owner no longer uses: their pages here go to the pull."""
+        for owner, logical in freed:
+            ids = set(logical) - self._released.setdefault(owner, set())
+            self.arena.release_blocks(LUT, [self.luts[owner][i] for i in ids])
+            self._released[owner] |= ids
+
+    def cancel_restore(self) -> None:
+        """Throttling is back before the switch: pages and logical blocks return to the KV."""
+        self.arena.cancel_restore()
+        for owner, ids in self._released.items():
+            for i in ids:
+                self.arena.adopt(LUT, self.luts[owner][i])
+        self._released = {}
+        if self.owner_pool is not None:
+            self.owner_pool.unretire()
+
+    # -- §4.4 faults -----------------------------------------------------------------------
+    def recover(self) -> int:
+        """A peer of this member's group died: become a full replica again from the host copy
+        and recompute every running request. Returns how many were requeued."""
+        scheduler = self.engine.scheduler
+        for request_id in list(self.stalled):
+            self.unstall(request_id)
+        self._transfers, self._staging, self._index = [], [], {}
+        self.luts, self.layout = {}, GroupLayout.of(Group.replica(self.id, len(self.arena.layer_ids)))
+        self._released, self.owner_pool = {}, None
+        self._hold(self.layout)  # a background restore's pulled pages count: the rest is copied
+        scheduler.kv = ArenaKV(self.arena)
+        self.engine.executor = self.runner
+        running = list(scheduler.running)
+        scheduler.running.clear()
+        for request in reversed(running):  # `preempt` puts each at the head: keep their order
+            scheduler.preempt(request)
+        assert all(r.status == RequestStatus.WAITING for r in running)
+        return len(running)

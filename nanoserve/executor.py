@@ -1,0 +1,63 @@
+"""What the engine runs its steps on: the `Executor` interface and its output. A model runner
+(model/runner.py), the driver of worker processes (parallel/executor.py), a pipeline group of
+KunServe's cluster (cluster/group.py) and the simulator (sim/executor.py) implement it, so the
+engine cannot tell them apart. Every capability beyond `execute` is declared here with the
+default an executor without it has; the engine calls these methods and never probes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nanoserve.sched.output import SchedulerOutput
+
+
+@dataclass
+class ExecutorOutput:
+    """The token each sampling request drew this step, keyed by request id."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # The forward stopped at a safe point (ConServe's layer-wise preemption): nothing was
+    # computed that counts, and the engine discards the step.
+    preempted: bool = False
+
+
+class Executor:
+    """What the engine runs its steps on: a model runner, a driver of worker processes, the
+    simulator. `execute` is the one required method; the others are optional capabilities,
+    declared here with what an executor without them does."""
+
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        raise NotImplementedError
+
+    def request_preemption(self) -> None:
+        """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
+        PREEMPTRUNNING). Default: nothing, the forward runs to its end (no safe points)."""
+
+    def shutdown(self) -> None:
+        """Stop worker processes and let go of what they hold. Default: nothing to stop."""
+
+    def discard_in_flight(self) -> None:
+        """Forget the steps submitted and not collected: the engine gave up on them after a
+        failure (their requests are aborted). Default: an executor that keeps none."""
+
+
+class MicrobatchPipeline(Protocol):
+    """An executor that takes a step and returns before its result is ready, so that up to
+    `depth` steps are in flight at once (a pipeline's stages each working on a different one).
+    Results come back in submission order. nanoserve/parallel/executor.py's `DriverExecutor` is one
+    under pipeline parallelism, `ModelRunner` (two deep) one under asynchronous scheduling; the
+    engine's pipelined step drives them."""
+
+    depth: int
+
+    def submit(self, batch: SchedulerOutput) -> None: ...
+
+    def collect(self) -> ExecutorOutput:
+        """The result of the oldest step submitted and not yet collected (waits for it)."""
+        ...
+
+    def discard_in_flight(self) -> None:
+        """Forget every step submitted and not collected (after a failure)."""
+        ...

@@ -1,0 +1,1 @@
+"""Commands that build an engine to measure it (the cost-model profiler)."""
