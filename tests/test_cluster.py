@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineArgs
-from nanoserve.cluster.cluster import Cluster, Dispatcher, InstanceLoad, ThrottleMonitor
+from nanoserve.cluster.cluster import Cluster, Dispatcher, ThrottleMonitor
+from nanoserve.cluster.load import InstanceLoad
 from test_invariance import assert_close_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from nanoserve.cluster.cluster import InstanceLoad, PeerLost
+from nanoserve.cluster.load import InstanceLoad, PeerLost
 from nanoserve.cluster.group import GroupExecutor
 from nanoserve.cluster.member import ClusterMember
 from nanoserve.engine import Engine

@@ -26,7 +26,7 @@ from nanoserve.cluster.group import GroupLayout
 from nanoserve.cluster.member import Manifest, Relayout
 
 if TYPE_CHECKING:
-    from nanoserve.cluster.cluster import InstanceLoad
+    from nanoserve.cluster.load import InstanceLoad
 
 CallAll = Callable[[Mapping[int, tuple]], dict[int, object]]  # instance -> message, in one round
 

@@ -31,7 +31,7 @@ from nanoserve.cluster.drop_plan import Group
 from nanoserve.cluster.regroup import CallAll, expect_replies
 
 if TYPE_CHECKING:
-    from nanoserve.cluster.cluster import InstanceLoad
+    from nanoserve.cluster.load import InstanceLoad
 
 
 class BackgroundRestore:

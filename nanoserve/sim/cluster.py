@@ -41,7 +41,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from nanoserve.cluster.cluster import Dispatcher, InstanceLoad, ThrottleMonitor
+from nanoserve.cluster.cluster import Dispatcher, ThrottleMonitor
+from nanoserve.cluster.load import InstanceLoad
 from nanoserve.cluster.instance import load_of
 from nanoserve.cluster.regroup import LayoutChange, Regrouper
 from nanoserve.outputs import RequestOutput
