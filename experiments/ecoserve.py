@@ -24,7 +24,7 @@ Setup, from §2 "Machine settings" and §4 "Experiment Settings", fixed here bef
   hosting by "RL < host's RL/2 - b") with the dataset's padding ratio, reserved pool and KV
   pipelining buffer b (a fraction of the host's predicted RL).
   The paper predicts RLs with a fine-tuned OPT-13B, which we do not have, so the predictor's
-  error is a parameter (`sched/predictor.py`): "EcoServe" gets the true lengths with the
+  error is a parameter (`memory/predictor.py`): "EcoServe" gets the true lengths with the
   paper's reported error on that dataset (§2.3: 77.5% / 73.2% / 69.8% within ±10% / ±15% /
   ±20% on Alpaca / ShareGPT / BookCorpus: `NoisyOraclePredictor`); "EcoServe (learned RL)" gets
   `BucketQuantilePredictor` warm-started on 7,000 held-out requests of the same distribution
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from nanoserve.sched.predictor import (PAPER_PREDICTION_ERROR, BucketQuantilePredictor, NoisyOraclePredictor,
+from nanoserve.memory.predictor import (PAPER_PREDICTION_ERROR, BucketQuantilePredictor, NoisyOraclePredictor,
                                        OraclePredictor)
 from experiments import Comparison, ExperimentResult, check_scale
 from experiments.baselines import FASTGEN, ORCA, VLLM_2023, VLLM_2023_RECOMPUTE, Baseline

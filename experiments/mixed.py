@@ -33,7 +33,7 @@ each policy against fcfs (vLLM) on online P99 TTFT and on total throughput.
 from __future__ import annotations
 
 from nanoserve.sched import SCHEDULERS
-from nanoserve.sched.predictor import BucketQuantilePredictor
+from nanoserve.memory.predictor import BucketQuantilePredictor
 from experiments import Comparison, ExperimentResult, check_scale, conserve
 from nanoserve.sim.metrics import kv_usage_summary, summarize
 from nanoserve.sim.simulation import SimConfig, SimResult, simulate

@@ -99,9 +99,7 @@ class AsyncEngine:
         # ConServe's Alg. 2 runs when an online request arrives, which may be in the middle of a
         # forward pass; the runner's safe points let this loop take arrivals in then. Only for
         # a policy that can ask to stop the forward: others see the arrival one step later.
-        flag = getattr(engine.executor, "preemption", None)
-        if flag is not None and engine.scheduler.PREEMPTS_RUNNING_BATCH:
-            flag.on_safe_point = self._admit_arrivals
+        engine.on_safe_point(self._admit_arrivals)
 
     # -- facts handlers need -------------------------------------------------------------
     @property

@@ -144,6 +144,14 @@ def model_path(args: EngineArgs) -> Path:
 
 
 def build_engine(args: EngineArgs) -> Engine:
+    """The engine `args` describe, ready to serve."""
+    return build_engine_and_runner(args)[0]
+
+
+def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
+    """The engine, and the model runner of its rank 0 (its executor on one device; under
+    parallelism, the runner the driver executor wraps): what a KunServe cluster member drops
+    layers on and the profiler times."""
     path = model_path(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -181,7 +189,7 @@ def build_engine(args: EngineArgs) -> Engine:
             host_weights = move_weights_to_host(model)
             arena = MemoryArena(model, ArenaConfig.from_model_config(cfg, args.block_size, dtype, num_blocks), device)
             kv: KVManager = ArenaKV(arena)
-            executor = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, attention_backend(args, device),
+            runner = executor = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, attention_backend(args, device),
                                    args.seed, arena=arena, host_weights=host_weights,
                                    preempt_every_layers=args.preempt_every_layers,
                                    layerwise_preemption=policy.PREEMPTS_RUNNING_BATCH)
@@ -212,9 +220,10 @@ def build_engine(args: EngineArgs) -> Engine:
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
-    return Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
-                  model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model,
-                  pipeline=executor if args.async_pipeline or args.async_scheduling else None)
+    engine = Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
+                    model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model,
+                    pipeline=executor if args.async_pipeline or args.async_scheduling else None)
+    return engine, runner
 
 
 def check_async_scheduling(args: EngineArgs, policy: type, kv_manager: str, topology: Topology) -> None:

@@ -34,7 +34,7 @@ import itertools
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.manager import KVManager
@@ -190,10 +190,9 @@ class Engine:
         self._emitted[request_id] = 0
         self.prompt_tokens_total += len(token_ids)
         self.scheduler.add_request(request)
-        if self.scheduler.preempt_running_batch:
+        if self.scheduler.stops_running_batch_for(request):
             # ConServe Alg. 2: the policy wants the pure-offline forward in flight stopped; the
             # executor (ModelRunner.request_preemption) does it at its next safe point.
-            self.scheduler.preempt_running_batch = False
             self.executor.request_preemption()
         return request
 
@@ -228,6 +227,21 @@ class Engine:
         if handover.detokenizer is not None:
             self._detokenizers[request.request_id] = handover.detokenizer
         self._emitted[request.request_id] = handover.emitted
+
+    def use_executor(self, executor: Executor) -> None:
+        """Run later steps on `executor` (KunServe's cluster member switching between its own
+        runner and the pipeline group it joined). Only between steps: none may be in flight."""
+        if self._in_flight:
+            raise RuntimeError("cannot change executors with steps in flight")
+        self.executor = executor
+
+    def on_safe_point(self, callback: Callable[[], None]) -> None:
+        """Have `callback` run at each safe point of a preemptible forward (ConServe Alg. 2 runs
+        when an online request arrives, which may be in the middle of a forward: the server's
+        loop and the simulation admit arrivals there). Only under a policy that can ask to stop
+        the forward (`Scheduler.PREEMPTS_RUNNING_BATCH`): others see an arrival one step later."""
+        if self.scheduler.PREEMPTS_RUNNING_BATCH:
+            self.executor.on_safe_point(callback)
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes, if it has any (tensor parallelism), and let go

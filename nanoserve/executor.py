@@ -7,7 +7,7 @@ default an executor without it has; the engine calls these methods and never pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from nanoserve.sched.output import SchedulerOutput
 
@@ -34,6 +34,13 @@ class Executor:
     def request_preemption(self) -> None:
         """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
         PREEMPTRUNNING). Default: nothing, the forward runs to its end (no safe points)."""
+
+    def on_safe_point(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` at each safe point of a preemptible forward, before the preemption
+        flag is read (`PreemptionFlag.on_safe_point`): the server's engine loop and the
+        simulation admit the requests that arrived meanwhile there, so the policy can ask for
+        that very forward to stop (ConServe Alg. 2 runs "on arrival"). None: no callback.
+        Default: an executor without safe points never calls it."""
 
     def shutdown(self) -> None:
         """Stop worker processes and let go of what they hold. Default: nothing to stop."""

@@ -29,7 +29,7 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.sched.ecoserve import EcoServeScheduler
-from nanoserve.sched.predictor import OraclePredictor
+from nanoserve.memory.predictor import OraclePredictor
 from nanoserve.slo import SLO
 
 from conftest import build_tiny_model

@@ -131,7 +131,7 @@ def test_predictions_come_from_options_max_tokens_or_l_new_and_fit_the_admission
 def test_a_request_that_outran_its_prediction_is_re_predicted_not_given_l_new():
     # §3.2.2's L_new = predicted - generated is <= 0 for a request that outgrew its reservation;
     # the predictor re-predicts what remains instead (the oracle: exactly the rest).
-    from nanoserve.sched.predictor import OraclePredictor
+    from nanoserve.memory.predictor import OraclePredictor
 
     oracle = OraclePredictor({"a": 9})
     kv = _manager(padding_ratio=0.0, reserved_fraction=0.25, predicted_len=lambda r: 3)

@@ -1,4 +1,4 @@
-"""Response-length predictors (nanoserve/sched/predictor.py, ecoserve.txt §2.3, §3.2): the oracle,
+"""Response-length predictors (nanoserve/memory/predictor.py, ecoserve.txt §2.3, §3.2): the oracle,
 the online bucket-quantile predictor on synthetic lognormal workloads, EcoServe's accuracy
 arithmetic, and a predictor plugged into the exact KV manager and consulted on admission."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.fcfs import FCFSScheduler
-from nanoserve.sched.predictor import (PAPER_PREDICTION_ERROR, BucketQuantileConfig, BucketQuantilePredictor,
+from nanoserve.memory.predictor import (PAPER_PREDICTION_ERROR, BucketQuantileConfig, BucketQuantilePredictor,
                                        LengthPredictor, NoisyOraclePredictor, OraclePredictor, PredictionError,
                                        PredictorAccuracy, prompt_bucket, quantile)
 from nanoserve.sim.workloads import LENGTHS

@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import replace
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Connection, Listener
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
@@ -110,11 +110,12 @@ class Cluster:
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
         world = (f"tcp://127.0.0.1:{_free_port()}", num_instances)
-        self.processes = [subprocess.Popen([sys.executable, "-m", "nanoserve.cluster.instance", f"{host}:{port}",
-                                            authkey.hex(), str(i), str(os.getpid())])
-                          for i in range(num_instances)]
-        self._connections = {}
+        self.processes: list[subprocess.Popen] = []
+        self._connections: dict[int, Connection] = {}
         try:
+            for i in range(num_instances):
+                self.processes.append(subprocess.Popen([sys.executable, "-m", "nanoserve.cluster.instance",
+                                                        f"{host}:{port}", authkey.hex(), str(i), str(os.getpid())]))
             for _ in range(num_instances):
                 connection = self._listener.accept()
                 self._connections[connection.recv()] = connection
@@ -287,7 +288,7 @@ class Cluster:
                 connection.recv()
             except (OSError, EOFError):
                 pass  # already gone
-        for process in getattr(self, "processes", []):
+        for process in self.processes:
             try:
                 process.wait(30)
             except subprocess.TimeoutExpired:

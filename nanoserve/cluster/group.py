@@ -27,7 +27,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,14 +36,13 @@ from torch import nn
 from nanoserve.parallel import p2p
 from nanoserve.cluster.drop_plan import Group
 from nanoserve.parallel.executor import StepMessage
-from nanoserve.model.stages import LAST_STAGE_ONLY, MissingLayer, decoder_body
+from nanoserve.model.causal_lm import CausalLM
+from nanoserve.model.stages import MissingLayer
 from nanoserve.parallel.pipeline import run_stage
-from nanoserve.executor import Executor
+from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.model.runner import ModelRunner
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 
-if TYPE_CHECKING:
-    from nanoserve.model.runner import ModelRunner
-    from nanoserve.executor import ExecutorOutput
 
 
 @dataclass(frozen=True)
@@ -92,26 +91,26 @@ class StageModules:
     layers it does not hold become `MissingLayer`s (their parameters are the arena's empty
     tensors after a drop) and a stage before the last skips the final norm."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: CausalLM):
         self.model = model
         self._saved: dict[tuple[str, int | None], nn.Module] = {}
 
     def set_stage(self, layers: range, is_last: bool) -> None:
         self.release()
-        body = decoder_body(self.model)
+        body = self.model.body()
         for i, layer in enumerate(body.layers):
             if i not in layers:
                 self._saved["layers", i] = layer
                 body.layers[i] = MissingLayer()
         if not is_last:
-            for name in LAST_STAGE_ONLY:
-                if getattr(body, name, None) is not None:
+            for name in body.LAST_STAGE_ONLY:
+                if getattr(body, name) is not None:
                     self._saved[name, None] = getattr(body, name)
                     setattr(body, name, None)
 
     def release(self) -> None:
         """The whole model again (its weights must be back in place first)."""
-        body = decoder_body(self.model)
+        body = self.model.body()
         for (name, index), module in self._saved.items():
             if index is None:
                 setattr(body, name, module)
@@ -140,15 +139,13 @@ class GroupExecutor(Executor):
         self.dtype = next(p for p in runner.model.parameters() if p.numel()).dtype  # dropped ones are empty
         self.busy_seconds = 0.0
 
-    def __getattr__(self, name: str) -> Any:  # model_config, ... as the runner has them
-        return getattr(self.runner, name)
-
     def request_preemption(self) -> None:
         self.runner.request_preemption()
 
-    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        from nanoserve.executor import ExecutorOutput
+    def on_safe_point(self, callback: Callable[[], None] | None) -> None:
+        self.runner.on_safe_point(callback)
 
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
         if batch.kv_copies:
             raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
         self.steps += 1

@@ -34,7 +34,6 @@ from typing import Protocol
 import torch.distributed as dist
 
 from nanoserve.cluster.load import InstanceLoad, PeerLost
-from nanoserve.cluster.group import GroupExecutor
 from nanoserve.cluster.member import ClusterMember
 from nanoserve.engine import Engine
 
@@ -74,13 +73,13 @@ def load_of(member: LoadSource) -> InstanceLoad:
 
 
 def serve(connection, instance_id: int) -> None:
-    from nanoserve.builder import build_engine, shared_device_args
+    from nanoserve.builder import build_engine_and_runner, shared_device_args
 
     args, world, timeout_s, sharing = connection.recv()
-    engine = build_engine(shared_device_args(args, sharing))
+    engine, runner = build_engine_and_runner(shared_device_args(args, sharing))
     dist.init_process_group("gloo", init_method=world[0], rank=instance_id, world_size=world[1],
                             timeout=timedelta(seconds=timeout_s))
-    member = ClusterMember(instance_id, engine)
+    member = ClusterMember(instance_id, engine, runner)
     connection.send((load_of(member), member.layer_bytes(), member.replica_block_bytes))
     while True:
         kind, *rest = connection.recv()
@@ -93,7 +92,7 @@ def serve(connection, instance_id: int) -> None:
                 try:
                     outputs = member.step()
                 except RuntimeError as exc:
-                    if not (isinstance(engine.executor, GroupExecutor) or member.exchanging):
+                    if not (member.group is not None or member.exchanging):
                         raise
                     reply = PeerLost(f"instance {instance_id}: a pipeline peer is gone: {exc}")
                 else:
@@ -104,9 +103,8 @@ def serve(connection, instance_id: int) -> None:
                 member.unstall(rest[0])
                 engine.abort_request(rest[0])
                 reply = None
-            elif kind in ("manifest", "reweigh", "allocate", "exchange", "recover",
-                          "begin_restore", "retire", "release", "cancel_restore"):
-                reply = getattr(member, kind)(*rest)
+            elif kind in ClusterMember.PHASES:
+                reply = member.phase(kind)(*rest)
             elif kind == "stop":
                 engine.shutdown()
                 connection.send(None)

@@ -31,7 +31,7 @@ copy and recomputes its requests: their KV for the peer's layers died with the p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -42,7 +42,8 @@ from nanoserve.engine import Engine
 from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import PagedKV
-from nanoserve.request import Request, RequestStatus
+from nanoserve.model.runner import ModelRunner
+from nanoserve.request import Request
 from nanoserve.sched.output import SchedulerOutput
 
 Manifest = tuple[tuple[str, tuple[int, ...]], ...]  # an owner's (request id, block table) pairs
@@ -88,10 +89,17 @@ class Relayout:
 
 
 class ClusterMember:
-    def __init__(self, instance_id: int, engine: Engine):
-        self.id, self.engine = instance_id, engine
-        self.runner = engine.executor
-        self.arena = getattr(self.runner, "arena", None)  # None: this member cannot drop layers
+    """One instance of the cluster: its engine, the model runner under it (`runner`, its
+    executor while it serves alone), and its part in each layout change."""
+
+    # The messages of a layout change the cluster sends (cluster/regroup.py, restore.py).
+    PHASES = ("manifest", "reweigh", "allocate", "exchange", "recover", "begin_restore", "retire", "release",
+              "cancel_restore")
+
+    def __init__(self, instance_id: int, engine: Engine, runner: ModelRunner):
+        self.id, self.engine, self.runner = instance_id, engine, runner
+        self.arena = runner.arena  # None: this member cannot drop layers
+        self.group: GroupExecutor | None = None  # its executor while it serves in a group
         self.layout = GroupLayout.of(Group.replica(instance_id, self.runner.model_config.num_layers))
         self.luts: dict[int, list[int]] = {}
         self.stage = StageModules(self.runner.model)
@@ -109,15 +117,23 @@ class ClusterMember:
         self._pull_chunk = 0  # weight bytes a background restore copies per step
         self.weights_copied = 0  # by the latest layout change itself (not in the background)
 
+    def phase(self, kind: str) -> Callable[..., object]:
+        """The method that runs the layout-change message `kind` (one of `PHASES`)."""
+        phases: dict[str, Callable[..., object]] = {
+            "manifest": self.manifest, "reweigh": self.reweigh, "allocate": self.allocate,
+            "exchange": self.exchange, "recover": self.recover, "begin_restore": self.begin_restore,
+            "retire": self.retire, "release": self.release, "cancel_restore": self.cancel_restore}
+        return phases[kind]
+
     # -- serving ---------------------------------------------------------------------------
     def step(self) -> list:
         """One engine step. In a group a member with nothing to run still runs its stage of
         its peers' batches."""
-        executor = self.engine.executor
-        taken = getattr(executor, "steps", 0)
+        group = self.group
+        taken = group.steps if group is not None else 0
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        if isinstance(executor, GroupExecutor) and executor.steps == taken:
-            executor.execute(SchedulerOutput([]))
+        if group is not None and group.steps == taken:
+            group.execute(SchedulerOutput([]))
         self.advance()  # the step's activations went first
         if self.arena is not None and self.arena.restoring:
             self.arena.fill_restore(self._pull_chunk)  # §4.4: "prioritizing the pipeline network"
@@ -191,7 +207,7 @@ class ClusterMember:
             self.stage.release()
         else:
             self.stage.set_stage(layout.stage_of(self.id), is_last=layout.members[-1] == self.id)
-        self.runner.kv_caches = self.runner._arena_kv_caches()
+        self.runner.refresh_kv_caches()
 
     # -- phase 3 ---------------------------------------------------------------------------
     def allocate(self, pools: Mapping[int, int] | None) -> Manifest:
@@ -203,18 +219,20 @@ class ClusterMember:
         if new.solo:
             self.luts = {}
             kv: PagedKV = ArenaKV(self.arena)
-            self.engine.executor = self.runner
+            self.group = None
+            self.engine.use_executor(self.runner)
         else:
             assert pools is not None
             self.luts = self._deal_blocks(new.members, pools)
             self.owner_pool = BlockPool(pools[self.id], size)
             kv = PagedKV(self.owner_pool)
-            self.engine.executor = GroupExecutor(self.runner, new, self.id, self.luts)
+            self.group = GroupExecutor(self.runner, new, self.id, self.luts)
+            self.engine.use_executor(self.group)
         tables = []
         for request_id, table in self._relayout.manifests.get(self.id, ()):
             kv.reserve(requests[request_id], len(table) * size)
             tables.append((request_id, tuple(kv.block_table(requests[request_id]))))
-        self.engine.scheduler.kv = kv
+        self.engine.scheduler.use_kv_manager(kv)
         self.layout = new
         return tuple(tables)
 
@@ -278,7 +296,7 @@ class ClusterMember:
                     self._transfers.append(Transfer(src, dst, chunks))
         scheduler = self.engine.scheduler
         for request in [r for r in scheduler.running if r.request_id in ready]:
-            scheduler.running.remove(request)
+            scheduler.stall(request)
             self.stalled[request.request_id] = (request, ready[request.request_id])
         self._rounds = 0
         self._relayout = None
@@ -301,7 +319,7 @@ class ClusterMember:
         for request_id, (request, rounds) in list(self.stalled.items()):
             if rounds <= self._rounds:
                 del self.stalled[request_id]
-                self.engine.scheduler.running.append(request)
+                self.engine.scheduler.resume(request)
         self._finish_exchange()
 
     def _finish_exchange(self) -> None:
@@ -315,7 +333,7 @@ class ClusterMember:
     def unstall(self, request_id: str) -> None:
         """Put a stalled request back among the running (before an abort)."""
         if request_id in self.stalled:
-            self.engine.scheduler.running.append(self.stalled.pop(request_id)[0])
+            self.engine.scheduler.resume(self.stalled.pop(request_id)[0])
 
     def _install(self, moves: list[KVMove]) -> int:
         copied = 0
@@ -371,11 +389,7 @@ class ClusterMember:
         self.luts, self.layout = {}, GroupLayout.of(Group.replica(self.id, len(self.arena.layer_ids)))
         self._released, self.owner_pool = {}, None
         self._hold(self.layout)  # a background restore's pulled pages count: the rest is copied
-        scheduler.kv = ArenaKV(self.arena)
-        self.engine.executor = self.runner
-        running = list(scheduler.running)
-        scheduler.running.clear()
-        for request in reversed(running):  # `preempt` puts each at the head: keep their order
-            scheduler.preempt(request)
-        assert all(r.status == RequestStatus.WAITING for r in running)
-        return len(running)
+        scheduler.use_kv_manager(ArenaKV(self.arena))
+        self.group = None
+        self.engine.use_executor(self.runner)
+        return scheduler.requeue_running()

@@ -40,28 +40,21 @@ so the scheduler reads the new value when it gets to it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Callable
 
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator
 from nanoserve.memory.host import KVCopy
 from nanoserve.memory.manager import KVManager
+from nanoserve.memory.predictor import LengthPredictor, as_length_predictor
 
 if TYPE_CHECKING:
     from nanoserve.request import Request
 
 ALLOC_OPTIONS = ("padding_ratio", "reserved_fraction", "pipeline_buffer_ratio", "min_new_prediction")
-Predictor = Union[int, Callable[["Request"], int], None]  # None: predict max_tokens
-
-
-@runtime_checkable
-class RemainingPredictor(Protocol):
-    """A predictor that can also re-predict a running request's remaining length (the
-    predictors of sched/predictor.py): what `ExactKV` asks when L_new fails."""
-
-    def __call__(self, request: Request) -> int: ...
-
-    def predict_remaining(self, request: Request) -> int: ...
+# exact_kv's `predicted_len` option: a predictor, one RL for every request, a function of the
+# request, or None (each request's max_tokens); `as_length_predictor` makes each a predictor.
+Predictor = LengthPredictor | Callable[["Request"], int] | int | None
 
 
 class ExactKV(KVManager):
@@ -72,7 +65,7 @@ class ExactKV(KVManager):
         self.alloc = alloc
         self.block_size = alloc.block_size
         self.host_store = alloc.host_store
-        self.predicted_len = predicted_len
+        self.predictor = as_length_predictor(predicted_len)
         self.decoupled = decoupled
         # Per request: (its tokens when predicted, the RL its allocation is for), asked once per
         # request and again (L_new) at each preemption; the RL is clamped to what can be admitted.
@@ -109,8 +102,7 @@ class ExactKV(KVManager):
     def _prediction(self, request: Request) -> tuple[int, int]:
         cached = self._predicted.get(request.request_id)
         if cached is None:  # once: can_reserve and reserve must agree
-            fixed = self.predicted_len or request.params.max_tokens
-            predicted = self.predicted_len(request) if callable(self.predicted_len) else fixed
+            predicted = self.predictor.predict(request)
             cached = self._predicted[request.request_id] = self._clamped(request, predicted)
         return cached
 
@@ -139,9 +131,7 @@ class ExactKV(KVManager):
         if l_new >= self.alloc.config.min_new_prediction:
             return l_new
         self.repredictions += 1
-        if isinstance(self.predicted_len, RemainingPredictor):
-            return max(1, self.predicted_len.predict_remaining(request))
-        return request.output_tokens_left
+        return max(1, self.predictor.predict_remaining(request))
 
     # -- the step --------------------------------------------------------------------------
     def order(self, running: list[Request]) -> list[Request]:
@@ -248,10 +238,9 @@ class ExactKV(KVManager):
     def release(self, request: Request) -> None:
         rid = request.request_id
         self.alloc.free(rid)
-        # An online predictor (sched/predictor.py) learns from every request that finishes.
-        observe = getattr(self.predicted_len, "observe", None)
-        if callable(observe) and request.status.finished:
-            observe(request)
+        # An online predictor (memory/predictor.py) learns from every request that finishes.
+        if request.status.finished:
+            self.predictor.observe(request)
         self._predicted.pop(rid, None)
         self._requests.pop(rid, None)
 
@@ -311,7 +300,8 @@ def build(ctx) -> ExactKV:
     if options:
         raise ValueError(f"unknown options for the exact KV manager: {sorted(options)}")
     if not (predicted_len is None or callable(predicted_len) or (isinstance(predicted_len, int) and predicted_len >= 1)):
-        raise ValueError(f"predicted_len must be a positive integer or a function of the request, got {predicted_len!r}")
+        raise ValueError(f"predicted_len must be a positive integer or a function of the request, "
+                         f"got {predicted_len!r}")
     if not isinstance(decoupled, bool):
         raise ValueError(f"decoupled must be a bool, got {decoupled!r}")
     config = ExactAllocConfig(block_size=ctx.block_size, **knobs)

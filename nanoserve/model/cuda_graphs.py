@@ -51,8 +51,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from torch import nn
 
+from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.attention import AttentionBackend, ForwardContext
 
 
@@ -76,7 +76,7 @@ def mixed_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, model: nn.Module, kv_caches: list, backend: AttentionBackend, buckets: Sequence[int],
+    def __init__(self, model: CausalLM, kv_caches: list, backend: AttentionBackend, buckets: Sequence[int],
                  max_blocks: int, device: torch.device, record: bool | None = None,
                  mixed_sizes: Sequence[int] = (), max_num_seqs: int = 0):
         """`buckets`: decode batch sizes; `mixed_sizes`: token counts of mixed graphs over up to

@@ -77,6 +77,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+class ShardedWeight:
+    """A layer that takes its own slice of each checkpoint tensor it owns (the tensor-parallel
+    layers of model/parallel.py): the loader hands it the whole tensor instead of copying."""
+
+    def load_weight(self, param_name: str, weight: Any) -> None:
+        """Copy this rank's slice of the checkpoint tensor `weight` into parameter `param_name`."""
+        raise NotImplementedError
+
+
 class MergedLinear(PackedWeight, nn.Linear):
     """Several HF projections that read the same input (q/k/v, gate/up), run as one matmul.
 
@@ -147,7 +156,7 @@ def load_named_weights(
                 raise KeyError(f"checkpoint tensor {name} does not match any model parameter")
             module_name, param_name = name.rsplit(".", 1) if "." in name else ("", name)
             module = modules[module_name]
-            if hasattr(module, "load_weight"):  # a tensor-parallel layer takes its own slice
+            if isinstance(module, ShardedWeight):  # a tensor-parallel layer takes its own slice
                 module.load_weight(param_name, tensor)
             else:
                 if params[name].shape != tuple(tensor.shape):

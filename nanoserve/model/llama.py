@@ -8,7 +8,7 @@ Qwen2 and Qwen3 differ from Llama in a flag or a hook and subclass these classes
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from nanoserve.model.parallel import (
     qkv_shards,
 )
 from nanoserve.model.attention import ForwardContext, PagedAttention
+from nanoserve.model.causal_lm import CausalLM, DecoderBody
 from nanoserve.model.stages import MissingLayer
 from nanoserve.model.layers import (
     LLAMA_STACKED, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights,
@@ -111,10 +112,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed, fused), residual
 
 
-class LlamaModel(nn.Module):
-    # ConServe's preemption safe point (conserve.txt §5): the runner installs a callable here
-    # only while it runs a pure-offline batch; called after each layer, it may raise to stop.
-    safe_point: Callable[[int], None] | None = None
+class LlamaModel(DecoderBody):
+    LAST_STAGE_ONLY = ("norm",)
 
     def __init__(self, cfg: ModelConfig, layer_cls: type[LlamaDecoderLayer], tp: TPGroup = SINGLE):
         super().__init__()
@@ -146,9 +145,7 @@ class LlamaModel(nn.Module):
         return x if self.norm is None else self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], ctx) -> hidden [T, H]; compute_logits picks rows."""
-
+class LlamaForCausalLM(CausalLM):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
@@ -158,16 +155,8 @@ class LlamaForCausalLM(nn.Module):
         # Tied models reuse the embedding matrix as the LM head and own no separate weight.
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx, hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits_head().logits(hidden)
-
-    def logits_head(self) -> VocabParallelEmbedding:
-        """The module whose weight computes the logits: the LM head, or the embedding if tied."""
-        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+    def body(self) -> LlamaModel:
+        return self.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.lm_head is None else [])

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from torch import nn
 
 from nanoserve.config import ModelConfig
+from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.parallel import SINGLE, TPGroup
 from nanoserve.model.stages import StageLayout, keep_stage
 from nanoserve.model.llama import LlamaForCausalLM
@@ -26,7 +26,7 @@ from nanoserve.model.opt import OPTForCausalLM
 from nanoserve.model.qwen2 import Qwen2ForCausalLM
 from nanoserve.model.qwen3 import Qwen3ForCausalLM
 
-MODEL_CLASSES: dict[str, tuple[str, type[nn.Module]]] = {
+MODEL_CLASSES: dict[str, tuple[str, type[CausalLM]]] = {
     "LlamaForCausalLM": ("llama", LlamaForCausalLM),
     "Qwen2ForCausalLM": ("qwen2", Qwen2ForCausalLM),
     "Qwen3ForCausalLM": ("qwen3", Qwen3ForCausalLM),
@@ -158,7 +158,7 @@ def iter_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Te
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, tp: TPGroup = SINGLE,
-               stage: StageLayout | None = None) -> tuple[nn.Module, ModelConfig]:
+               stage: StageLayout | None = None) -> tuple[CausalLM, ModelConfig]:
     """The model; under tensor parallelism this rank's shard of it (reading only its slices);
     as a pipeline stage, only its layers (the others are never read)."""
     config = load_config(path)

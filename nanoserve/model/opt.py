@@ -9,7 +9,7 @@ How it differs from Llama, following `transformers`' OPTForCausalLM:
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from nanoserve.model.parallel import (
     qkv_shards,
 )
 from nanoserve.model.attention import ForwardContext, PagedAttention
+from nanoserve.model.causal_lm import CausalLM, DecoderBody
 from nanoserve.model.stages import MissingLayer
 from nanoserve.model.layers import MergedLinear, load_named_weights
 
@@ -67,9 +68,9 @@ class OPTDecoderLayer(nn.Module):
         return x if self.pre_norm else self.final_layer_norm(x)
 
 
-class OPTDecoder(nn.Module):
-    # ConServe's preemption safe point (conserve.txt §5): see LlamaModel.safe_point.
-    safe_point: Callable[[int], None] | None = None
+class OPTDecoder(DecoderBody):
+    FIRST_STAGE_ONLY = ("project_in", "embed_positions")
+    LAST_STAGE_ONLY = ("final_layer_norm", "project_out")
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
@@ -113,7 +114,9 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(cfg, tp)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLM):
+    BODY_PREFIX = "model.decoder"
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = cfg
@@ -121,16 +124,8 @@ class OPTForCausalLM(nn.Module):
         embed_dim = cfg.word_embed_proj_dim or cfg.hidden_size
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, embed_dim, tp)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, ctx, hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits_head().logits(hidden)
-
-    def logits_head(self) -> VocabParallelEmbedding:
-        """The module whose weight computes the logits: the LM head, or the embedding if tied."""
-        return self.model.decoder.embed_tokens if self.lm_head is None else self.lm_head
+    def body(self) -> OPTDecoder:
+        return self.model.decoder
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Early OPT checkpoints name tensors "decoder.*" rather than "model.decoder.*".

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels.cpu_linear import PackedWeight, linear
+from nanoserve.model.layers import ShardedWeight
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def qkv_shards(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) ->
 
 
 # -- layers --------------------------------------------------------------------------------------
-class ColumnParallelLinear(PackedWeight, nn.Linear):
+class ColumnParallelLinear(ShardedWeight, PackedWeight, nn.Linear):
     """y[:, this rank's rows] = x W_r^T + b_r; the output stays split across ranks. On a CPU the
     product may run from a packed copy of W_r (nanoserve/kernels/cpu_linear.py)."""
 
@@ -141,7 +142,7 @@ class ColumnParallelLinear(PackedWeight, nn.Linear):
         return linear(x, self.weight, self.bias, self.packed_weight)
 
 
-class RowParallelLinear(PackedWeight, nn.Linear):
+class RowParallelLinear(ShardedWeight, PackedWeight, nn.Linear):
     """y = Σ_r x_r W_r^T + b: each rank multiplies its input slice; the all-reduce adds them.
     The bias is added once, after the sum. (On a CPU, maybe from a packed W_r.)"""
 
@@ -163,7 +164,7 @@ class RowParallelLinear(PackedWeight, nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(PackedWeight, nn.Embedding):
+class VocabParallelEmbedding(ShardedWeight, PackedWeight, nn.Embedding):
     """Rank r holds token rows [r·n, (r+1)·n), n = ceil(vocab / tp) (the last rank's tail is
     zero padding). It looks up the ids in its range, zeroes the rest, and the all-reduce sums
     the ranks' rows into the full embedding. Packed (nanoserve/kernels/cpu_linear.py) only as an LM head."""

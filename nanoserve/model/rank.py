@@ -17,6 +17,7 @@ from nanoserve.device import resolve_dtype
 from nanoserve.kernels.cpu_linear import pack_linear_weights
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import default_attention_backend, get_attention_backend
+from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
 from nanoserve.model.loader import load_config, load_model
 from nanoserve.model.parallel import TPGroup, local_kv_heads
@@ -72,7 +73,7 @@ def graph_sizes(args: EngineArgs, device: torch.device, world_size: int) -> Grap
     return GraphSizes(decode, mixed)
 
 
-def rank_runner(plan: RankPlan, model: torch.nn.Module, cfg: ModelConfig, device: torch.device, tp: TPGroup,
+def rank_runner(plan: RankPlan, model: CausalLM, cfg: ModelConfig, device: torch.device, tp: TPGroup,
                 stage_layers: range | None = None) -> ModelRunner:
     """The runner over a loaded shard: its KV cache and host store as `plan` sizes them."""
     args = plan.args

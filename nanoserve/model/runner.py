@@ -36,10 +36,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
-from torch import nn
 
 from nanoserve.config import ModelConfig
 from nanoserve.executor import Executor, ExecutorOutput
@@ -49,6 +48,7 @@ from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
 from nanoserve.model.block_table import BlockTableRows
+from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import LayerPeer
 from nanoserve.request import Request
@@ -94,7 +94,7 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, devic
 
 
 class ModelRunner(Executor):
-    def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
                  host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8,
@@ -124,7 +124,7 @@ class ModelRunner(Executor):
             self.preemption.agree = tp.any
         if device.type == "cuda":
             self.preemption.wait_for_device = lambda: torch.cuda.current_stream(device).synchronize()
-        self._safe_point_hosts = [m for m in model.modules() if hasattr(type(m), "safe_point")]
+        self._safe_point_hosts = [model.body()]  # whose layer loop has ConServe's safe points
         self.host_store = host_store  # where the memory manager's KV copies go to and come from
         self._preemptible = False  # whether the forward in flight has ConServe's safe points armed
         self.model_config = model_config
@@ -159,6 +159,11 @@ class ModelRunner(Executor):
         # A dropped layer's entry is None: its PeerStage reads the peer's cache, never this list.
         views = self.arena.kv_caches()
         return [views.get(layer) for layer in range(self.model_config.num_layers)]
+
+    def refresh_kv_caches(self) -> None:
+        """Read the arena's KV views again: a cluster member changed the arena's layers itself
+        (cluster/member.py re-lays it out between steps)."""
+        self.kv_caches = self._arena_kv_caches()
 
     def drop_layers(self, layer_ids: Iterable[int]) -> CapacityChange:
         """Hand `layer_ids` to the pipeline peer and their weight bytes to the KV cache: the live
@@ -278,6 +283,9 @@ class ModelRunner(Executor):
         """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
         PREEMPTRUNNING); the engine forwards its scheduler's request here."""
         self.preemption.request()
+
+    def on_safe_point(self, callback: Callable[[], None] | None) -> None:
+        self.preemption.on_safe_point = callback
 
     @torch.inference_mode()
     def run_model(self, prepared: PreparedBatch, preemptible: bool = False,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from nanoserve.model.causal_lm import CausalLM
+
 
 @dataclass(frozen=True)
 class StageLayout:
@@ -53,38 +55,30 @@ class MissingLayer(nn.Module):
     """A layer another pipeline stage runs: it holds no weights and the forward skips it."""
 
 
-LAST_STAGE_ONLY = ("norm", "final_layer_norm", "project_out")  # what runs after the last layer
-
-
-def decoder_body(model: nn.Module) -> nn.Module:
-    """The module holding `layers` and the final norm (OPT nests one level more)."""
-    return model.model.decoder if hasattr(model.model, "decoder") else model.model
-
-
-def keep_stage(model: nn.Module, layout: StageLayout) -> list[str]:
+def keep_stage(model: CausalLM, layout: StageLayout) -> list[str]:
     """Strip `model` (on the meta device) down to `layout`'s stage; returns the name prefixes of
     the checkpoint tensors that now have no home, for the loader to skip."""
     if layout.num_stages == 1:
         return []
-    body = decoder_body(model)
-    prefix = "model.decoder" if body is not model.model else "model"
+    body = model.body()
+    prefix = model.BODY_PREFIX
     skip = []
     for i in range(len(body.layers)):
         if not layout.holds(i):
             body.layers[i] = MissingLayer()
             skip.append(f"{prefix}.layers.{i}.")
-    tied = getattr(model, "lm_head", None) is None
+    tied = model.lm_head is None
     if not layout.is_first:
-        for name in ("project_in", "embed_positions"):
-            if getattr(body, name, None) is not None:
+        for name in body.FIRST_STAGE_ONLY:
+            if getattr(body, name) is not None:
                 setattr(body, name, None)
                 skip.append(f"{prefix}.{name}.")
         if not (layout.is_last and tied):  # a tied LM head is the embedding matrix
             body.embed_tokens = None
             skip.append(f"{prefix}.embed_tokens.")
     if not layout.is_last:
-        for name in LAST_STAGE_ONLY:
-            if getattr(body, name, None) is not None:
+        for name in body.LAST_STAGE_ONLY:
+            if getattr(body, name) is not None:
                 setattr(body, name, None)
                 skip.append(f"{prefix}.{name}.")
         if not tied:

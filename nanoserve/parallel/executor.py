@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import atexit
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -138,12 +138,12 @@ class DriverExecutor(Executor):
         self._stopped = False
         atexit.register(self.shutdown)  # an engine never shut down still lets its workers go
 
-    def __getattr__(self, name: str) -> Any:  # model_config, preemption, ... as the runner has them
-        return getattr(self.runner, name)
-
     def request_preemption(self) -> None:
         """This rank's runner stops at its next safe point; the ranks agree there (PreemptionFlag)."""
         self.runner.request_preemption()
+
+    def on_safe_point(self, callback: Callable[[], None] | None) -> None:
+        self.runner.on_safe_point(callback)  # rank 0's safe points (the ranks agree at each)
 
     def _check_workers(self) -> None:
         if self.failed is not None:

@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from nanoserve.config import Topology
+from nanoserve.executor import ExecutorOutput
+from nanoserve.model.runner import ModelRunner
 from nanoserve.parallel import p2p
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 
-if TYPE_CHECKING:
-    from nanoserve.config import Topology
-    from nanoserve.model.runner import ModelRunner
-    from nanoserve.executor import ExecutorOutput
 
 
 def split_microbatches(chunks: list[ScheduledChunk], count: int) -> list[list[ScheduledChunk]]:
@@ -144,8 +142,6 @@ class PipelineStage:
 
     def finish(self) -> ExecutorOutput:
         """Rank 0: the oldest pending step's logits (waiting for them), sampled."""
-        from nanoserve.executor import ExecutorOutput
-
         requests = self._pending.popleft()
         out = ExecutorOutput()
         if requests:
@@ -162,8 +158,6 @@ class PipelineStage:
 
     def run(self, microbatches: list[SchedulerOutput]) -> ExecutorOutput:
         """A synchronous step: every micro-batch through every stage, then (rank 0) the tokens."""
-        from nanoserve.executor import ExecutorOutput
-
         sampling = self.start(microbatches)
         if self.rank != 0:
             return ExecutorOutput()

@@ -37,10 +37,9 @@ class Scheduler(ABC):
     # `tokens_lacking` and `schedulable`; FCFS does.
     ASYNC_SCHEDULING: bool = False
     # Can this policy ask to stop the forward in flight when a request arrives (ConServe Alg. 2's
-    # PREEMPTRUNNING)? Such a policy sets `preempt_running_batch` in `add_request`; the engine
-    # hands it to the executor, and the server and the simulator admit arrivals at safe points.
+    # PREEMPTRUNNING)? Such a policy answers `stops_running_batch_for`; the engine hands a yes to
+    # the executor, and the server and the simulator admit arrivals at safe points.
     PREEMPTS_RUNNING_BATCH: bool = False
-    preempt_running_batch: bool = False
 
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -106,6 +105,12 @@ class Scheduler(ABC):
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+
+    def stops_running_batch_for(self, request: Request) -> bool:
+        """Called by the engine right after `add_request(request)`: should the forward in flight
+        stop at its next safe point so that `request` starts sooner (ConServe Alg. 2's
+        PREEMPTRUNNING)? Default: never (a policy without `PREEMPTS_RUNNING_BATCH`)."""
+        return False
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """The executor has written K/V for every scheduled token."""
@@ -203,6 +208,37 @@ class Scheduler(ABC):
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.release(request)
+
+    # -- KunServe's cluster and Llumnix's migration move requests and memory under a policy ---
+    def use_kv_manager(self, kv: KVManager) -> None:
+        """Take K/V from `kv` from now on (a cluster member's blocks are re-carved when its
+        layout changes: a pool of its own, or its share of a pipeline group's). The running
+        requests' blocks must already be reserved in `kv`."""
+        self.kv = kv
+
+    def use_pipeline(self, num_stages: int, microbatches_per_step: int) -> None:
+        """The executor under this policy became a pipeline of `num_stages` stages (a cluster
+        member joined a group, or left one: 1), running `microbatches_per_step` micro-batches a
+        step. Default: nothing, a policy that does not cut micro-batches itself."""
+
+    def stall(self, request: Request) -> None:
+        """Take a running request out of the batch, keeping its K/V: it waits for its K/V to
+        arrive (KunServe's exchange, §4.2) or to leave (a migration's last stage), and runs
+        again after `resume`, or leaves with `detach`."""
+        self.running.remove(request)
+
+    def resume(self, request: Request) -> None:
+        """A stalled request runs again, its K/V in place."""
+        self.running.append(request)
+
+    def requeue_running(self) -> int:
+        """Preempt every running request, in order, to recompute (KunServe §4.4: a member whose
+        pipeline peer died lost their K/V of the peer's layers). Returns how many."""
+        running = list(self.running)
+        self.running.clear()
+        for request in reversed(running):  # `preempt` puts each at the head: keep their order
+            self.preempt(request)
+        return len(running)
 
     def attach(self, request: Request) -> None:
         """Run a request another engine detached, whose K/V this manager already holds."""

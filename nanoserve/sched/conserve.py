@@ -30,7 +30,7 @@ to at least `MIN_ONLINE_CHUNK` tokens, so an unattainable target cannot starve i
 Arrival (`add_request`, Algorithm 2's ONRECVONLINEREQUEST): if the batch in flight is pure
 offline and waiting for it would make the new online request miss its TTFT (the rest of the
 batch's predicted time plus the predicted time of the online queue with the batch's work), the
-policy sets `preempt_running_batch`; the engine hands that to the executor, whose forward stops
+policy says so (`stops_running_batch_for`); the engine hands that to the executor, whose forward stops
 at its next safe point, every k layers (`ModelRunner.request_preemption`, `PreemptionFlag`:
 §4.3's layer-wise preemption, only in pure-offline batches). The engine discards the stopped
 step (no request advances) and the next `plan` serves the online request first. §4.3: workers
@@ -78,9 +78,7 @@ class ConServeScheduler(PriorityScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # Alg. 2's request to stop the batch in flight; the engine forwards it to the executor.
-        self.preempt_running_batch = False
-        self.num_running_batch_preemptions = 0
+        self.num_running_batch_preemptions = 0  # Alg. 2's requests to stop the batch in flight
         self._in_flight: tuple[SchedulerOutput, float] | None = None  # (batch, t_sched)
         # The targets of the online requests, by the phase each is in (its TTFT before its first
         # token, its TPOT after), so the tightest is read without scanning 10,000 requests.
@@ -295,9 +293,15 @@ class ConServeScheduler(PriorityScheduler):
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         self._track(request, "tpot" if request.num_output_tokens else "ttft")
+
+    def stops_running_batch_for(self, request: Request) -> bool:
+        """Alg. 2, lines 4-11: an online arrival that would miss its TTFT behind the pure-offline
+        batch in flight asks for that batch to stop (PREEMPTRUNNING); the engine forwards it to
+        the executor, which stops at its next safe point."""
         if request.priority is RequestClass.ONLINE and self.should_preempt_running_batch(request):
-            self.preempt_running_batch = True
             self.num_running_batch_preemptions += 1
+            return True
+        return False
 
     def should_preempt_running_batch(self, request: Request) -> bool:
         """Would `request` miss its TTFT waiting for the pure-offline batch in flight?

@@ -247,6 +247,14 @@ class KunServeScheduler(FCFSScheduler):
         self.stats = {"steps": 0, "microbatches": 0, "request_cuts": 0,
                       "bubble_ratio_sum": 0.0, "token_count_bubble_ratio_sum": 0.0}
 
+    def use_pipeline(self, num_stages: int, microbatches_per_step: int) -> None:
+        """§4.4: a member that joined a pipeline group cuts its steps into micro-batches of
+        balanced cost for that many stages; alone again, it runs one forward a step."""
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        self.num_stages = num_stages
+        self.microbatches_per_step = microbatches_per_step
+
     def lookahead(self) -> list[MicroBatch]:
         """The queued work (running requests in serving order, then as many waiting ones as
         max_num_seqs leaves room for), cut into lookahead micro-batches; records the estimate."""

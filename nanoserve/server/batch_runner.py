@@ -1,7 +1,8 @@
 """How batches run: each line through `OpenAIServer.run_batch_request` (the endpoint's own
 validation and handler, as the offline class), at most `max_in_flight` lines at a time over all
 batches, so a large batch never floods the engine's waiting queue and online traffic keeps its
-priority. batches.py puts the HTTP API on top; batch_store.py keeps the state on disk.
+priority. `BatchService` (batches.py) owns the batches and one `BatchRunner`, and puts the HTTP API
+on top; batch_store.py keeps the state on disk.
 
 Invariants:
   * Exactly once: a request counts as done when its output line is fsynced to the batch's
@@ -24,11 +25,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,9 +43,13 @@ log = logging.getLogger("nanoserve.server.batches")
 MAX_IN_FLIGHT = 16  # batch lines running at once, over all batches
 FINAL = ("completed", "failed", "cancelled", "expired")
 
+RunRequest = Callable[[str, dict[str, Any]], Awaitable[dict]]  # (url, body) -> the endpoint's response body
+
 
 @dataclass
 class Job:
+    """One batch as its owner keeps it and the runner moves it along."""
+
     record: dict  # the Batch object, as persisted
     lines: list[BatchLine] = field(default_factory=list)
     log: ResultLog | None = None
@@ -57,50 +62,73 @@ def _status(line: bytes) -> int:
 
 
 class BatchRunner:
-    """Batch records and the tasks that run them."""
+    """Runs batches' lines through `run_request`, at most `max_in_flight` at a time over all the jobs
+    it is given. The owner keeps the jobs (their records included); the runner moves them along,
+    through this interface:
 
-    def __init__(self, server: Any, store: BatchStore, max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        self.server = server
-        self.store = store
-        self.max_in_flight = max_in_flight  # read at each launch, so it may be changed at any time
-        self.jobs: dict[str, Job] = {r["id"]: Job(r) for r in store.load_batches()}
+        start(jobs)              resume the jobs not in a final state; then accept new ones
+        submit(job, lines=None)  run a new job now if started (else the next start() resumes it)
+        cancel(job)              mark it cancelling and abort its lines in flight; it ends cancelled
+        stop(jobs)               stop launching, abort the lines in flight, close the logs, persist
+        max_in_flight            read at each launch, so it may be changed at any time
+    """
+
+    def __init__(self, run_request: RunRequest, store: BatchStore, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        self.max_in_flight = max_in_flight
+        self._run_request = run_request
+        self._store = store
         self._in_flight = 0
         self._slot_freed = asyncio.Event()
         self._running = False
         self._unavailable = False  # a line got 503: the server is draining or its engine is down
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, jobs: Iterable[Job]) -> None:
         """Resume every batch a previous run left unfinished."""
         self._running = True
         self._unavailable = False
         self._slot_freed = asyncio.Event()  # of this event loop
-        for job in self.jobs.values():
+        for job in jobs:
             if job.record["status"] not in FINAL and job.runner is None:
                 self._launch(job)
 
-    async def stop(self) -> None:
+    async def stop(self, jobs: Iterable[Job]) -> None:
         """Stop launching lines, abort those in flight (they re-run after a restart), persist."""
         self._running = False
-        runners = [job.runner for job in self.jobs.values() if job.runner is not None]
+        jobs = list(jobs)
+        runners = [job.runner for job in jobs if job.runner is not None]
         for runner in runners:
             runner.cancel()
         await asyncio.gather(*runners, return_exceptions=True)
-        for job in self.jobs.values():
+        for job in jobs:
             job.runner = None
             if job.log is not None:
                 job.log.close()
             if job.record["status"] not in FINAL:
-                self.store.save_batch(job.record)
+                self._store.save_batch(job.record)
+
+    def submit(self, job: Job, lines: list[BatchLine] | None = None) -> None:
+        """Run a job just created (`lines`: its input file, already parsed), if the runner is
+        started; if not, it waits, validating, for `start()`."""
+        if self._running:
+            self._launch(job, lines)
+
+    def cancel(self, job: Job) -> None:
+        """cancelling now (its runner aborts the lines in flight), cancelled once that is done."""
+        self._set(job, "cancelling")
+        if job.runner is not None:
+            job.runner.cancel()
+        elif self._running:
+            self._launch(job)
 
     def _launch(self, job: Job, lines: list[BatchLine] | None = None) -> None:
         rec = job.record
         try:
-            job.lines = lines if lines is not None else parse_batch_file(self.store.file_content(rec["input_file_id"]))
+            job.lines = lines if lines is not None else parse_batch_file(self._store.file_content(rec["input_file_id"]))
         except (OSError, APIError) as exc:
             self._fail(job, "invalid_input_file", f"The input file cannot be read: {exc}")
             return
-        job.log = self.store.results(rec["id"])
+        job.log = self._store.results(rec["id"])
         wanted = {line.custom_id for line in job.lines}
         statuses = [_status(v) for k, v in job.log.lines.items() if k in wanted]
         rec["request_counts"] = {"total": len(job.lines), "completed": statuses.count(200),
@@ -110,7 +138,7 @@ class BatchRunner:
     def _set(self, job: Job, status: str) -> None:
         job.record["status"] = status
         job.record[f"{status}_at"] = int(time.time())
-        self.store.save_batch(job.record)
+        self._store.save_batch(job.record)
 
     def _fail(self, job: Job, code: str, message: str) -> None:
         log.error("batch %s failed: %s", job.record["id"], message)
@@ -141,7 +169,7 @@ class BatchRunner:
                     await asyncio.wait(set(job.tasks))
                 if self._unavailable and rec["status"] == "in_progress":
                     log.warning("batch %s paused: the server is unavailable; it resumes after a restart", rec["id"])
-                    self.store.save_batch(rec)
+                    self._store.save_batch(rec)
                     job.runner = None
                     return
         except asyncio.CancelledError:
@@ -165,7 +193,7 @@ class BatchRunner:
 
     async def _run_line(self, job: Job, line: BatchLine) -> None:
         try:
-            body = await self.server.run_batch_request(line.url, line.body)
+            body = await self._run_request(line.url, line.body)
             status, request_id = 200, str(body.get("id") or uuid.uuid4().hex)
         except Exception as exc:  # CancelledError is not an Exception: a cancelled line writes nothing
             error = as_api_error(exc)  # what the endpoint would have answered
@@ -193,7 +221,7 @@ class BatchRunner:
         for kind, lines in kinds.items():
             if lines:
                 file_id = derived_id("file-", rec["id"], kind)
-                self.store.add_file(b"\n".join(lines) + b"\n", f"{rec['id']}_{kind}.jsonl", "batch_output", file_id)
+                self._store.add_file(b"\n".join(lines) + b"\n", f"{rec['id']}_{kind}.jsonl", "batch_output", file_id)
                 rec[f"{kind}_file_id"] = file_id
         usage = [json.loads(v)["response"]["body"].get("usage") or {} for v in ok]
         tokens_in, tokens_out = (sum(u.get(k, 0) for u in usage) for k in ("prompt_tokens", "completion_tokens"))
@@ -204,23 +232,3 @@ class BatchRunner:
         self._set(job, final)
         job.log.close()
         log.info("batch %s %s: %s", rec["id"], final, rec["request_counts"])
-
-    def cancel(self, batch_id: str) -> dict:
-        """cancelling now (the runner aborts the lines in flight), cancelled once that is done."""
-        job = self._job(batch_id)
-        status = job.record["status"]
-        if status in ("completed", "failed", "expired"):
-            raise APIError(f"Batch {batch_id!r} is already {status}; it cannot be cancelled.", param="batch_id")
-        if status not in ("cancelling", "cancelled"):
-            self._set(job, "cancelling")
-            if job.runner is not None:
-                job.runner.cancel()
-            elif self._running:
-                self._launch(job)
-        return copy.deepcopy(job.record)
-
-    def _job(self, batch_id: str) -> Job:
-        job = self.jobs.get(batch_id)
-        if job is None:
-            raise APIError(f"No such batch: {batch_id!r}.", 404, param="batch_id", code="not_found")
-        return job

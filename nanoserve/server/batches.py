@@ -16,11 +16,12 @@ JSONL input format (checked at upload, see batch_input.py) and output lines
 A request the endpoint refuses (APIError: a bad body such as max_tokens "ten", an unknown model)
 goes to the *error* file in the same shape, with its status code and OpenAI error body; the
 upload does not validate bodies, as OpenAI's does not. A 503 (the server draining or its
-engine down) is no verdict on the request: the line is left to run after a restart. `request_counts.completed` counts the
-output file's lines and `failed` the error file's. Status: validating -> in_progress ->
-finalizing -> completed, or after a cancel cancelling -> cancelled (lines in flight are aborted;
-the files hold what finished). Output and error files exist once the batch ends, and only if they
-have lines. `completion_window` is not enforced: a batch runs until done, nothing expires.
+engine down) is no verdict on the request: the line is left to run after a restart.
+`request_counts.completed` counts the output file's lines and `failed` the error file's. Status:
+validating -> in_progress -> finalizing -> completed, or after a cancel cancelling -> cancelled
+(lines in flight are aborted; the files hold what finished). Output and error files exist once the
+batch ends, and only if they have lines. `completion_window` is not enforced: a batch runs until
+done, nothing expires.
 
 Invariants (batch_runner.py has them in full): each custom_id appears exactly once in the output
 or error file, whatever stops, kills (SIGKILL included) and restarts happen, since a request
@@ -28,7 +29,9 @@ counts as done only once its output line is fsynced, and only requests without o
 `start()` resumes every unfinished batch: results finished before a stop or kill are kept byte for
 byte, the requests in flight then run again. `stop()` stops launching, aborts the lines in flight
 and persists every record. State lives under `state_dir` (layout in batch_store.py); without one,
-a temporary directory, so batches then last only as long as the process.
+a temporary directory, so batches then last only as long as the process. BatchService keeps the
+batch records and the files; the BatchRunner it owns (batch_runner.py) runs the lines of the jobs
+it is handed, through `server.run_batch_request`.
 """
 from __future__ import annotations
 
@@ -76,17 +79,39 @@ def _page(items: list[dict], limit: int, after: str | None) -> dict:
             "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
 
 
-class BatchService(BatchRunner):
-    """The Files and Batches routes (`router`) over a BatchRunner. `max_file_bytes` and
-    `max_in_flight` may be changed on a live service (tests make them small)."""
+class BatchService:
+    """The Files and Batches routes (`router`): the batch records (`jobs`, by id) and the files
+    (`store`), with a BatchRunner that runs the batches' lines through `server.run_batch_request`.
+    `max_file_bytes` and `max_in_flight` may be changed on a live service (tests make them small)."""
 
     def __init__(self, server: Any, state_dir: str | Path | None, *, max_file_bytes: int = MAX_FILE_BYTES,
                  max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        self.server = server
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="nanoserve-"))
-        super().__init__(server, BatchStore(self.state_dir), max_in_flight)
+        self.store = BatchStore(self.state_dir)
+        self.jobs: dict[str, Job] = {r["id"]: Job(r) for r in self.store.load_batches()}
+        self.runner = BatchRunner(server.run_batch_request, self.store, max_in_flight)
         self.max_file_bytes = max_file_bytes
         self.router = APIRouter()
         self._add_routes()
+
+    @property
+    def max_in_flight(self) -> int:
+        """Batch lines running at once, over all batches (the runner's limit)."""
+        return self.runner.max_in_flight
+
+    @max_in_flight.setter
+    def max_in_flight(self, value: int) -> None:
+        self.runner.max_in_flight = value
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Resume every batch a previous run left unfinished."""
+        await self.runner.start(self.jobs.values())
+
+    async def stop(self) -> None:
+        """Stop launching lines, abort those in flight (they re-run after a restart), persist."""
+        await self.runner.stop(self.jobs.values())
 
     # -- the API -----------------------------------------------------------------------------
     async def create(self, req: CreateBatch) -> dict:
@@ -121,9 +146,24 @@ class BatchService(BatchRunner):
             "model": self.server.model_name, "usage": None}
         self.store.save_batch(rec)
         job = self.jobs[rec["id"]] = Job(rec)
-        if self._running:
-            self._launch(job, lines)
+        self.runner.submit(job, lines)
         return copy.deepcopy(rec)
+
+    def cancel(self, batch_id: str) -> dict:
+        """cancelling now (the runner aborts the lines in flight), cancelled once that is done."""
+        job = self._job(batch_id)
+        status = job.record["status"]
+        if status in ("completed", "failed", "expired"):
+            raise APIError(f"Batch {batch_id!r} is already {status}; it cannot be cancelled.", param="batch_id")
+        if status not in ("cancelling", "cancelled"):
+            self.runner.cancel(job)
+        return copy.deepcopy(job.record)
+
+    def _job(self, batch_id: str) -> Job:
+        job = self.jobs.get(batch_id)
+        if job is None:
+            raise _not_found("batch", batch_id, "batch_id")
+        return job
 
     def _file(self, file_id: str) -> dict:
         meta = self.store.files.get(file_id)

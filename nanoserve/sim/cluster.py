@@ -115,7 +115,7 @@ class SimCluster:
                                         layerwise_copies=config.instance.layerwise_copies,
                                         token_count_budget=config.instance.max_num_batched_tokens
                                         if config.token_count_cut else None)
-            engine.executor = executor
+            engine.use_executor(executor)
             self.pipelines.append(executor.pipeline)
             self.members[i] = SimMember(i, engine, executor, clock, config.instance, config.link, self.members)
         self.roofline = roofline
@@ -146,9 +146,9 @@ class SimCluster:
         self.migrator = None if config.migration is None else LlumnixMigrator(
             config.migration, self.members, config.link, self.block_bytes, start, self.placement.__setitem__)
 
-    # -- the phases, as dist.cluster.Cluster.call_all sends them ----------------------------
+    # -- the phases, as cluster.Cluster.call_all sends them ------------------------------------
     def _call(self, messages: Mapping[int, tuple]) -> dict[int, object]:
-        return {i: getattr(self.members[i], kind)(*args) for i, (kind, *args) in messages.items()}
+        return {i: self.members[i].phase(kind)(*args) for i, (kind, *args) in messages.items()}
 
     def _loads(self) -> dict[int, InstanceLoad]:
         return {i: load_of(m) for i, m in self.members.items()}

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from nanoserve.builder import pipeline_microbatches
 from nanoserve.config import EngineArgs
@@ -52,7 +52,7 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import PagedKV
 from nanoserve.request import Request
 from nanoserve.sched.output import SchedulerOutput
-from nanoserve.sched.kunserve import KunServeScheduler
+
 from nanoserve.sim.executor import SimExecutor, VirtualClock
 from nanoserve.sim.models import BYTES, ModelCost
 from nanoserve.sim.roofline import Roofline
@@ -186,11 +186,10 @@ class SimMember:
         return math.inf
 
     def unstall(self) -> None:
-        running = self.engine.scheduler.running
         for request_id, (request, ready) in list(self.stalled.items()):
             if ready <= self.clock.now:
                 del self.stalled[request_id]
-                running.append(request)
+                self.engine.scheduler.resume(request)
 
     # -- §4.4's restore in the background ----------------------------------------------------
     def missing_layer_bytes(self) -> int:
@@ -204,6 +203,13 @@ class SimMember:
         """Start pulling the layers it lacks; it goes on serving (the bytes count now)."""
         self.pulled_bytes += self.missing_layer_bytes()
         self.prefetched = True
+
+    def phase(self, kind: str) -> Callable[..., object]:
+        """The method that runs the layout-change message `kind`: the four phases of a drop or
+        a restore (cluster/member.py's; a restore's background pull is the cluster's here)."""
+        phases: dict[str, Callable[..., object]] = {
+            "manifest": self.manifest, "reweigh": self.reweigh, "allocate": self.allocate, "exchange": self.exchange}
+        return phases[kind]
 
     # -- phase 1 ----------------------------------------------------------------------------
     def manifest(self) -> Manifest:
@@ -241,7 +247,7 @@ class SimMember:
         for request_id, table in self._relayout.manifests.get(self.id, ()):
             kv.reserve(requests[request_id], len(table) * size)
             tables.append((request_id, tuple(kv.block_table(requests[request_id]))))
-        self.engine.scheduler.kv = kv
+        self.engine.scheduler.use_kv_manager(kv)
         self.layout = new
         self.schedule_for_layout()
         return tuple(tables)
@@ -254,11 +260,8 @@ class SimMember:
         forward (`PipelineExecutor` ignores the cut on one stage): an instance that dropped
         nothing serves as vLLM does (§4.4: "normal execution cannot simply apply our lookahead
         scheduling"). Its other mode, a step of one lookahead micro-batch, is for one device."""
-        scheduler = self.engine.scheduler
-        if isinstance(scheduler, KunServeScheduler):
-            stages = len(self.layout.members)
-            scheduler.num_stages = stages
-            scheduler.microbatches_per_step = member_microbatches(stages)
+        stages = len(self.layout.members)
+        self.engine.scheduler.use_pipeline(stages, member_microbatches(stages))
 
     # -- phase 4 ----------------------------------------------------------------------------
     def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
@@ -295,10 +298,9 @@ class SimMember:
         def seconds(pair: tuple[int, int], nbytes: int) -> float:
             return gpu.link_seconds(nbytes * max(out_degree[pair[0]], in_degree[pair[1]]), self.link)
 
-        running = self.engine.scheduler.running
-        for request in [r for r in running if r.request_id in last]:
+        for request in [r for r in self.engine.scheduler.running if r.request_id in last]:
             ready = start + max(seconds(pair, n) for pair, n in last[request.request_id].items())
-            running.remove(request)
+            self.engine.scheduler.stall(request)
             self.stalled[request.request_id] = (request, ready)
         if self.stalled:
             self.exchange_seconds += max(ready for _, ready in self.stalled.values()) - start

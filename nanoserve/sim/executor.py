@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping
+from typing import Callable, Hashable, Iterable, Mapping
 
 from nanoserve.memory.copies import ISSUE_ORDER
 from nanoserve.memory.host import HostKVStore, KVCopy
@@ -239,6 +239,9 @@ class SimExecutor(Executor):
         """Stop the pure-offline forward in flight at its next safe point (ConServe Alg. 2's
         PREEMPTRUNNING); the engine forwards its scheduler's request here, as to the runner."""
         self.preemption.request()
+
+    def on_safe_point(self, callback: Callable[[], None] | None) -> None:
+        self.preemption.on_safe_point = callback
 
     def layer_timing(self, batch: SchedulerOutput, forward_s: float) -> tuple[float, float]:
         """(seconds before the first decoder layer, seconds per layer) of `batch`'s forward.

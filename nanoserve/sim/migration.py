@@ -144,7 +144,7 @@ class LlumnixMigrator:
         dst_kv.reserve(request, (migration.sent_blocks + send) * dst_kv.block_size)
         migration.last = last
         if last:
-            src.engine.scheduler.running.remove(request)  # it stops decoding on the source
+            src.engine.scheduler.stall(request)  # it stops decoding on the source
         migration.stage += 1
         migration.stage_blocks = send
         migration.stage_end = now + src.roofline.gpu.link_seconds(send * self.block_bytes, self.link)

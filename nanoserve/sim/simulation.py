@@ -271,8 +271,7 @@ def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofli
     def loop_waiting() -> bool:
         return closed_loop is not None and not loop_open and loop_next <= closed_loop.until
 
-    if engine.scheduler.PREEMPTS_RUNNING_BATCH:
-        executor.preemption.on_safe_point = admit_arrivals
+    engine.on_safe_point(admit_arrivals)
     stop_at = clock.now + config.horizon if config.horizon is not None else math.inf
     idle_steps = 0  # steps in a row at this instant that ran no forward and had nothing to wait for
     while (pending or engine.has_unfinished_requests() or loop_waiting()) and clock.now < stop_at:

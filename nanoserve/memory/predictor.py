@@ -57,7 +57,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Mapping
 
 if TYPE_CHECKING:
     from nanoserve.request import Request
@@ -74,9 +74,9 @@ class LengthPredictor(ABC):
     """Predicts a request's output length from what is known at admission.
 
     An instance is callable (`predictor(request) == predictor.predict(request)`), so it can be
-    passed straight as exact_kv's `predicted_len` option. Subclasses should not define
-    `__len__` or `__bool__`: ExactKV reads the option as `predicted_len or max_tokens`, and a
-    falsy predictor would be silently skipped."""
+    passed straight as exact_kv's `predicted_len` option; a number or a plain function given
+    there is wrapped into one (`as_length_predictor`), so `ExactKV` asks every predictor the
+    same three things."""
 
     @abstractmethod
     def predict(self, request: Request) -> int:
@@ -338,3 +338,55 @@ class PredictorAccuracy:
     def summary(self) -> dict[str, float]:
         return {"count": self.count, "accuracy": self.accuracy,
                 "under_predicted": self.under_predicted, "mean_abs_error": self.mean_abs_error}
+
+
+class MaxTokensPredictor(LengthPredictor):
+    """No prediction: every request may generate all its `max_tokens` (what exact allocation
+    reserves without a predictor, as ORCA does)."""
+
+    def predict(self, request: Request) -> int:
+        return request.params.max_tokens
+
+    def predict_remaining(self, request: Request) -> int:
+        return request.output_tokens_left
+
+
+class FixedLengthPredictor(LengthPredictor):
+    """One RL for every request (exact_kv's `predicted_len` given as a number)."""
+
+    def __init__(self, length: int):
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"predicted_len must be a positive integer, got {length!r}")
+        self.length = length
+
+    def predict(self, request: Request) -> int:
+        return self.length
+
+    def predict_remaining(self, request: Request) -> int:
+        return request.output_tokens_left  # a fixed guess knows nothing of what was generated
+
+
+class FunctionPredictor(LengthPredictor):
+    """A plain function of the request (a trace's lookup): it predicts, it does not re-predict
+    or learn."""
+
+    def __init__(self, predict: Callable[[Request], int]):
+        self.function = predict
+
+    def predict(self, request: Request) -> int:
+        return self.function(request)
+
+    def predict_remaining(self, request: Request) -> int:
+        return request.output_tokens_left
+
+
+def as_length_predictor(predicted_len: LengthPredictor | Callable[[Request], int] | int | None) -> LengthPredictor:
+    """exact_kv's `predicted_len` option as a `LengthPredictor`: a predictor as it is, a number
+    for every request, a function of the request, or None (each request's `max_tokens`)."""
+    if isinstance(predicted_len, LengthPredictor):
+        return predicted_len
+    if predicted_len is None:
+        return MaxTokensPredictor()
+    if callable(predicted_len):
+        return FunctionPredictor(predicted_len)
+    return FixedLengthPredictor(predicted_len)
