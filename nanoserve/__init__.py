@@ -5,11 +5,30 @@
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=32))
     print(out[0].text)
+
+`import nanoserve` stays light: `LLM` (which brings torch and the model code) is imported on
+first use, so a tool that needs only the parameter types, the scheduler or the simulator does
+not load the engine.
 """
-from nanoserve.llm import LLM
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.slo import SLO
+
+if TYPE_CHECKING:
+    from nanoserve.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562's lazy attribute: `nanoserve.LLM` imports the engine on first use."""
+    if name == "LLM":
+        from nanoserve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
 
 
 def default_model() -> str:

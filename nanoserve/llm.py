@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 from tqdm.auto import tqdm
 
 from nanoserve.builder import build_engine
@@ -18,18 +17,13 @@ Message = dict[str, Any]
 
 
 class LLM:
-    """`LLM(model).generate(prompts, params)`, vLLM-style. `model=None` is the embedded SmolLM2."""
+    """`LLM(model).generate(prompts, params)`, vLLM-style. `model=None` is the embedded SmolLM2.
 
-    def __init__(self, model: str | None = None, *, device: str | None = None,
-                 dtype: str | torch.dtype | None = None, policy: str = "fcfs",
-                 kv_cache_tokens: int | None = None, block_size: int = 16,
-                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 128, seed: int = 0,
-                 **engine_kwargs: Any):
-        self.engine: Engine = build_engine(EngineArgs(
-            model=model, device=device, dtype=dtype, policy=policy, kv_cache_tokens=kv_cache_tokens,
-            block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, seed=seed, **engine_kwargs,
-        ))
+    Every other keyword is a field of `EngineArgs` (config.py), where each is documented and its
+    default written: `LLM(device="cpu", policy="conserve", max_num_seqs=64)`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.engine: Engine = build_engine(EngineArgs(model=model, **engine_args))
 
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel engine (a no-op on one device)."""

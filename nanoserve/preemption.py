@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from nanoserve.config import EngineArgs
+
 
 class ForwardPreempted(Exception):
     """Raised by a safe point to abandon the forward pass; `ModelRunner.execute` catches it."""
@@ -29,7 +31,7 @@ class PreemptionFlag:
     workers (an all-reduce at each safe point), so every rank stops at the same layer.
     """
 
-    every: int = 8
+    every: int = EngineArgs.preempt_every_layers
     num_layers: int = 0
     # Called at each safe point before the flag is read. The server's engine loop sets it to
     # admit the requests that arrived since the step began (Alg. 2 runs "on arrival"), so the

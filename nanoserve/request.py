@@ -14,11 +14,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanoserve.sampling import SamplingParams
 from nanoserve.slo import SLO, RequestClass
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):

@@ -381,7 +381,7 @@ class BidirectionalMachine(RuleBasedStateMachine):
         if not m.can_place_rt_page():  # then no new or swapped-out RT sequence gains a page
             assert not m.can_grow("a new one", 1, best_effort=False)
             for seq, target, can in answers:
-                swapped = m.has(seq) and all(block is None for block in m._seqs[seq].pages)
+                swapped = m.has(seq) and all(block is None for block in m.pool.seqs[seq].pages)
                 assert not (can and target > 0 and (swapped or not m.has(seq))), (seq, target)
 
     @rule(seq=st.one_of(RT_SEQS, BE_SEQS), pin=st.booleans())

@@ -324,7 +324,7 @@ def burst_then_quiet(engine, clock, burst=24, quiet_steps=1000):
             break
         engine.step()
         engine.kv.check_invariants()
-        trace.append((engine.scheduler.batch_size, engine.scheduler.slo_risk, len(engine.scheduler._rt_waiting)))
+        trace.append((engine.scheduler.batch_size, engine.scheduler.slo_risk, len(engine.scheduler.queues.rt_waiting)))
     return trace
 
 

@@ -97,7 +97,8 @@ def load(source: Path, signatures: dict[str, Sequence[type]]) -> ctypes.CDLL | N
                 subprocess.run([cc, "-shared", str(obj), "-o", str(built), *([gomp] if gomp else []), "-lm"], **run)
                 os.replace(built, target)
         except (OSError, subprocess.SubprocessError) as exc:
-            detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[-500:]
+            failed_run = isinstance(exc, (subprocess.CalledProcessError, subprocess.TimeoutExpired))
+            detail = ((exc.stderr if failed_run else None) or b"").decode(errors="replace")[-500:]
             log.warning("building %s failed (%s %s): PyTorch's ops run instead", source.name, exc, detail)
             return None
     library = ctypes.CDLL(str(target))  # its libgomp is torch's, already loaded: the same one

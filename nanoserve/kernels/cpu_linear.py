@@ -22,14 +22,28 @@ oneDNN packs fp32 weights on any x86 CPU, and bf16 only where the CPU converts b
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+
+@functools.cache
+def _torch_has_packed_linear() -> bool:
+    """Whether this torch build has oneDNN and its packed linear op (not every build does)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018  (looking it up is the test)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether `weight` can be packed here: a CPU tensor and a torch built with oneDNN."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and _torch_has_packed_linear())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

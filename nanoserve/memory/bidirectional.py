@@ -1,6 +1,13 @@
 """BROS's bidirectional KV block manager: placement, lazy checkpointing, restore and the last
-resort (bros.txt §5.2 block management; FindBlock / FindPreemptBlock of Alg. 1, §4.2). The
-block layout, the preemption table and the invariants are in `bidirectional_blocks.py`.
+resort (bros.txt §5.2 block management; FindBlock / FindPreemptBlock of Alg. 1, §4.2).
+
+One class, `BidirectionalBlockManager`, which owns three helpers and is the only one to call them:
+
+    pool        `BidirectionalBlocks` (bidirectional_blocks.py): the block layout, the preemption
+                table, the block index, the slot arithmetic and the invariants
+    placement   `Placement` (bidirectional_placement.py): FindBlock / FindPreemptBlock, read-only
+    growth      `FastGrowth` (bidirectional_growth.py): growth in place or onto free blocks, the
+                shortcuts most decode steps take instead of a plan
 
 Placement: a BE page takes the block with the most empty slots whose BE side is unused and
 whose RT fill leaves it room (FindBlock). An RT page takes a free block, else shares the BE-only
@@ -21,15 +28,18 @@ allocate) is the one combined call whose copies are safe in a single execute; se
 """
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from nanoserve.memory.bidirectional_blocks import BidirectionalBlocks
 from nanoserve.memory.bidirectional_growth import FastGrowth
-from nanoserve.memory.bidirectional_index import (FREE, NOBODY, DropResult, HostLedger, PageKey, PreemptedPage, SeqId,
+from nanoserve.memory.bidirectional_index import (NOBODY, DropResult, HostLedger, PageKey, PreemptedPage, SeqId,
                                                   SeqState)
+from nanoserve.memory.bidirectional_placement import Placement
 from nanoserve.memory.blocks import NoFreeBlocksError
-from nanoserve.memory.host import KVCopy
+from nanoserve.memory.host import HostKVStore, KVCopy
 
 _PROBE = ("no such sequence", "can_place_rt_page")  # a sequence id no caller uses
 
@@ -44,51 +54,130 @@ class _Plan:
     restored: list[int] = field(default_factory=list)  # pages whose host copies are released
 
 
-class BidirectionalBlockManager(FastGrowth):
+class BidirectionalBlockManager:
+    """Shared RT/BE blocks: placement, lazy checkpointing, restore and the last resort (§5.2)."""
+
+    def __init__(self, num_blocks: int, block_size: int, host: HostKVStore) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._attach(BidirectionalBlocks(num_blocks, block_size, host))
+        # (generation, pins, fewest positions) of a fresh RT sequence that could not grow; see `_known_rt_miss`.
+        self._rt_miss: tuple[int, frozenset, int] | None = None
+        # Event counters, so callers and tests can see which mechanism ran.
+        self.preemptions = 0  # RT pages placed on a block with a live BE page
+        self.overwrites = 0  # BE pages that lost slots to an RT page
+        self.checkpointed_slots = 0  # BE slots saved just before an RT page overwrote them
+        self.restored_pages = self.relocated_pages = self.swap_outs = self.recomputes = 0
+
+    def _attach(self, pool: BidirectionalBlocks) -> None:
+        """Own `pool`, with the helpers that read and grow it."""
+        self.pool = pool
+        self.placement = Placement(pool)
+        self.growth = FastGrowth(pool)
+
+    def what_if(self, host: HostKVStore | HostLedger) -> BidirectionalBlockManager:
+        """A throwaway manager to try a mutation on, over `host` (a ledger, not the store): its
+        pool is `BidirectionalBlocks.what_if`'s copy, its counters and memo copies of these."""
+        twin = copy.copy(self)
+        twin._attach(self.pool.what_if(host))
+        return twin
+
+    # -- the pool's state and queries -----------------------------------------------------
+    @property
+    def host(self) -> HostKVStore:
+        return self.pool.host
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def preemption_table(self) -> dict[PageKey, PreemptedPage]:
+        return self.pool.preemption_table
+
+    @property
+    def pinned(self) -> set[SeqId]:
+        """Sequences this step's forward pass reads: an RT page may not overwrite them. The caller
+        (the KVManager adapter) fills it and clears it each step."""
+        return self.pool.pinned
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every mutation, so an answer can be remembered until the state changes."""
+        return self.pool.generation
+
+    def has(self, seq_id: SeqId) -> bool:
+        return self.pool.has(seq_id)
+
+    def is_best_effort(self, seq_id: SeqId) -> bool:
+        return self.pool.is_best_effort(seq_id)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return self.pool.num_tokens(seq_id)
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        return self.pool.block_table(seq_id)
+
+    def missing_positions(self, seq_id: SeqId) -> list[int]:
+        """Positions whose KV is on the host, not the device: `ensure_resident` brings them back."""
+        return self.pool.missing_positions(seq_id)
+
+    def host_positions(self) -> dict[SeqId, int]:
+        """How many positions (`missing_positions`) each sequence with any has on the host."""
+        return self.pool.host_positions()
+
+    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Flat device slots of positions [start, end), in the sequence's direction."""
+        return self.pool.slot_mapping(seq_id, start, end)
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release every device and host block of `seq_id`. Freeing an unknown id is a no-op."""
+        self.pool.free(seq_id)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+
+    def rt_pages_lacking(self, seq_id: SeqId, num_tokens: int) -> int:
+        """Pages an RT sequence growing to `num_tokens` still needs a block for (new pages, or
+        swapped-out ones to restore)."""
+        return self.placement.rt_pages_lacking(seq_id, num_tokens)
+
+    def rt_page_room(self) -> int:
+        """Blocks that could take an RT page: free ones and those holding a BE page alone."""
+        return self.placement.rt_page_room()
+
+    # -- questions (change nothing) --------------------------------------------------------
     def can_allocate(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> bool:
         """Whether `allocate` would succeed without dropping anyone."""
         try:
-            return (self._in_place(seq_id, num_tokens, best_effort) is not None
-                    or self._fresh_pages(seq_id, num_tokens, best_effort) is not None
+            return (self.growth.in_place(seq_id, num_tokens, best_effort) is not None
+                    or self.growth.fresh_pages(seq_id, num_tokens, best_effort) is not None
                     or self._plan_growth(seq_id, num_tokens, best_effort, NOBODY) is not None)
         except ValueError:
             return False
 
     def can_grow(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> bool:
         """Whether `grow` would succeed; exact, and changes nothing."""
-        if self._in_place(seq_id, num_tokens, best_effort) is not None:
+        if self.growth.in_place(seq_id, num_tokens, best_effort) is not None:
             return True  # most decode steps
-        if not best_effort and (self._no_block_for_rt_page(seq_id, num_tokens)
+        if not best_effort and (self.placement.no_block_for_rt_page(seq_id, num_tokens)
                                 or self._known_rt_miss(seq_id, num_tokens)):
             return False
-        if not (self.has(seq_id) and self._seqs[seq_id].host_pages):
+        pool = self.pool
+        if not (pool.has(seq_id) and pool.seqs[seq_id].host_pages):
             fits = self.can_allocate(seq_id, num_tokens, best_effort=best_effort)
             if not (fits or best_effort):
                 self._note_rt_miss(seq_id, num_tokens)
             return fits
-        if best_effort and self._be_restore_out_of_reach(seq_id):
+        if best_effort and self.placement.be_restore_out_of_reach(seq_id):
             return False
         # Growth after a restore depends on where the restore puts the pages and which host
         # blocks it frees: run both on a throwaway copy rather than predict them.
-        trial = self.what_if(HostLedger(self.host.num_free_blocks, self.block_size, self.host.num_blocks))
+        trial = self.what_if(HostLedger(pool.host.num_free_blocks, self.block_size, pool.host.num_blocks))
         try:
             trial._grow(seq_id, num_tokens, best_effort)
         except (NoFreeBlocksError, ValueError):
             return False
         return True
-
-    def _be_restore_out_of_reach(self, seq_id: SeqId) -> bool:
-        """A count that settles most refusals before the what-if below (BROS asks it for every
-        swapped-out BE request it passes over, each step): a BE page swapped out whole needs a
-        block of its own whose BE side is unused (`_be_targets`: a free block or an RT-only one),
-        so more such pages than such blocks cannot be restored. Necessary, not sufficient."""
-        state = self._seqs[seq_id]
-        whole = sum(1 for page in state.host_pages if state.pages[page] is None)
-        if not whole:
-            return False
-        self._refresh()  # the counts below must be current
-        sizes = self._index.sizes
-        return whole > sizes[FREE] + sum(sizes[("rt", fill)] for fill in range(self.block_size))
 
     def can_place_rt_page(self) -> bool:
         """Whether any block could take a new RT page now (FindPreemptBlock finds one whose BE
@@ -96,7 +185,48 @@ class BidirectionalBlockManager(FastGrowth):
         needs at least the block and the saves a one-position page does."""
         return self.can_grow(_PROBE, 1, best_effort=False)
 
+    def _known_rt_miss(self, seq_id: SeqId, num_tokens: int) -> bool:
+        """Whether an RT sequence growing to `num_tokens` is known not to fit: a new one of at most
+        that many positions did not, and nothing changed since. In overload BROS asks this of
+        hundreds of waiting RT requests a step; between two mutations only the first costs a search.
+
+        Exact, because a new RT sequence of n positions needs the first ceil(n / B) blocks of
+        FindPreemptBlock's ranking, which does not depend on who asks, and saves the BE slots
+        under [0, fill) of each: a larger one needs a superset. An RT sequence that is wholly
+        swapped out (RT pages leave the device whole) needs no less to come back and grow to n:
+        the same blocks, the same saves, and less host room, since its host blocks are freed
+        only after the restore."""
+        miss, pool = self._rt_miss, self.pool
+        if miss is None or miss[0] != pool.generation or miss[1] != pool.pinned:
+            return False
+        state = pool.seqs.get(seq_id)
+        if state is not None:
+            if state.best_effort or any(block is not None for block in state.pages):
+                return False
+            num_tokens = max(num_tokens, state.num_tokens)
+        return num_tokens >= miss[2]
+
+    def _note_rt_miss(self, seq_id: SeqId, num_tokens: int) -> None:
+        pool = self.pool
+        if seq_id in pool.seqs:
+            return
+        miss = self._rt_miss
+        if miss is not None and miss[0] == pool.generation and miss[1] == pool.pinned:
+            num_tokens = min(num_tokens, miss[2])
+        self._rt_miss = (pool.generation, frozenset(pool.pinned), num_tokens)
+
     # -- mutations -----------------------------------------------------------------------
+    def try_grow(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> list[KVCopy] | None:
+        """`grow` if it can, else None (nothing changes): growth in place answers in one look,
+        where a scheduler's `can_grow` and then `grow` would each look."""
+        state = self.growth.in_place(seq_id, num_tokens, best_effort)
+        if state is not None:
+            self.growth.grow_in_place(state, num_tokens)
+            return []
+        if not self.can_grow(seq_id, num_tokens, best_effort=best_effort):
+            return None
+        return self.grow(seq_id, num_tokens, best_effort=best_effort)
+
     def grow(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool) -> list[KVCopy]:
         """Restore what `seq_id` has on the host, then grow it to `num_tokens`; all or nothing.
 
@@ -107,11 +237,11 @@ class BidirectionalBlockManager(FastGrowth):
         load writes a slot of this sequence that nothing else in the call reads. The restored
         pages' host blocks are freed only at the end, so no save reuses a host slot a load reads.
         """
-        state = self._in_place(seq_id, num_tokens, best_effort)
+        state = self.growth.in_place(seq_id, num_tokens, best_effort)
         if state is not None:  # most decode steps: nothing to restore, plan or copy
-            self._grow_in_place(state, num_tokens)
+            self.growth.grow_in_place(state, num_tokens)
             return []
-        state = self._seqs.get(seq_id)
+        state = self.pool.seqs.get(seq_id)
         if state is None or not state.host_pages:  # nothing to restore: `allocate` alone is all or nothing
             try:
                 return self.allocate(seq_id, num_tokens, best_effort=best_effort)
@@ -123,11 +253,11 @@ class BidirectionalBlockManager(FastGrowth):
 
     def _grow(self, seq_id: SeqId, num_tokens: int, best_effort: bool) -> list[KVCopy]:
         held: list[int] = []  # host blocks the restore's loads read, freed after the growth
-        state = self._seqs.get(seq_id)
+        state = self.pool.seqs.get(seq_id)
         copies = self._restore(seq_id, num_tokens, held) if state is not None and state.host_pages else []
         copies += self.allocate(seq_id, num_tokens, best_effort=best_effort)
         if held:
-            self.host.free(seq_id, held)
+            self.pool.host.free(seq_id, held)
         return copies
 
     def allocate(self, seq_id: SeqId, num_tokens: int, *, best_effort: bool,
@@ -139,26 +269,26 @@ class BidirectionalBlockManager(FastGrowth):
         is swapped out (`missing_positions` covers it) or, when the host is full, forgotten
         (`has` turns False) and must be recomputed.
         """
-        state = self._in_place(seq_id, num_tokens, best_effort)
+        state = self.growth.in_place(seq_id, num_tokens, best_effort)
         if state is not None:  # most decode steps: no new page, nobody on the block's other side
-            self._grow_in_place(state, num_tokens)
+            self.growth.grow_in_place(state, num_tokens)
             return []
-        count = self._fresh_pages(seq_id, num_tokens, best_effort)
+        count = self.growth.fresh_pages(seq_id, num_tokens, best_effort)
         if count is not None:  # a page boundary crossed, or a new sequence: free blocks, in order
-            self._grow_onto_free(seq_id, num_tokens, best_effort, count)
+            self.growth.grow_onto_free(seq_id, num_tokens, best_effort, count)
             return []
         plan, copies = self._plan_growth(seq_id, num_tokens, best_effort, NOBODY), []
         chosen = self._victims_to_drop(seq_id, num_tokens, victims) if plan is None and not best_effort else None
         if chosen:
             gone_plan = self._plan_growth(seq_id, num_tokens, False, frozenset(chosen))
-            reserve = self._host_blocks_needed(gone_plan.saves)  # the overwrite checkpoints come first
+            reserve = self.pool.host_blocks_needed(gone_plan.saves)  # the overwrite checkpoints come first
             for victim in chosen:
                 copies += self._drop(victim, reserve).copies
             plan = self._plan_growth(seq_id, num_tokens, False, NOBODY)
             assert plan is not None, "dropping the victims freed less than planned"
         if plan is None:
             raise NoFreeBlocksError(f"no room to grow {seq_id!r} to {num_tokens} positions")
-        state = self._seqs.setdefault(seq_id, SeqState(best_effort))
+        state = self.pool.seqs.setdefault(seq_id, SeqState(best_effort))
         return copies + self._commit(seq_id, plan, max(num_tokens, state.num_tokens))
 
     def ensure_resident(self, seq_id: SeqId, num_tokens: int = 0) -> list[KVCopy]:
@@ -171,7 +301,7 @@ class BidirectionalBlockManager(FastGrowth):
         if plan is None:
             raise NoFreeBlocksError(f"no room to restore {seq_id!r}")
         self.restored_pages += len(plan.restored)
-        return self._commit(seq_id, plan, self._seqs[seq_id].num_tokens, held)
+        return self._commit(seq_id, plan, self.pool.seqs[seq_id].num_tokens, held)
 
     def drop(self, seq_id: SeqId) -> DropResult:
         """Swap `seq_id` out: save all its device KV to the host, or forget it if the host is full."""
@@ -180,7 +310,8 @@ class BidirectionalBlockManager(FastGrowth):
     # -- planning (reads state, changes nothing) -----------------------------------------
     def _plan_growth(self, seq_id: SeqId, num_tokens: int, best_effort: bool, gone: frozenset) -> _Plan | None:
         """Growth as if the sequences in `gone` had been dropped; None if it does not fit."""
-        state = self._seqs.get(seq_id)
+        pool = self.pool
+        state = pool.seqs.get(seq_id)
         if state is not None and (state.best_effort != best_effort or state.host_pages):
             raise ValueError(f"{seq_id!r} cannot change class or grow with KV on the host")
         state = state or SeqState(best_effort)
@@ -189,27 +320,28 @@ class BidirectionalBlockManager(FastGrowth):
         if old % B and num_tokens > old:
             last, new_fill = state.pages[-1], min(B, num_tokens - (have - 1) * B)
             if not best_effort:  # the last page grows in place, over any BE slots in its way
-                plan.saves += self._be_positions_under(last, gone, old % B, new_fill)
-            elif new_fill > B - self._rt_fill(last):  # RT holds slots it must grow into: move the page
+                plan.saves += pool.be_positions_under(last, gone, old % B, new_fill)
+            elif new_fill > B - pool.rt_fill(last):  # RT holds slots it must grow into: move the page
                 fills.insert(0, (have - 1, new_fill))
         if best_effort:
-            targets = self._be_targets([fill for _, fill in fills], set())
+            targets = self.placement.be_targets([fill for _, fill in fills], set())
             for (page, _), target in zip(fills, targets or []):
                 plan.placements[page] = target
                 plan.copies += self._copies_to(seq_id, page, target) if page < have else []
             return None if targets is None else plan
-        targets = self._rt_targets(len(fills), set(), gone)
+        targets = self.placement.rt_targets(len(fills), set(), gone)
         if targets is None:
             return None
         for (page, fill), block in zip(fills, targets):
             plan.placements[page] = block
-            plan.saves += self._be_positions_under(block, gone, 0, fill)
+            plan.saves += pool.be_positions_under(block, gone, 0, fill)
         return plan if self._saves_fit(plan.saves) else None
 
     def _victims_to_drop(self, seq_id: SeqId, num_tokens: int, victims: Iterable[SeqId]) -> list[SeqId] | None:
-        on_device = [v for v in dict.fromkeys(victims) if v != seq_id and v in self._seqs
-                     and any(b is not None for b in self._seqs[v].pages)]
-        order = sorted(on_device, key=lambda v: not self._seqs[v].best_effort)  # stable: BE, then RT
+        seqs = self.pool.seqs
+        on_device = [v for v in dict.fromkeys(victims) if v != seq_id and v in seqs
+                     and any(b is not None for b in seqs[v].pages)]
+        order = sorted(on_device, key=lambda v: not seqs[v].best_effort)  # stable: BE, then RT
 
         def fits(gone: list[SeqId]) -> bool:
             return self._plan_growth(seq_id, num_tokens, False, frozenset(gone)) is not None
@@ -224,22 +356,23 @@ class BidirectionalBlockManager(FastGrowth):
         return chosen
 
     def _plan_restore(self, seq_id: SeqId, num_tokens: int) -> _Plan | None:
-        state, plan = self._seqs[seq_id], _Plan()
+        pool = self.pool
+        state, plan = pool.seqs[seq_id], _Plan()
         for page, block in enumerate(state.pages):
-            entry = self.preemption_table.get((seq_id, page))
+            entry = pool.preemption_table.get((seq_id, page))
             if entry is None:
                 continue
-            taken, fill = set(plan.placements.values()), self._fill(seq_id, page)
+            taken, fill = set(plan.placements.values()), pool.fill(seq_id, page)
             # A BE page must also have room for the fill it is about to grow to (see `grow`).
-            room = self._fill_at(max(num_tokens, state.num_tokens), page)
+            room = pool.fill_at(max(num_tokens, state.num_tokens), page)
             # Only BE pages lose single slots (block is not None), and they sit in [B - fill, B).
-            if block is not None and self.block_size - self._rt_fill(block) >= room:
+            if block is not None and self.block_size - pool.rt_fill(block) >= room:
                 target = block  # the RT page that took these slots has left: load them in place
             elif state.best_effort:
-                target = (self._be_targets([room], taken) or [None])[0]
+                target = (self.placement.be_targets([room], taken) or [None])[0]
             else:
-                target = next(iter(self._rt_targets(1, taken, NOBODY) or []), None)
-                plan.saves += self._be_positions_under(target, NOBODY, 0, fill) if target is not None else []
+                target = next(iter(self.placement.rt_targets(1, taken, NOBODY) or []), None)
+                plan.saves += pool.be_positions_under(target, NOBODY, 0, fill) if target is not None else []
             if target is None:
                 return None
             plan.copies += self._copies_to(seq_id, page, target)
@@ -250,26 +383,30 @@ class BidirectionalBlockManager(FastGrowth):
 
     def _saves_fit(self, saves: list[tuple[PageKey, int]]) -> bool:
         """The host has room for the checkpoints, and none overwrites a pinned sequence."""
-        return not saves or (self._host_blocks_needed(saves) <= self.host.num_free_blocks
-                and not any(seq in self.pinned for (seq, _), _ in saves))
+        pool = self.pool
+        return not saves or (pool.host_blocks_needed(saves) <= pool.host.num_free_blocks
+                and not any(seq in pool.pinned for (seq, _), _ in saves))
 
     def _copies_to(self, seq_id: SeqId, page: int, target: int) -> list[KVCopy]:
         """Bring all of `page` into block `target`: move what is on the device, load the rest."""
-        state, entry = self._seqs[seq_id], self.preemption_table.get((seq_id, page))
-        kept = self._resident(seq_id, page) if state.pages[page] != target else []
+        pool = self.pool
+        state, entry = pool.seqs[seq_id], pool.preemption_table.get((seq_id, page))
+        kept = pool.resident(seq_id, page) if state.pages[page] != target else []
         lost = sorted(entry.host_slots) if entry else []
-        copies = [KVCopy("move", tuple(self._device_slot(seq_id, p) for p in kept),
-                         tuple(self._slot_in(target, state.best_effort, p) for p in kept), reader=seq_id)] if kept else []
+        slot_in, best_effort = pool.slot_in, state.best_effort
+        copies = [KVCopy("move", tuple(pool.device_slot(seq_id, p) for p in kept),
+                         tuple(slot_in(target, best_effort, p) for p in kept), reader=seq_id)] if kept else []
         return copies + ([KVCopy("load", tuple(entry.host_slots[p] for p in lost),
-                                 tuple(self._slot_in(target, state.best_effort, p) for p in lost), reader=seq_id)]
+                                 tuple(slot_in(target, best_effort, p) for p in lost), reader=seq_id)]
                          if lost else [])
 
     # -- applying ------------------------------------------------------------------------
     def _commit(self, seq_id: SeqId, plan: _Plan, num_tokens: int, held: list[int] | None = None) -> list[KVCopy]:
         """Apply `plan`. The host blocks of restored pages are freed, or added to `held`."""
-        self.generation += 1
-        state = self._seqs[seq_id]
-        sides = self._be if state.best_effort else self._rt
+        pool = self.pool
+        pool.changed()
+        state = pool.seqs[seq_id]
+        sides = pool.sides(state.best_effort)
         # Blocks to refile: each side that changes owner or fill, or whose BE page loses slots.
         touched = {state.pages[p] for p in plan.placements if p < len(state.pages)} | set(plan.placements.values())
         self.overwrites += len({key for key, _ in plan.saves})
@@ -283,57 +420,59 @@ class BidirectionalBlockManager(FastGrowth):
                 self.relocated_pages += 1
             state.pages[page] = block
             sides[block] = (seq_id, page)
-            self.preemptions += not state.best_effort and self._be[block] is not None
+            self.preemptions += not state.best_effort and pool.be[block] is not None
         for page in plan.restored:
-            blocks = self.preemption_table.pop((seq_id, page)).host_blocks
+            blocks = pool.preemption_table.pop((seq_id, page)).host_blocks
             state.host_pages.discard(page)
             touched.add(state.pages[page])
             if held is None:
-                self.host.free(seq_id, blocks)
+                pool.host.free(seq_id, blocks)
             else:
                 held.extend(blocks)
         touched.update(state.pages[max(0, state.num_tokens - 1) // self.block_size:])  # fills that grow
         state.num_tokens = num_tokens
-        self._reindex(*touched)
+        pool.reindex(*touched)
         return copies
 
     def _checkpoint(self, saves: list[tuple[PageKey, int]]) -> list[KVCopy]:
         """Save device positions into host slots of their page's entry, taking host blocks as needed."""
         if not saves:
             return []
+        pool = self.pool
         by_page: dict[PageKey, list[int]] = defaultdict(list)
         for key, position in saves:
             by_page[key].append(position)
         copies = []
         for (seq_id, page), positions in by_page.items():
-            entry = self.preemption_table.setdefault((seq_id, page), PreemptedPage(self._seqs[seq_id].pages[page]))
-            self._seqs[seq_id].host_pages.add(page)
-            spare = self._spare_host_slots(entry)
+            entry = pool.preemption_table.setdefault((seq_id, page), PreemptedPage(pool.seqs[seq_id].pages[page]))
+            pool.seqs[seq_id].host_pages.add(page)
+            spare = pool.spare_host_slots(entry)
             if len(positions) > len(spare):
-                new = self.host.allocate(seq_id, -(-(len(positions) - len(spare)) // self.block_size))
+                new = pool.host.allocate(seq_id, -(-(len(positions) - len(spare)) // self.block_size))
                 entry.host_blocks += new
-                spare += [s for b in new for s in self.host.slots(b)]
+                spare += [s for b in new for s in pool.host.slots(b)]
             entry.host_slots.update(zip(positions, spare))
             # Blocking: an RT page overwrites these slots in this very step (§5.2), or the
             # swapped-out sequence's blocks are handed on at once; the step waits for the save.
-            copies.append(KVCopy("save", tuple(self._device_slot(seq_id, p) for p in positions),
+            copies.append(KVCopy("save", tuple(pool.device_slot(seq_id, p) for p in positions),
                                  tuple(entry.host_slots[p] for p in positions), blocking=True))
         return copies
 
     def _drop(self, seq_id: SeqId, host_reserve: int) -> DropResult:
-        self.generation += 1
-        state = self._seqs[seq_id]
-        saves = [((seq_id, page), p) for page in range(len(state.pages)) for p in self._resident(seq_id, page)]
-        if self._host_blocks_needed(saves) > self.host.num_free_blocks - host_reserve:
-            self.free(seq_id)
+        pool = self.pool
+        pool.changed()
+        state = pool.seqs[seq_id]
+        saves = [((seq_id, page), p) for page in range(len(state.pages)) for p in pool.resident(seq_id, page)]
+        if pool.host_blocks_needed(saves) > pool.host.num_free_blocks - host_reserve:
+            pool.free(seq_id)
             self.recomputes += 1
             return DropResult((), recompute=True)
         copies = self._checkpoint(saves)
-        sides = self._be if state.best_effort else self._rt
+        sides = pool.sides(state.best_effort)
         for page, block in enumerate(state.pages):
             if block is not None:
                 sides[block] = None
-                self._reindex(block)
-            state.pages[page] = self.preemption_table[(seq_id, page)].block = None
+                pool.reindex(block)
+            state.pages[page] = pool.preemption_table[(seq_id, page)].block = None
         self.swap_outs += 1
         return DropResult(tuple(copies), recompute=False)

@@ -28,7 +28,7 @@ used here, since the scheduler picks victims.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, cast
 
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.host import HostKVStore, KVCopy
@@ -119,6 +119,21 @@ class BidirectionalKV(KVManager):
 
     def release(self, request: Request) -> None:
         self.blocks.free(request.request_id)
+
+    # -- what BROS's scheduler reads (the KVManager capabilities it asks of every manager) ----
+    def host_slots(self, request: Request) -> int:
+        seq = request.request_id
+        return len(self.blocks.missing_positions(seq)) if self.blocks.has(seq) else 0
+
+    def host_positions(self) -> dict[str, int]:
+        return cast("dict[str, int]", self.blocks.host_positions())  # its sequences are request ids
+
+    def host_slots_version(self) -> int:
+        # Only RT growth's checkpoints change a request's host slots behind the scheduler's back.
+        return self.blocks.checkpointed_slots
+
+    def can_place_rt_page(self) -> bool:
+        return self.blocks.can_place_rt_page()
 
     # -- observability ----------------------------------------------------------------------
     @property

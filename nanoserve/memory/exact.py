@@ -68,13 +68,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Hashable
 
+from nanoserve.config import EngineArgs
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.host import HostKVStore, KVCopy
 
 
 @dataclass(frozen=True)
 class ExactAllocConfig:
-    block_size: int = 16
+    block_size: int = EngineArgs.block_size
     padding_ratio: float = 0.15          # §2.3: the sweet spots were 10-20%
     reserved_fraction: float = 0.03      # §2.2: 1.2% Alpaca, 3% ShareGPT, 5% BookCorpus
     pipeline_buffer_ratio: float = 0.15  # b of §3.4, as a fraction of the host's predicted RL (§4)

@@ -167,6 +167,31 @@ class KVManager(ABC):
     @abstractmethod
     def check_invariants(self) -> None: ...
 
+    # -- what BROS's scheduler reads of host-resident K/V and RT placement ------------------
+    # (sched/bros_queue.py, sched/bros.py). The defaults are what BROS assumes of a manager that
+    # does not tell: nothing on the host, room for a page. BidirectionalKV overrides them.
+    def host_slots(self, request: Request) -> int:
+        """Positions of `request` whose K/V is on the host now, which its next `reserve` loads
+        back; default 0. BROS files a waiting BE request under it (Alg. 1 line 17's swap-in cost)."""
+        return 0
+
+    def host_positions(self) -> dict[str, int]:
+        """`host_slots` of every request that has any, by request id; default none. BROS sorts its
+        running BE requests by it each step (line 17), so it must be cheap while none has any."""
+        return {}
+
+    def host_slots_version(self) -> int:
+        """A counter that changes whenever a request's `host_slots` may change without a call on
+        that request (a real-time page's growth saving a best-effort request's slots). BROS
+        replays its draft's BE order only while it stays the same; default 0, never changing."""
+        return 0
+
+    def can_place_rt_page(self) -> bool:
+        """Whether a new page of a real-time request could find room now (after whatever the
+        manager may save or move for it). False: no RT request can gain a page this step, and
+        BROS stops pulling waiting RT requests. Default: True, as a manager that cannot tell."""
+        return True
+
 
 class PagedKV(KVManager):
     """vLLM's paged KV: blocks on demand from a `BlockPool`-like allocator, recompute on preemption."""

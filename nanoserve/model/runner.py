@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from nanoserve.config import ModelConfig
+from nanoserve.config import EngineArgs, ModelConfig
 from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
@@ -97,7 +97,7 @@ class ModelRunner(Executor):
     def __init__(self, model: CausalLM, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
-                 host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = 8,
+                 host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = EngineArgs.preempt_every_layers,
                  tp: TPGroup = SINGLE, stage_layers: range | None = None,
                  cuda_graph_sizes: Iterable[int] = (), max_blocks_per_seq: int = 0,
                  mixed_graph_sizes: Iterable[int] = (), max_num_seqs: int = 0, layerwise_preemption: bool = True):

@@ -4,7 +4,7 @@
 Each step maximises BE work while every RT request's next token can still meet its deadline
 (problem (1)-(8), §4.1), with the greedy priority packing of Alg. 1 (§4.2):
 
-    _due, _pack_rt          Eq. (6). An RT request's next token is due at arrival + TTFT (no
+    due, _pack_rt           Eq. (6). An RT request's next token is due at arrival + TTFT (no
                             token yet) or last token + TPOT (`bros_queue.Deadlines`, kept as
                             tokens come). Its residual is the time each iteration it still needs
                             may take ("assuming the remaining tokens are scheduled in the
@@ -91,12 +91,13 @@ Our additions, which the paper does not have:
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Callable, Generator, Iterator
 
 from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.output import SchedulerOutput
+from nanoserve.sched.base import Scheduler
 from nanoserve.sched.bros_batch import INF, WAITING, Batch, is_rt
 from nanoserve.sched.bros_queue import PulledQueues
+from nanoserve.sched.output import SchedulerOutput
 
 
 def _growth(spec: str) -> tuple[int, int]:
@@ -107,7 +108,7 @@ def _growth(spec: str) -> tuple[int, int]:
     return (int(number), 1) if kind == "+" else (1, int(number))
 
 
-class BROSScheduler(PulledQueues):
+class BROSScheduler(Scheduler):
     OPTIONS = {"initial_batch_size": "§4.2's lost initial batch size (default 8)",
                "batch_growth": "§4.2's lost increase per step without SLO risk: '+N' adds N, 'xN' multiplies "
                                "by N (default 'x2')",
@@ -124,8 +125,9 @@ class BROSScheduler(PulledQueues):
     batch_size_step = 1  # added when batch_size_factor is 1
     batch_size_factor = 2  # > 1: multiply by it instead
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.queues = PulledQueues()  # request pulling (Fig. 8): Alg. 1's candidates in order
         options = self.config.policy_options
         if "initial_batch_size" in options:
             self.initial_batch_size = int(options["initial_batch_size"])
@@ -143,15 +145,46 @@ class BROSScheduler(PulledQueues):
     def _initial_size(self) -> int:
         return max(1, min(self.initial_batch_size, self.config.max_num_seqs))
 
+    # -- the queues: the base class's, and request pulling's heaps kept in step with them -----
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.queues.add(request, self.kv.host_slots)
+
+    def preempt(self, request: Request, keep_resident: bool = False) -> bool:
+        kept = super().preempt(request, keep_resident)
+        self.queues.preempt(request, self.kv.host_slots)
+        return kept
+
+    def admit(self, request: Request) -> None:
+        super().admit(request)
+        self.queues.admit(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        super().finish_request(request, status)
+        self.queues.finish(request)
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        super().update_after_step(output)
+        # The engine appends the sampled tokens right after this, at the same clock reading.
+        self.queues.sampled(output, self.clock())
+
+    def _rt_candidates(self, waiting_closed: Callable[[], bool] = lambda: False) -> Generator[Request, None, None]:
+        """Alg. 1 lines 3-4 (`PulledQueues.rt_candidates`) over the running requests."""
+        return self.queues.rt_candidates(self.running, waiting_closed)
+
+    def _be_candidates(self) -> Generator[Request, None, None]:
+        """Alg. 1 line 17 (`PulledQueues.be_candidates`) over the running requests."""
+        return self.queues.be_candidates(self.running, self.kv.host_positions)
+
     # -- the plan ----------------------------------------------------------------------------
     def plan(self) -> SchedulerOutput:
         now = self.clock()
-        self._sync_queues()
+        self.queues.sync(self.waiting, self.kv.host_slots)
         self.running = self.kv.order(self.running)  # RT first, as the bidirectional manager needs
         # Alg. 1 on paper first (no KV touched): which RT requests BE requests replace.
         draft = Batch(self, now)
         self._select_rt(draft)
-        draft.rt_stop, draft.host_version = draft.stop, self._host_slots_version()
+        draft.rt_stop, draft.host_version = draft.stop, self.kv.host_slots_version()
         if not draft.stop:
             self._select_be(draft, replace=True)
         # Then for real, reserving as it packs: RT chunks before any BE chunk. An RT request the
@@ -159,7 +192,7 @@ class BROSScheduler(PulledQueues):
         # memory takes each chunk as it is, the real pass decides as the draft did: replay it.
         batch = Batch(self, now, out=SchedulerOutput(), draft=draft)
         replayed = self._replay_rt(batch, draft)
-        replay_be = replayed and draft.host_version == self._host_slots_version()
+        replay_be = replayed and draft.host_version == self.kv.host_slots_version()
         if not replayed:
             self._select_rt(batch, skip=draft.replaced | batch.held, cap=self.batch_size - len(draft.replaced))
         if not batch.stop:
@@ -181,8 +214,10 @@ class BROSScheduler(PulledQueues):
 
     def _pack_rt(self, batch: Batch, candidates: Iterator[Request], skip: set[int], cap: int) -> None:
         # Locals and inline arithmetic: this loop runs for every RT request in the batch, twice.
-        chunk_cost, iteration, gone, held = self.cost_model.chunk_cost, self.cost_model.iteration, batch.gone, batch.held
-        now, due, per_iteration, draft = batch.now, self._due, self.config.max_num_batched_tokens, batch.out is None
+        chunk_cost, iteration = self.cost_model.chunk_cost, self.cost_model.iteration
+        gone, held = batch.gone, batch.held
+        now, due, per_iteration = batch.now, self.queues.due, self.config.max_num_batched_tokens
+        draft = batch.out is None
         whole = self.whole_prompts
         for request in candidates:
             if id(request) in skip or id(request) in gone:
@@ -200,7 +235,7 @@ class BROSScheduler(PulledQueues):
                 # Memory before risk: Alg. 1 adds RT requests "until ... no empty and preemptible
                 # cache blocks exist"; one that no block could take joins no batch, so it puts
                 # no one at risk. Passed over, in the draft as for real.
-                if self._no_block_for_rt():
+                if not self.kv.can_place_rt_page():
                     batch.waiting_closed = True  # no waiting RT request can get a block this step
                 continue
             # Eq. (6)'s residual: the time each iteration it still needs may take, for its next
@@ -221,7 +256,7 @@ class BROSScheduler(PulledQueues):
             # The draft counts seats; for real, KV is found (evicting if need be) and reserved.
             if not (batch.has_seat(request) if draft else self._make_room_for_rt(batch, request, num_new)):
                 batch.seatless = True
-                if not draft and request.status is WAITING and self._no_block_for_rt():
+                if not draft and request.status is WAITING and not self.kv.can_place_rt_page():
                     batch.waiting_closed = True  # the RT chunks reserved before it took the last blocks
                 continue  # no seat or no KV for it (FindPreemptBlock found nothing)
             batch.add(request, num_new, cost, residual)
@@ -277,10 +312,11 @@ class BROSScheduler(PulledQueues):
                 batch.restore(replaced)  # the swap would not fit the time budget: undo it
                 break
 
-    def _replace_least_urgent_rt(self, batch: Batch):
+    def _replace_least_urgent_rt(self, batch: Batch) -> tuple[Request, int, float, float, int] | None:
         """Take out the least urgent RT request (never the most urgent) that can sit this
         iteration out: after it, each iteration it still needs may take as long as this one."""
-        est, rt, now, due, per_iteration = batch.cost, batch.rt, batch.now, self._due, self.config.max_num_batched_tokens
+        est, rt, now, due = batch.cost, batch.rt, batch.now, self.queues.due
+        per_iteration = self.config.max_num_batched_tokens
         for at in range(len(rt) - 1, 0, -1):
             request = rt[at]
             deadline = due[request]
@@ -387,7 +423,7 @@ class BROSScheduler(PulledQueues):
             return be[batch.be_cursor]
         if request.status is WAITING:
             return None  # §5.2: an RT request is admitted onto free or BE blocks, never another RT's
-        mine = self._seniority(request)
+        mine = self.queues.seniority(request)
         if not rt or mine >= batch.youngest_rt:  # the common case in overload: a newcomer
             return None
         return next((r for r, seniority in rt if seniority > mine and r is not request
@@ -397,10 +433,10 @@ class BROSScheduler(PulledQueues):
         planned = batch.draft.holds
         be = [r for r in reversed(self.running) if not is_rt(r)]
         rt = [r for r in self.running if is_rt(r)]
-        due = self._due
+        due = self.queues.due
         latest_first = sorted(rt, key=lambda r: -due[r])  # stable: queue order on ties
-        rt_order = [(r, self._seniority(r)) for r in latest_first if not planned(r)]
-        rt_order += [(r, self._seniority(r)) for r in latest_first if planned(r)]
+        rt_order = [(r, self.queues.seniority(r)) for r in latest_first if not planned(r)]
+        rt_order += [(r, self.queues.seniority(r)) for r in latest_first if planned(r)]
         batch.youngest_rt = max((seniority for _, seniority in rt_order), default=None)
         batch.victims = ([r for r in be if not planned(r)] + [r for r in be if planned(r)], rt_order)
         return batch.victims

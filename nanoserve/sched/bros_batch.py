@@ -1,20 +1,24 @@
 """The batch BROS's priority packing builds each step (bros.txt §4.2, Alg. 1): its RT and BE
 requests in order, their chunk sizes, the predicted iteration cost (Eq. (2)-(5)) and the time
 budget (the smallest residual of its RT requests, Eq. (6)). `nanoserve/sched/bros.py` fills it;
-a draft batch (no `out`) only plans and reserves no KV.
+a draft batch (no `out`) only plans and reserves no KV. A batch sees its scheduler only as a
+`Packer`: the few attributes and calls it needs, whichever scheduler packs it.
 """
 from __future__ import annotations
 
 import math
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.slo import RequestClass
 
 if TYPE_CHECKING:
-    from nanoserve.sched.bros import BROSScheduler
+    from collections import deque
+
+    from nanoserve.config import SchedulerConfig
+    from nanoserve.sched.cost_model import CostModel
 
 INF = math.inf
 RUNNING, WAITING = RequestStatus.RUNNING, RequestStatus.WAITING
@@ -24,13 +28,28 @@ def is_rt(request: Request) -> bool:
     return request.priority is RequestClass.ONLINE
 
 
+class Packer(Protocol):
+    """What a `Batch` reads of the scheduler that packs it (`BROSScheduler` is one): its limits and
+    cost model, its queues, and for a real batch (with `out`) the calls that admit a waiting
+    request and reserve a chunk's KV."""
+
+    config: SchedulerConfig
+    cost_model: CostModel
+    running: list[Request]
+    waiting: deque[Request]
+
+    def admit(self, request: Request) -> None: ...
+
+    def chunk(self, request: Request, num_tokens: int) -> ScheduledChunk: ...
+
+
 class Batch:
     """A step's batch while it is being packed: chunks, their predicted cost (Eq. (2)-(5), summed
     chunk by chunk: the cost model is linear) and the time budget (the smallest residual, Eq. (6)).
     Plain attributes, read and updated in place: BROS's loops touch them for every candidate."""
 
-    def __init__(self, scheduler: BROSScheduler, now: float, out: SchedulerOutput | None = None,
-                 draft: Batch | None = None):
+    def __init__(self, scheduler: Packer, now: float, out: SchedulerOutput | None = None,
+                 draft: Batch | None = None) -> None:
         self.scheduler, self.now, self.model = scheduler, now, scheduler.cost_model
         self.out = out  # None: a draft, which reserves nothing
         self.draft = draft

@@ -18,18 +18,22 @@ the head and requests with their own SLO, without ever checking that the queue i
 
 A request leaves its heap lazily: `discard` forgets its entry, which the heap drops when it
 surfaces (or when stale entries outnumber live ones).
+
+`BROSScheduler` owns one `PulledQueues` and tells it of every change to its queues (a request
+added, preempted, admitted, finished, or given a token); the queues hand back Alg. 1's
+candidates in order. What they need of the KV manager (host slots) comes in as arguments, read
+through the `KVManager` interface.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Callable, Iterator
+from collections import deque
+from typing import Any, Callable, Generator, Iterable
 
-from nanoserve.memory.bidirectional_kv import BidirectionalKV
-from nanoserve.request import Request, RequestStatus
-from nanoserve.sched.base import Scheduler
-from nanoserve.sched.output import SchedulerOutput
+from nanoserve.request import Request
 from nanoserve.sched.bros_batch import INF, is_rt
+from nanoserve.sched.output import SchedulerOutput
 
 Rank = Any  # anything ordered: a deadline, a slot count, a seniority tuple
 _Entry = tuple[Rank, int, Request]  # (rank, queue position, request)
@@ -84,7 +88,7 @@ class PolledQueue:
             heapq.heappop(heap)  # stale: its request left the queue
         return heap[0][2] if heap else None
 
-    def pull(self) -> Iterator[tuple[Rank, Request]]:
+    def pull(self) -> Generator[tuple[Rank, Request], None, None]:
         """(rank, request) in order, popped only as far as the caller reads. Requests still in
         the queue when the iterator closes go back in; entries filed meanwhile are pulled too."""
         assert not self._pulling, "one pull at a time"
@@ -132,87 +136,77 @@ class Deadlines(dict):
         self[request] = now + tpot if tpot is not None else INF
 
 
-class PulledQueues(Scheduler):
+class PulledQueues:
     """The scheduler's side of request pulling: files each request in its class's queue as it
-    arrives, is preempted, admitted or finished, and yields Alg. 1's candidates in order."""
+    arrives, is preempted, admitted or finished, and yields Alg. 1's candidates in order.
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    Its owner (`BROSScheduler`) calls `add`, `preempt`, `admit` and `finish` right after its own
+    queues changed, `sampled` after each step, and `sync` before each plan. `due` holds each RT
+    request's next deadline; `rt_waiting` and `be_waiting` are the waiting requests' heaps (for
+    reading)."""
+
+    def __init__(self) -> None:
         self._positions = QueuePositions()
-        self._rt_waiting = PolledQueue()  # waiting RT requests by deadline
-        self._be_waiting = PolledQueue()  # waiting BE requests by KV slots on the host
+        self.rt_waiting = PolledQueue()  # waiting RT requests by deadline
+        self.be_waiting = PolledQueue()  # waiting BE requests by KV slots on the host
         self._rt_by_age = PolledQueue()  # every RT request, running or waiting, by seniority
         self._be_arrivals: dict[str, int] = {}  # every BE request's place in arrival order
-        self._due = Deadlines()
+        self.due = Deadlines()
         self._arrivals = itertools.count()
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        super().add_request(request)
+    def add(self, request: Request, host_slots: Callable[[Request], int]) -> None:
+        """`request` joined the back of the waiting queue (`host_slots`: the KV manager's)."""
         if is_rt(request):
             self._rt_by_age.push(request, request.arrival_time, next(self._arrivals))
         else:
             self._be_arrivals[request.request_id] = next(self._arrivals)
-        self._file(request, self._positions.back())
+        self._file(request, self._positions.back(), host_slots)
 
-    def preempt(self, request: Request) -> None:
-        super().preempt(request)
-        self._file(request, self._positions.front())
+    def preempt(self, request: Request, host_slots: Callable[[Request], int]) -> None:
+        """`request` went back to the head of the waiting queue."""
+        self._file(request, self._positions.front(), host_slots)
 
     def admit(self, request: Request) -> None:
-        super().admit(request)
+        """`request` left the waiting queue to run."""
         self._unfile(request)
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        super().finish_request(request, status)
+    def finish(self, request: Request) -> None:
+        """`request` left for good."""
         self._unfile(request)
         self._rt_by_age.discard(request)
         self._be_arrivals.pop(request.request_id, None)
-        self._due.pop(request, None)
+        self.due.pop(request, None)
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        super().update_after_step(output)
-        # The engine appends the sampled tokens right after this, at the same clock reading.
-        now = self.clock()
+    def sampled(self, output: SchedulerOutput, now: float) -> None:
+        """The step `output` ran, its tokens sampled at `now`: their RT requests' next deadlines."""
         for chunk in output.chunks:
             if chunk.samples and is_rt(chunk.request):
-                self._due.sampled(chunk.request, now)
+                self.due.sampled(chunk.request, now)
 
-    def _file(self, request: Request, position: int) -> None:
+    def _file(self, request: Request, position: int, host_slots: Callable[[Request], int]) -> None:
         if is_rt(request):
-            self._rt_waiting.push(request, self._due[request], position)
+            self.rt_waiting.push(request, self.due[request], position)
         else:
-            self._be_waiting.push(request, self._host_slots(request), position)
+            self.be_waiting.push(request, host_slots(request), position)
 
     def _unfile(self, request: Request) -> None:
-        (self._rt_waiting if is_rt(request) else self._be_waiting).discard(request)
+        (self.rt_waiting if is_rt(request) else self.be_waiting).discard(request)
 
-    def _sync_queues(self) -> None:
+    def sync(self, waiting: deque[Request], host_slots: Callable[[Request], int]) -> None:
         """Refile the waiting deque if something changed it behind the scheduler's back (a cheap
         count check; the normal paths above keep the two in step)."""
-        if len(self._rt_waiting) + len(self._be_waiting) != len(self.waiting):
-            self._rt_waiting, self._be_waiting = PolledQueue(), PolledQueue()
-            for request in self.waiting:
-                self._file(request, self._positions.back())
+        if len(self.rt_waiting) + len(self.be_waiting) != len(waiting):
+            self.rt_waiting, self.be_waiting = PolledQueue(), PolledQueue()
+            for request in waiting:
+                self._file(request, self._positions.back(), host_slots)
 
-    def _host_slots(self, request: Request) -> int:
-        if isinstance(self.kv, BidirectionalKV) and self.kv.blocks.has(request.request_id):
-            return len(self.kv.blocks.missing_positions(request.request_id))
-        return 0
-
-    def _no_block_for_rt(self) -> bool:
-        """No block can take a new RT page (bidirectional memory only; others cannot tell)."""
-        return isinstance(self.kv, BidirectionalKV) and not self.kv.blocks.can_place_rt_page()
-
-    def _host_slots_version(self) -> int:
-        """Changes whenever RT growth checkpoints BE slots, which reorders BE requests."""
-        return self.kv.blocks.checkpointed_slots if isinstance(self.kv, BidirectionalKV) else 0
-
-    def _seniority(self, request: Request) -> tuple[float, int]:
+    def seniority(self, request: Request) -> tuple[float, int]:
         return self._rt_by_age.key(request) or (request.arrival_time, 0)
 
     # -- Alg. 1's orders -----------------------------------------------------------------------
-    def _rt_candidates(self, waiting_closed: Callable[[], bool] = lambda: False) -> Iterator[Request]:
+    def rt_candidates(self, running: Iterable[Request],
+                      waiting_closed: Callable[[], bool] = lambda: False) -> Generator[Request, None, None]:
         """Lines 3-4 with request pulling (Fig. 8): the running ("pending") RT requests sorted by
         deadline, polled against the waiting ones (pending first on ties). The oldest RT request
         goes first whatever its urgency: it may evict any other request, so it always advances,
@@ -220,12 +214,12 @@ class PulledQueues(Scheduler):
         the paper leaves implicit; FCFS has it for its head). Once `waiting_closed()` holds, no
         more waiting requests are pulled (Alg. 1 stops adding RT requests when no block is left
         for them); the pending ones still come."""
-        due = self._due
-        pending = sorted([r for r in self.running if is_rt(r)], key=due.__getitem__)
+        due = self.due
+        pending = sorted([r for r in running if is_rt(r)], key=due.__getitem__)
         oldest = self._rt_by_age.first()
         if oldest is not None:
             yield oldest
-        waiting = self._rt_waiting.pull()
+        waiting = self.rt_waiting.pull()
 
         def pull() -> tuple | None:
             return None if waiting_closed() else next(waiting, None)
@@ -247,17 +241,18 @@ class PulledQueues(Scheduler):
         finally:
             waiting.close()  # puts back the waiting requests not admitted
 
-    def _be_candidates(self) -> Iterator[Request]:
-        """Line 17: BE requests by fewest KV slots on the host (their swap-in cost), running before
-        waiting on ties, each in queue order. Only swapped or overwritten requests have host
-        slots: the running ones among them are sorted, the rest polled. Ours, a livelock guard as
-        for RT: the oldest running BE request goes first whatever its slots. It may evict every
-        newer BE request (`_admit_be`), so it always advances; without it, two newer requests
-        that each need the blocks the other holds took turns evicting each other while an older
-        one with a slot on the host waited behind them forever (recomputed requests have no host
-        slots, so line 17 puts them first)."""
-        on_host = self.kv.blocks.host_positions() if isinstance(self.kv, BidirectionalKV) else {}
-        running = [r for r in self.running if not is_rt(r)]
+    def be_candidates(self, running: Iterable[Request],
+                      host_positions: Callable[[], dict[str, int]]) -> Generator[Request, None, None]:
+        """Line 17: BE requests by fewest KV slots on the host (their swap-in cost; `host_positions`
+        is the KV manager's), running before waiting on ties, each in queue order. Only swapped
+        or overwritten requests have host slots: the running ones among them are sorted, the rest
+        polled. Ours, a livelock guard as for RT: the oldest running BE request goes first
+        whatever its slots. It may evict every newer BE request (`_admit_be`), so it always
+        advances; without it, two newer requests that each need the blocks the other holds took
+        turns evicting each other while an older one with a slot on the host waited behind them
+        forever (recomputed requests have no host slots, so line 17 puts them first)."""
+        on_host = host_positions()
+        running = [r for r in running if not is_rt(r)]
         if running:
             arrivals = self._be_arrivals
             oldest = min(running, key=lambda r: arrivals.get(r.request_id, -1))
@@ -269,7 +264,7 @@ class PulledQueues(Scheduler):
                              key=lambda pair: pair[0])
             running = [r for r in running if r.request_id not in on_host]
         yield from running
-        waiting, i = self._be_waiting.pull(), 0
+        waiting, i = self.be_waiting.pull(), 0
         try:
             for slots, request in waiting:
                 while i < len(swapped) and swapped[i][0] <= slots:

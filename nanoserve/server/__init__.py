@@ -7,7 +7,7 @@
 
     app = create_app(AsyncEngine.build(lambda: build_engine(EngineArgs())))   # then: uvicorn.run(app)
 
-`examples/serve.py` does exactly this from the command line.
+`nanoserve serve` (server/serve.py) does exactly this from the command line.
 """
 from nanoserve.server.app import create_app
 from nanoserve.server.errors import APIError

@@ -40,6 +40,12 @@ class Admission:
         self.rejected = 0
         self._starts: deque[float] = deque()  # when recent requests got their first token
 
+    def start_draining(self) -> bool:
+        """A graceful shutdown began: from now on every new request is turned away with a 503.
+        True the first time (the caller logs it), False after."""
+        first, self.draining = not self.draining, True
+        return first
+
     # -- the gate ------------------------------------------------------------------------
     def check(self, priority: RequestClass, count: int) -> None:
         """Raise the error that turns away `count` new requests of `priority`, if any."""

@@ -71,6 +71,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Mapping
 
+from nanoserve.config import EngineArgs
 from nanoserve.memory.copies import ISSUE_ORDER
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.preemption import ForwardPreempted, PreemptionFlag
@@ -136,7 +137,7 @@ class LinkSlot:
 
 class SimExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost: Roofline | CostModel, output_lens: Mapping[str, int],
-                 copy_cost: Roofline | None = None, preempt_every_layers: int = 8,
+                 copy_cost: Roofline | None = None, preempt_every_layers: int = EngineArgs.preempt_every_layers,
                  record_online_gaps: bool = False, host_store: HostKVStore | None = None,
                  layerwise_copies: bool = False):
         """`output_lens`: request id -> the output length its workload gave it. `copy_cost`

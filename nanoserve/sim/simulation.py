@@ -47,7 +47,7 @@ from typing import Any, Mapping
 
 import torch
 
-from nanoserve.config import ModelConfig, SchedulerConfig
+from nanoserve.config import EngineArgs, ModelConfig, SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
@@ -70,7 +70,7 @@ MAX_IDLE_STEPS = 8
 
 @dataclass(frozen=True)
 class SimConfig:
-    policy: str = "fcfs"
+    policy: str = EngineArgs.policy
     gpu: str = "A100-80G"
     # The named GPU's achieved fractions and overheads replaced (sim/hardware.py's Efficiency):
     # benchmarks/sim_fidelity.py prices nanoserve's own engine on a GPU it measured.
@@ -82,15 +82,15 @@ class SimConfig:
     policy_options: Mapping[str, Any] | None = None  # the policy's knobs (Scheduler.OPTIONS)
     kv_bytes: float | None = None  # KV memory per GPU; default: what the weights leave
     host_kv_tokens: int | None = None  # default: as many as the device holds
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization
+    block_size: int = EngineArgs.block_size
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
+    max_num_seqs: int = 256  # ours, for the papers' GPUs (the engine's default, 128, is for one small device)
     max_model_len: int | None = None  # default: the model's
     online_slo: SLO = DEFAULT_SLOS[RequestClass.ONLINE]
     offline_slo: SLO = DEFAULT_SLOS[RequestClass.OFFLINE]
     fitted_policy_model: bool = True  # policies budget with a profile of the simulated GPU
-    preempt_every_layers: int = 8  # ConServe §4.3's safe-point spacing (EngineArgs' default)
+    preempt_every_layers: int = EngineArgs.preempt_every_layers  # ConServe §4.3's safe-point spacing
     layerwise_copies: bool = False  # EngineArgs.layerwise_kv_copies: copies stream layer by layer
     # Scale the policy's cost model by the measured (virtual) step times, as the real engine does.
     # NANOSERVE_SIM_CALIBRATE=0 turns it off for a whole experiment (an ablation switch).

@@ -1,7 +1,6 @@
 """Profile the real model runner and fit the iteration cost model (`nanoserve.sched.cost_model`).
 
-    python -m nanoserve.tools.profile [--model DIR] [--device cuda] [--dtype bf16] \
-        [--out cost.json] [--quick]
+    nanoserve profile [MODEL] [--device cuda] [--dtype bf16] [--out cost.json] [--quick]
 
 Following BROS §4.1 ("Inference cost modeling"), we time dummy batches offline, with lengths on
 a grid of powers of two, and fit a linear model; the model's terms are KunServe's Eq. (1) for
@@ -24,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.builder import build_engine
+from nanoserve.builder import build_engine_and_runner
 from nanoserve.config import EngineArgs
 from nanoserve.device import resolve_device, resolve_dtype
+from nanoserve.engine_flags import add_engine_arguments, engine_args_from
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.model.runner import ModelRunner
 from nanoserve.request import Request
@@ -108,10 +108,9 @@ def profile(args: EngineArgs, grid: Grid, verbose: bool = False) -> tuple[CostMo
     """Build the engine's runner, time the grid's batches on it and fit the cost model."""
     if (args.kv_manager or POLICY_MEMORY[args.policy]) != "paged":
         raise ValueError("profile with the 'paged' KV manager: the runner must own a plain KV cache")
-    engine = build_engine(args)
-    runner = engine.executor
-    if not isinstance(runner, ModelRunner):
-        raise TypeError(f"the engine's executor is a {type(runner).__name__}, not a ModelRunner")
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise ValueError("the profiler times one device's runner: no tensor or pipeline parallelism")
+    engine, runner = build_engine_and_runner(args)
     profiler = Profiler(runner, runner.model_config.vocab_size, args.seed)
     batches = synthetic_batches(grid, engine.config.max_model_len, profiler.pool.num_blocks, profiler.pool.block_size)
     samples = profiler.run(batches, grid.repeats, verbose)
@@ -119,29 +118,31 @@ def profile(args: EngineArgs, grid: Grid, verbose: bool = False) -> tuple[CostMo
     return model, evaluate(model, samples), samples
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model directory or hub id (default: embedded SmolLM2)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--out", default="cost.json", type=Path)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`nanoserve profile`'s flags: the output, the grid, and the engine's (engine_flags.py)."""
+    parser.add_argument("--out", default="cost.json", type=Path, help="the fitted model's JSON (default: cost.json)")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds on a CPU)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", "-v", action="store_true")
-    opts = parser.parse_args(argv)
+    add_engine_arguments(parser)
 
-    args = EngineArgs(model=opts.model, device=opts.device, dtype=opts.dtype, seed=opts.seed,
-                      kv_cache_tokens=opts.kv_cache_tokens)
+
+def run(opts: argparse.Namespace) -> None:
+    args = engine_args_from(opts)
     grid = QUICK if opts.quick else FULL
     model, report, samples = profile(args, grid, opts.verbose)
-    device = resolve_device(opts.device)
-    meta = {"model": opts.model or "SmolLM2 (embedded)", "device": str(device),
-            "dtype": str(resolve_dtype(opts.dtype, device)), "quick": opts.quick}
+    device = resolve_device(args.device)
+    meta = {"model": args.model or "SmolLM2 (embedded)", "device": str(device),
+            "dtype": str(resolve_dtype(args.dtype, device)), "quick": opts.quick}
     model.save(opts.out, fit=report.to_dict(), samples=[s.to_dict() for s in samples], meta=meta)
     print("coefficients: " + ", ".join(f"{k}={v:.3e}" for k, v in model.to_dict().items()))
     print(f"fit: {report}")
     print(f"wrote {opts.out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

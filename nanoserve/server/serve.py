@@ -1,0 +1,127 @@
+"""`nanoserve serve [MODEL]`: serve one model over the OpenAI API.
+
+    nanoserve serve                                  # the embedded SmolLM2-135M-Instruct on :8000
+    nanoserve serve /path/to/hf/model --port 9000 --policy conserve
+
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+
+Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`.
+
+Parallelism: `--tp 2` (tensor) or `--pp 2` (pipeline), or both, start the extra processes on
+this machine. Under torchrun every rank runs this command (tensor size = ranks / --pp); rank 0
+serves and the others execute its steps:
+
+    torchrun --nnodes 1 --nproc-per-node 2 -m nanoserve serve DIR
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr HOST0 -m nanoserve serve DIR
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from nanoserve.async_engine import AsyncEngine
+from nanoserve.builder import build_engine
+from nanoserve.config import Topology
+from nanoserve.device import resolve_device
+from nanoserve.engine_flags import add_engine_arguments, engine_args_from
+from nanoserve.parallel.launch import torchrun_rank
+from nanoserve.parallel.worker import run_worker
+from nanoserve.server import create_app
+from nanoserve.server.admission import Admission
+
+log = logging.getLogger("nanoserve.serve")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags, then the engine's (engine_flags.py)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
+    parser.add_argument("--state-dir", default=None,
+                        help="directory that keeps uploaded files and batches across restarts (default: a temporary "
+                             "one)")
+    parser.add_argument("--max-queued", type=int, default=None,
+                        help="online requests that may wait to start; past it they get 429 with Retry-After")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds after which any request is cut off with a 408 (a body's `timeout` may shorten "
+                             "it)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM: seconds to let requests in flight finish before cutting them off")
+    parser.add_argument("--no-request-log", action="store_true", help="no JSON line per finished request on stderr")
+    parser.add_argument("--log-level", default="info")
+    add_engine_arguments(parser)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus: from the first SIGTERM or Ctrl-C on, new requests get 503 and /health
+    fails (so a load balancer stops sending), while uvicorn lets the requests in flight finish
+    (up to --shutdown-timeout). Then the app's shutdown persists the batches and stops the engine."""
+
+    def __init__(self, config: uvicorn.Config, admission: Admission) -> None:
+        super().__init__(config)
+        self.admission = admission
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.admission.start_draining():
+            log.info("signal %d: draining (no new requests; those in flight finish)", sig)
+        super().handle_exit(sig, frame)
+
+
+def _exit_after_drain(sig: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def _request_log(enabled: bool) -> None:
+    """The request log: bare JSON lines on stderr, one per request, apart from the text log."""
+    request_log = logging.getLogger("nanoserve.requests")
+    request_log.propagate = False
+    request_log.setLevel(logging.INFO if enabled else logging.WARNING)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    request_log.addHandler(handler)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Run the server the flags of `add_serve_arguments` describe until SIGTERM or Ctrl-C."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = engine_args_from(args)
+    launched = torchrun_rank()
+    if launched is not None:
+        rank, world = launched
+        stages = engine_args.pipeline_parallel_size
+        topology = Topology(world // stages, stages)
+        if topology.world_size != world:
+            raise SystemExit(f"--pp {stages} does not divide the {world} torchrun ranks")
+        engine_args = dataclasses.replace(engine_args, tensor_parallel_size=topology.tensor_parallel_size)
+        if rank != 0:  # a worker: rank 0 sends the plan and every step
+            run_worker(rank, topology, resolve_device(engine_args.device))
+            return
+    # Built on a thread that ends first: the engine thread's OpenMP pool is then the only one
+    # (nanoserve/async_engine.py says why that matters on a CPU).
+    async_engine = AsyncEngine.build(lambda: build_engine(engine_args))
+    engine = async_engine.engine
+    app = create_app(async_engine, served_model_name=args.served_model_name, state_dir=args.state_dir,
+                     max_queued=args.max_queued, request_timeout=args.request_timeout)
+    _request_log(enabled=not args.no_request_log)
+    name = args.served_model_name or async_engine.model_name
+    stats = async_engine.stats()
+    log.info("model %s: max_model_len %d, KV cache %d blocks of %d tokens", name, async_engine.max_model_len,
+             stats.kv_blocks_total, engine_args.block_size)
+    log.info("serving on http://%s:%d/v1  (health: /health, metrics: /metrics)", args.host, args.port)
+    async_engine.start()
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this
+    # one, so that the process still stops the engine (and its workers) below and exits 0.
+    signal.signal(signal.SIGTERM, _exit_after_drain)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    try:
+        DrainingServer(config, app.state.server.admission).run()
+    finally:
+        async_engine.shutdown()  # also when uvicorn exits on Ctrl-C or fails to bind
+        engine.shutdown()  # and its tensor-parallel workers
