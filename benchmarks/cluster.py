@@ -34,8 +34,8 @@ import time  # noqa: E402
 from datetime import date  # noqa: E402
 
 from nanoserve import SamplingParams, default_model  # noqa: E402
-from nanoserve.config import EngineArgs  # noqa: E402
 from nanoserve.cluster.cluster import Cluster  # noqa: E402
+from nanoserve.config import EngineArgs  # noqa: E402
 from nanoserve.slo import percentile  # noqa: E402
 
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"restore stop, {label}: {r['restore_seconds'] * 1e3:.1f} ms, "
                   f"{r['restore_weights_copied'] / 2**20:.1f} MiB of weights copied in it"
                   + (f"; {pull['pulled_bytes'] / 2**20:.1f} MiB pulled over {pull['steps']} steps before"
-                     if pull else "") + f" (the KV then comes home a chunk per step)")
+                     if pull else "") + " (the KV then comes home a chunk per step)")
     print("| cluster | throttle detected -> a queued request's first token (s) | TTFT p50 (s) | TTFT p99 (s) "
           "| preemptions |")
     print("|---|---|---|---|---|")

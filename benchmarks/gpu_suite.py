@@ -106,8 +106,8 @@ def run(cmd: list[str], timeout: int, log: Path, result: Path | None = None) -> 
 
 def step_env(out: Path, options: Options) -> dict:
     import torch
-    import triton
     import transformers
+    import triton
 
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()

@@ -49,9 +49,9 @@ import random
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import date
-from typing import Callable
 
 import torch
 from torch import nn
@@ -60,8 +60,8 @@ from nanoserve.memory.arena import ArenaConfig, MemoryArena
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
-from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator
 from nanoserve.memory.copies import LANDED_NOW
+from nanoserve.memory.exact import ExactAllocator, ExactAllocConfig
 from nanoserve.memory.host import HostKVStore, KVCopy
 
 BOOKKEEPING_GOAL = 3.0  # at most this many times BlockPool's step time

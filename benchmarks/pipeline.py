@@ -88,9 +88,9 @@ def run(policy: str, model: str, prompts: list[list[int]], args, in_flight: bool
 
 def simulated(seeds: tuple[int, ...] = (0, 1, 2), burst: int = 87) -> list[dict]:
     """Fig. 14's burst on a simulated two-stage group, three cuts of a step (see the docstring)."""
+    from experiments.kunserve import GPU, MODEL
     from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
     from nanoserve.sim.cluster_layout import member_microbatches
-    from experiments.kunserve import GPU, MODEL
     from nanoserve.sim.simulation import SimConfig
     from nanoserve.sim.workloads import LENGTHS, make_trace
 

@@ -49,8 +49,8 @@ def _labelled(label: str, fn):
 def label_parts(llm: LLM) -> None:
     """Wrap the model's parts (instances and the module functions they call) in labels."""
     import nanoserve.model.llama as llama
-    from nanoserve.model.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
     from nanoserve.model.layers import MergedLinear, RMSNorm
+    from nanoserve.model.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
     runner = llm.engine.executor
     model = runner.model

@@ -39,10 +39,10 @@ import torch
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.copies import LANDED_NOW
 from nanoserve.memory.host import HostKVStore
-from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import POLICY_MEMORY, SCHEDULERS, SchedulerOutput, make_scheduler
 from nanoserve.slo import SLO

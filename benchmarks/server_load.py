@@ -47,7 +47,6 @@ from nanoserve.config import EngineArgs
 from nanoserve.sampling import SamplingParams  # noqa: E402
 from nanoserve.slo import percentile  # noqa: E402
 
-
 VOCAB = 32000  # prompt token ids are drawn below this: inside SmolLM2's, Llama's, Qwen's and OPT's vocabularies
 
 

@@ -13,8 +13,9 @@ so a reader sees how much of a paper's gain is its baseline's weakness.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from nanoserve.sim.simulation import SimConfig
 

@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from experiments import Comparison, ExperimentResult, check_scale
 from experiments.baselines import FASTGEN, ROUND_ROBIN, VLLM_2023, VLLM_2023_RECOMPUTE, Baseline
 from nanoserve.sim.simulation import SimConfig, SimResult, simulate
-from nanoserve.sim.workloads import (LENGTHS, ClosedLoopBatches, LengthDist, TraceRequest, make_trace,
-                                     poisson_arrivals)
+from nanoserve.sim.workloads import LENGTHS, ClosedLoopBatches, LengthDist, TraceRequest, make_trace, poisson_arrivals
 from nanoserve.slo import SLO, RequestClass
 
 

@@ -46,15 +46,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from experiments import Comparison, ExperimentResult, check_scale
-from experiments import baselines
+from experiments import Comparison, ExperimentResult, baselines, check_scale
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import percentile, summarize
 from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline
 from nanoserve.sim.simulation import SimConfig, SimResult, kv_blocks, simulate
-from nanoserve.sim.workloads import (LENGTHS, LengthDist, TraceRequest, clipped_lognormal_mean, gamma_arrivals,
-                                     make_trace, merge_traces, solve_mu)
+from nanoserve.sim.workloads import (
+    LENGTHS,
+    LengthDist,
+    TraceRequest,
+    clipped_lognormal_mean,
+    gamma_arrivals,
+    make_trace,
+    merge_traces,
+    solve_mu,
+)
 from nanoserve.slo import PRIORITIES, SLO, RequestClass
 
 

@@ -61,14 +61,18 @@ system still runs `TABLE_RATE`, whose runs fill the per-request tables and plots
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
-from nanoserve.memory.predictor import (PAPER_PREDICTION_ERROR, BucketQuantilePredictor, NoisyOraclePredictor,
-                                       OraclePredictor)
 from experiments import Comparison, ExperimentResult, check_scale
 from experiments.baselines import FASTGEN, ORCA, VLLM_2023, VLLM_2023_RECOMPUTE, Baseline
+from nanoserve.memory.predictor import (
+    PAPER_PREDICTION_ERROR,
+    BucketQuantilePredictor,
+    NoisyOraclePredictor,
+    OraclePredictor,
+)
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import summarize
 from nanoserve.sim.models import ModelCost, model

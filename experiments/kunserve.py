@@ -35,23 +35,29 @@ requests), the rate chosen by the same rule on that trace; BurstGPT only.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property, lru_cache
-from typing import Sequence
+from functools import cache, cached_property
 
-from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
 from experiments import Comparison, ExperimentResult, check_scale
 from experiments import kunserve_regime as regime
 from experiments.baselines import INFERCEPT
+from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
 from nanoserve.sim.hardware import gpu
-from nanoserve.sim.metrics import downsample, summarize
+from nanoserve.sim.metrics import Summary, downsample, summarize
 from nanoserve.sim.migration import MigrationConfig
-from nanoserve.sim.metrics import Summary
 from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline
 from nanoserve.sim.simulation import SimConfig, SimResult, kv_blocks
-from nanoserve.sim.workloads import (LENGTHS, BurstWindow, LengthDist, TraceRequest, burst_windows, bursty_arrivals,
-                                     make_trace)
+from nanoserve.sim.workloads import (
+    LENGTHS,
+    BurstWindow,
+    LengthDist,
+    TraceRequest,
+    burst_windows,
+    bursty_arrivals,
+    make_trace,
+)
 
 GPU, MODEL = "A100-80G", "Qwen2.5-14B"
 LENGTH = LENGTHS["burstgpt"]
@@ -121,7 +127,7 @@ def kv_demand(rate_per_instance: float, scale: Scale, seed: int, lengths: Length
     return simulate_cluster(one, trace).extra["kv_demand_mean"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def rate_for_demand(scale: Scale, seed: int, target: float = DEMAND_TARGET,
                     lengths: LengthDist = LENGTH) -> tuple[float, tuple[tuple[float, float], ...]]:
     """The base rate per instance whose average KV demand over the trace `scale` serves is

@@ -32,9 +32,9 @@ each policy against fcfs (vLLM) on online P99 TTFT and on total throughput.
 """
 from __future__ import annotations
 
-from nanoserve.sched import SCHEDULERS
-from nanoserve.memory.predictor import BucketQuantilePredictor
 from experiments import Comparison, ExperimentResult, check_scale, conserve
+from nanoserve.memory.predictor import BucketQuantilePredictor
+from nanoserve.sched import SCHEDULERS
 from nanoserve.sim.metrics import kv_usage_summary, summarize
 from nanoserve.sim.simulation import SimConfig, SimResult, simulate
 from nanoserve.sim.workloads import LENGTHS, LengthDist, TraceRequest, bursty_arrivals, make_trace, merge_traces

@@ -33,9 +33,9 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import torch
 

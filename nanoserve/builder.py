@@ -9,12 +9,16 @@ import torch
 
 from nanoserve.config import EngineArgs, ModelConfig, SchedulerConfig, Topology
 from nanoserve.device import resolve_device, resolve_dtype
-from nanoserve.model.rank import GraphSizes, RankPlan, attention_backend, build_rank_runner, graph_sizes, rank_runner
-from nanoserve.model.parallel import SINGLE, local_kv_heads
-from nanoserve.model.stages import partition_layers
 from nanoserve.engine import Engine
-from nanoserve.kv_sizing import (MemoryProbe, check_host_kv_fits, host_kv_tokens_default, kv_budget_bytes,
-                                 memory_probe, profile_batch)
+from nanoserve.executor import Executor
+from nanoserve.kv_sizing import (
+    MemoryProbe,
+    check_host_kv_fits,
+    host_kv_tokens_default,
+    kv_budget_bytes,
+    memory_probe,
+    profile_batch,
+)
 from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
 from nanoserve.memory.arena import ArenaConfig, MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
@@ -23,8 +27,10 @@ from nanoserve.model.attention import AttentionBackend
 from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_config, load_model, resolve_model_path
+from nanoserve.model.parallel import SINGLE, local_kv_heads
+from nanoserve.model.rank import GraphSizes, RankPlan, attention_backend, build_rank_runner, graph_sizes, rank_runner
 from nanoserve.model.runner import ModelRunner
-from nanoserve.executor import Executor
+from nanoserve.model.stages import partition_layers
 from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.slo import DEFAULT_SLOS, RequestClass

@@ -33,12 +33,13 @@ from __future__ import annotations
 import itertools
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from nanoserve.config import SchedulerConfig
-from nanoserve.memory.manager import KVManager
 from nanoserve.executor import Executor, ExecutorOutput, MicrobatchPipeline
+from nanoserve.memory.manager import KVManager
 from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nanoserve.config import EngineArgs
 from nanoserve.memory import KV_MANAGER_NAMES

@@ -6,8 +6,9 @@ default an executor without it has; the engine calls these methods and never pro
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from nanoserve.sched.output import SchedulerOutput
 

@@ -1,7 +1,8 @@
 """The offline API: hand over all prompts, get all completions back, with a progress bar."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -9,8 +10,8 @@ from nanoserve.builder import build_engine
 from nanoserve.config import EngineArgs
 from nanoserve.engine import Engine
 from nanoserve.outputs import RequestOutput
-from nanoserve.slo import SLO, RequestClass
 from nanoserve.sampling import SamplingParams
+from nanoserve.slo import SLO, RequestClass
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -29,7 +30,7 @@ class LLM:
         """Stop the worker processes of a tensor-parallel engine (a no-op on one device)."""
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

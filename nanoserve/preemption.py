@@ -5,8 +5,8 @@ simulator's executor passes the same safe points in virtual time (sim/executor.p
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from nanoserve.config import EngineArgs
 

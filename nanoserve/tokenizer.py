@@ -20,9 +20,10 @@ recent tokens, and emit only text that no later token can change.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -66,7 +67,7 @@ class Tokenizer:
         self._token_strs: dict[int, str] = {}
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json (nanoserve needs a fast tokenizer)")

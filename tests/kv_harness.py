@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.memory.host import HostKVStore
 from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.memory.host import HostKVStore
 from nanoserve.sched import SchedulerOutput
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 2

@@ -7,10 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import build_tiny_model
 
 from nanoserve import LLM, SamplingParams
-
-from conftest import build_tiny_model
 
 BLOCK = 4
 MAX_TOKENS = 24

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import nn
 
-from nanoserve.kernels.reference import store_kv
 from nanoserve.config import ModelConfig
+from nanoserve.kernels.reference import store_kv
 from nanoserve.memory.arena import ArenaConfig, BlocksInUseError, MemoryArena
 from nanoserve.memory.arena_layout import PageRuns
 from nanoserve.memory.blocks import NoFreeBlocksError

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_invariance import assert_close_greedy
 
 from nanoserve import SamplingParams

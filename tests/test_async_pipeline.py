@@ -18,16 +18,15 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
-from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import SchedulerOutput, make_scheduler
-
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
 
 BLOCK = 4
 

@@ -20,22 +20,20 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis.stateful import initialize, invariant, rule
-
-from nanoserve import LLM, SamplingParams
-from nanoserve.builder import build_engine
-from nanoserve.config import EngineArgs
-from nanoserve.config import SchedulerConfig
-from nanoserve.engine import Engine
-from nanoserve.memory.blocks import BlockPool
-from nanoserve.memory.host import HostKVStore
-from nanoserve.model.runner import ModelRunner
-from nanoserve.executor import Executor, ExecutorOutput
-from nanoserve.sched import SchedulerOutput, make_scheduler
-
 from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
 from test_async_pipeline import InFlightPreemptions, StepsInFlightRules, next_token
 from test_async_pipeline import run as serve
 from test_invariance import assert_close_greedy
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.builder import build_engine
+from nanoserve.config import EngineArgs, SchedulerConfig
+from nanoserve.engine import Engine
+from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.host import HostKVStore
+from nanoserve.model.runner import ModelRunner
+from nanoserve.sched import SchedulerOutput, make_scheduler
 
 BLOCK = 4
 STOP = frozenset({5, 13, 41, 77})  # about one token in 24 ends its request

@@ -14,20 +14,20 @@ import random
 
 import pytest
 import torch
+from conftest import backend_device, build_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_invariance import assert_close_greedy
 
-from conftest import backend_device, build_tiny_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.bidirectional_kv import BidirectionalKV
 from nanoserve.memory.host import HostKVStore
-from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.sched import SchedulerOutput
 from nanoserve.sched.fcfs import FCFSScheduler
-from test_invariance import assert_close_greedy
 
 B, MAX_TOKENS = 4, 12
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)

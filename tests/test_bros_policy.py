@@ -19,11 +19,12 @@ import random
 
 import pytest
 import torch
+from conftest import build_tiny_model
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-from conftest import build_tiny_model
 from kv_harness import MockClock, TaggingExecutor
+from test_invariance import assert_close_greedy
+
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
@@ -34,7 +35,6 @@ from nanoserve.sched.bros import BROSScheduler
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.sched.fcfs import FCFSScheduler
 from nanoserve.slo import SLO
-from test_invariance import assert_close_greedy
 
 B = 4
 # Roughly a small GPU model's shape: a step costs 10 ms plus 1 ms per decoding sequence.

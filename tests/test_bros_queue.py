@@ -12,8 +12,8 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.sampling import SamplingParams
 from nanoserve.request import Request
+from nanoserve.sampling import SamplingParams
 from nanoserve.sched.bros_queue import PolledQueue, QueuePositions
 
 REQUESTS = [Request(f"r{i}", [1], SamplingParams()) for i in range(12)]

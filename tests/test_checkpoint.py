@@ -12,12 +12,11 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_harness import StandInStream
 
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
 from nanoserve.memory.host import HostKVStore, KVCopy
-
-from kv_harness import StandInStream
 
 B = 4
 LAYERS, HEADS, HEAD_DIM = 2, 1, 2

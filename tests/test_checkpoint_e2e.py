@@ -13,6 +13,9 @@ import random
 
 import pytest
 import torch
+from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor, serve_random_requests
+from mixed_greedy import MAX_TOKENS, PARAMS, PRIORITIES, PROMPTS, llama_dir, reference  # noqa: F401 (fixtures)
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
@@ -25,10 +28,6 @@ from nanoserve.memory.copies import LANDED_NOW
 from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request
 from nanoserve.sched.fcfs import FCFSScheduler
-
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor, serve_random_requests
-from mixed_greedy import MAX_TOKENS, PARAMS, PRIORITIES, PROMPTS, llama_dir, reference  # noqa: F401 (fixtures)
-from test_invariance import assert_close_greedy
 
 B = 4
 

@@ -5,15 +5,15 @@ processes serves greedy outputs identical to a single engine, throttled or not."
 from __future__ import annotations
 
 import pytest
+from conftest import build_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_invariance import assert_close_greedy
 
-from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineArgs
 from nanoserve.cluster.cluster import Cluster, Dispatcher, ThrottleMonitor
 from nanoserve.cluster.load import InstanceLoad
-from test_invariance import assert_close_greedy
+from nanoserve.config import EngineArgs
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 

@@ -9,13 +9,13 @@ import time
 
 import pytest
 import torch
-
 from conftest import build_tiny_model
+from test_invariance import assert_close_greedy
+
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineArgs
 from nanoserve.cluster.cluster import Cluster
 from nanoserve.cluster.regroup import split_pool
-from test_invariance import assert_close_greedy
+from nanoserve.config import EngineArgs
 
 BLOCK = 16
 SHORT = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)

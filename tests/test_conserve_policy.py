@@ -13,6 +13,9 @@ import threading
 
 import pytest
 import torch
+from conftest import _tiny_config, build_tiny_model
+from kv_harness import HEAD_DIM, HEADS, LAYERS, MockClock, TaggingExecutor
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.async_engine import AsyncEngine
@@ -26,10 +29,6 @@ from nanoserve.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.sched.conserve import ConServeScheduler
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.slo import SLO
-
-from conftest import _tiny_config, build_tiny_model
-from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, TaggingExecutor
-from test_invariance import assert_close_greedy
 
 B = 4
 # Round numbers: 10 ms per step, per prefill token and per decode; nothing else.

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from kv_harness import HEAD_DIM, HEADS, LAYERS, MockClock, StandInStream, TaggingExecutor
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
@@ -29,12 +31,10 @@ from nanoserve.memory.checkpoint_kv import CheckpointKV
 from nanoserve.memory.host import HostKVStore
 from nanoserve.request import RequestStatus
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.conserve import ConServeScheduler
 from nanoserve.sched.cost_model import CostModel
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import SLO
-
-from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, StandInStream, TaggingExecutor
 
 B = 4
 COST = CostModel(prefill_tokens=0.01, decode_seqs=0.01, iteration=0.01)  # 10 ms per step, token, decode

@@ -8,13 +8,12 @@ import random
 
 import pytest
 import torch
+from conftest import build_tiny_model
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.memory.copies import KVCopy
 from nanoserve.memory.host import HostKVStore
-
-from conftest import build_tiny_model
-from test_invariance import assert_close_greedy
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 

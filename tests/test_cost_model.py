@@ -7,15 +7,15 @@ import random
 import time
 
 import pytest
-
 from conftest import build_tiny_model
+
 from nanoserve.builder import build_engine
 from nanoserve.config import EngineArgs
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
-from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.sched.cost_model import FEATURES, Calibration, CostModel, Sample, evaluate, features, fit
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.profile_grid import FULL, QUICK, synthetic_batches
 from nanoserve.tools.profile import Profiler, main
 

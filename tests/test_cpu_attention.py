@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_cases import TOLERANCE, build_case, case_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attention_cases import TOLERANCE, build_case, case_specs
 from nanoserve.kernels import cpu_attention, cpu_build, cpu_decode_attention, reference
 
 needs_c_kernel = pytest.mark.skipif(not cpu_decode_attention.available(),

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve import device as device_module
 from nanoserve.device import CPU_DTYPE_ENV, resolve_dtype
-from test_invariance import assert_close_greedy
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

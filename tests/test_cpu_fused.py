@@ -12,7 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.kernels import cpu_fused
-from nanoserve.kernels.fused_ops import add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference
+from nanoserve.kernels.fused_ops import (
+    add_rms_norm_reference,
+    rms_norm_reference,
+    rope_reference,
+    silu_and_mul_reference,
+)
 
 pytestmark = pytest.mark.skipif(cpu_fused.cpu_fused_ops() is None,
                                 reason="the C layer ops did not build here (no C compiler?)")

@@ -8,12 +8,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from nanoserve.kernels import cpu_linear
-from nanoserve import LLM, SamplingParams
-from nanoserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
-
 from test_invariance import assert_close_greedy
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import cpu_linear
+from nanoserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_linear.can_pack(torch.zeros(1)), reason="torch built without oneDNN")
 

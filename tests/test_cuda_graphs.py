@@ -12,11 +12,11 @@ import os
 
 import pytest
 import torch
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.model.attention import ForwardContext
 from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
-from test_invariance import assert_close_greedy
 
 MAX_TOKENS = 12
 
@@ -129,8 +129,8 @@ def test_cuda_records_only_a_backend_a_graph_can_capture():
     """torch's attention reads the batch's shape on the host (a capture refuses `.tolist()`): on
     CUDA it runs eagerly, and sizes named for it are refused; Triton's kernels are recorded.
     (graph_sizes only reads the device's type: no GPU is needed.)"""
-    from nanoserve.model.rank import graph_sizes
     from nanoserve.config import EngineArgs
+    from nanoserve.model.rank import graph_sizes
 
     cuda = torch.device("cuda")
     assert graph_sizes(EngineArgs(attention_backend="torch", mixed_graphs=True), cuda, 1) == ((), ())

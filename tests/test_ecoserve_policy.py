@@ -20,21 +20,20 @@ import random
 
 import pytest
 import torch
+from conftest import build_tiny_model
+from kv_harness import HEAD_DIM, HEADS, LAYERS, MockClock, TaggingExecutor
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
+from nanoserve.memory.predictor import OraclePredictor
 from nanoserve.request import Request
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.sched.ecoserve import EcoServeScheduler
-from nanoserve.memory.predictor import OraclePredictor
 from nanoserve.slo import SLO
-
-from conftest import build_tiny_model
-from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, TaggingExecutor
-from test_invariance import assert_close_greedy
 
 BLOCK = 4
 

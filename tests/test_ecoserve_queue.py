@@ -20,20 +20,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_harness import MockClock
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
-from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
-from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.ecoserve import EcoServeScheduler, _is_generation, _lacking
 from nanoserve.sched.ecoserve_queue import TaskQueue, deadline_bucket
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import SLO
-
-from kv_harness import MockClock
 
 BOUNDS = (0.5, 2.0)
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from nanoserve.memory.blocks import NoFreeBlocksError
-from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator
+from nanoserve.memory.exact import ExactAllocator, ExactAllocConfig
 from nanoserve.memory.host import HostKVStore
 
 

@@ -24,6 +24,9 @@ import random
 
 import pytest
 import torch
+from conftest import build_tiny_model
+from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
@@ -32,10 +35,6 @@ from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request
 from nanoserve.sched.fcfs import FCFSScheduler
-
-from conftest import build_tiny_model
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
-from test_invariance import assert_close_greedy
 
 BLOCK = 4
 

@@ -8,8 +8,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
-from nanoserve.memory.blocks import BlockPool
 from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.memory.blocks import BlockPool
 from nanoserve.request import RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import SchedulerOutput

@@ -15,7 +15,10 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 
 from nanoserve.kernels import fused  # noqa: E402  (after the interpreter check)
 from nanoserve.kernels.fused_ops import (  # noqa: E402
-    add_rms_norm_reference, rms_norm_reference, rope_reference, silu_and_mul_reference,
+    add_rms_norm_reference,
+    rms_norm_reference,
+    rope_reference,
+    silu_and_mul_reference,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -97,9 +100,9 @@ def test_silu_and_mul(rows, cols, dtype, seed):
 
 
 def test_each_backend_brings_its_fused_ops_and_the_switch_removes_them():
+    from nanoserve.config import EngineArgs
     from nanoserve.kernels.cpu_fused import cpu_fused_ops
     from nanoserve.model.rank import attention_backend
-    from nanoserve.config import EngineArgs
 
     device = torch.device(DEVICE)
     assert attention_backend(EngineArgs(attention_backend="triton"), device).fused is fused.TRITON_FUSED

@@ -9,8 +9,11 @@ import statistics
 
 import pytest
 import torch
+from conftest import build_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
@@ -20,12 +23,14 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.request import Request
 from nanoserve.sched import make_scheduler
 from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, CostModel
-from nanoserve.sched.kunserve import (KunServeScheduler, bubble_ratio, lookahead_microbatches, microbatch_cost,
-                                      pipeline_time, token_count_microbatches)
-
-from conftest import build_tiny_model
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
-from test_invariance import assert_close_greedy
+from nanoserve.sched.kunserve import (
+    KunServeScheduler,
+    bubble_ratio,
+    lookahead_microbatches,
+    microbatch_cost,
+    pipeline_time,
+    token_count_microbatches,
+)
 
 # One long prompt resuming over a long prefix, then many short prompts (a burst, §4.3).
 SKEWED = [("long", 4000, 1024)] + [(f"short-{i}", 0, 32) for i in range(32)]

@@ -66,6 +66,7 @@ def test_fits_after_preempting_counts_free_blocks_and_the_victims_blocks():
 
 def test_bidirectional_rt_fits_where_free_or_be_only_blocks_can_take_its_pages():
     import torch
+
     from nanoserve.memory.bidirectional import BidirectionalBlockManager
     from nanoserve.memory.bidirectional_kv import BidirectionalKV
     from nanoserve.memory.host import HostKVStore

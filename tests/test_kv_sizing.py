@@ -6,12 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve import LLM, SamplingParams
-from nanoserve import builder
+from nanoserve import LLM, SamplingParams, builder
 from nanoserve.builder import host_kv_blocks, kv_block_bytes
 from nanoserve.config import EngineArgs
-from nanoserve.kv_sizing import (HOST_KV_RAM_FRACTION, MemorySnapshot, check_host_kv_fits, host_kv_tokens_default,
-                                 kv_budget_bytes, profile_batch)
+from nanoserve.kv_sizing import (
+    HOST_KV_RAM_FRACTION,
+    MemorySnapshot,
+    check_host_kv_fits,
+    host_kv_tokens_default,
+    kv_budget_bytes,
+    profile_batch,
+)
 from nanoserve.model.loader import load_config
 from nanoserve.sampling import MAX_LOGPROBS
 

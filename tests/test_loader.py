@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_tiny_model
 
 from nanoserve.model.loader import load_model, parse_config, resolve_model_path
-
-from conftest import build_tiny_model
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4}

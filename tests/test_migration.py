@@ -5,6 +5,7 @@ output unchanged once the K/V blocks are copied, and the simulated migrator
 from __future__ import annotations
 
 import pytest
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import Handover
@@ -13,7 +14,6 @@ from nanoserve.sim.cluster import ClusterConfig, SimCluster
 from nanoserve.sim.migration import MigrationConfig
 from nanoserve.sim.simulation import SimConfig
 from nanoserve.sim.workloads import TraceRequest
-from test_invariance import assert_close_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9] * 21, [300, 20, 5, 17]]

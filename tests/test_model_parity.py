@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_VOCAB, build_tiny_model
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.memory.blocks import BlockPool
@@ -15,8 +16,6 @@ from nanoserve.model.loader import load_model
 from nanoserve.model.runner import ModelRunner
 from nanoserve.request import Request
 from nanoserve.sched import ScheduledChunk, SchedulerOutput
-
-from conftest import TINY_VOCAB, build_tiny_model
 
 PROMPT_LENGTHS = [1, 5, 17, 40]
 

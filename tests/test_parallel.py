@@ -14,21 +14,21 @@ import time
 
 import pytest
 import torch
+from conftest import build_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from test_invariance import assert_close_greedy
 
-from conftest import build_tiny_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.parallel.executor import StepMessage, WorkerFailure
-from nanoserve.model.parallel import TPGroup, kv_head_shard, local_kv_heads
-from nanoserve.model.stages import MissingLayer, partition_layers, stage_layouts
-from nanoserve.parallel.pipeline import split_microbatches
 from nanoserve.memory.copies import KVCopy
 from nanoserve.model.loader import load_model
+from nanoserve.model.parallel import TPGroup, kv_head_shard, local_kv_heads
+from nanoserve.model.stages import MissingLayer, partition_layers, stage_layouts
+from nanoserve.parallel.executor import StepMessage, WorkerFailure
+from nanoserve.parallel.pipeline import split_microbatches
 from nanoserve.request import Request
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
-from test_invariance import assert_close_greedy
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [300, 20, 5]]
@@ -186,8 +186,8 @@ def test_more_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypatch, 
     """NCCL runs one rank per GPU; on a one-GPU machine a TP/PP engine is refused up front (no
     GPU needed: the check reads only the device count)."""
     from nanoserve import builder
-    from nanoserve.model.rank import RankPlan
     from nanoserve.config import Topology
+    from nanoserve.model.rank import RankPlan
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("RANK", raising=False)
@@ -278,9 +278,10 @@ def test_kunserve_feeds_the_pipeline_its_lookahead_microbatches(tiny_dirs):
 def test_host_copies_run_on_every_stage(tiny_dirs, policy, kwargs, fired):
     """Managers that move K/V to the host (BROS's overwritten slots, ConServe's checkpoints)
     send their copies with the step; each stage runs them for its own layers."""
-    from test_bros_policy import LENGTHS, MAX_TOKENS, PARAMS as MIXED, PRIORITIES
-
     import random
+
+    from test_bros_policy import LENGTHS, MAX_TOKENS, PRIORITIES
+    from test_bros_policy import PARAMS as MIXED
 
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in LENGTHS]
@@ -302,6 +303,7 @@ def test_layer_wise_preemption_stops_every_tensor_parallel_rank_at_the_same_laye
     """ConServe §4.3/§5 under TP: only rank 0 is asked to stop; the barrier at each safe point
     makes the worker stop at the same layer, so no collective is left waiting."""
     from conftest import _tiny_config
+
     from nanoserve.slo import SLO
 
     model_cls, config = _tiny_config("llama")

@@ -16,18 +16,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_harness import HEAD_DIM, HEADS, LAYERS, MockClock, TaggingExecutor
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
+from nanoserve.executor import ExecutorOutput
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.host import HostKVStore
-from nanoserve.executor import ExecutorOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import POLICY_MEMORY, SCHEDULERS, SchedulerOutput, make_scheduler
 from nanoserve.sched.cost_model import DEFAULT_COST_MODEL
 from nanoserve.slo import SLO
-
-from kv_harness import HEADS, HEAD_DIM, LAYERS, MockClock, TaggingExecutor
 
 BLOCK = 4
 # Every policy over its own KV manager, and the papers' baselines over vLLM's swap preemption.

@@ -16,12 +16,21 @@ from nanoserve.config import SchedulerConfig
 from nanoserve.memory import KVBuildContext, make_kv_manager
 from nanoserve.memory.exact_kv import build
 from nanoserve.memory.host import HostKVStore
+from nanoserve.memory.predictor import (
+    PAPER_PREDICTION_ERROR,
+    BucketQuantileConfig,
+    BucketQuantilePredictor,
+    LengthPredictor,
+    NoisyOraclePredictor,
+    OraclePredictor,
+    PredictionError,
+    PredictorAccuracy,
+    prompt_bucket,
+    quantile,
+)
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.fcfs import FCFSScheduler
-from nanoserve.memory.predictor import (PAPER_PREDICTION_ERROR, BucketQuantileConfig, BucketQuantilePredictor,
-                                       LengthPredictor, NoisyOraclePredictor, OraclePredictor, PredictionError,
-                                       PredictorAccuracy, prompt_bucket, quantile)
 from nanoserve.sim.workloads import LENGTHS
 
 _ids = iter(range(10**9))
@@ -286,6 +295,7 @@ def test_a_learned_prediction_sizes_admission_through_the_fcfs_scheduler():
 def test_the_engine_teaches_an_online_predictor_through_exact_kv(tmp_path):
     """Finished requests reach `observe`: the predictor learns lengths from real serving."""
     from conftest import build_tiny_model
+
     from nanoserve import LLM
 
     build_tiny_model("llama", tmp_path)

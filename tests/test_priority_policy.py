@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 
 import torch
+from conftest import build_tiny_model
+from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
@@ -12,10 +15,6 @@ from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
 from nanoserve.sched import make_scheduler
-
-from conftest import build_tiny_model
-from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
-from test_invariance import assert_close_greedy
 
 
 def test_online_arrival_preempts_offline_work_at_once():

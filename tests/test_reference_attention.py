@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
+from attention_cases import TOLERANCE, build_case, case_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_cases import TOLERANCE, build_case, case_specs
 from nanoserve.kernels.reference import paged_attention, store_kv
 
 SPECS = case_specs(block_sizes=(1, 4, 8, 16), head_dims=(4, 8), groups=(1, 3),

@@ -8,8 +8,8 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from kv_harness import HEAD_DIM, HEADS, LAYERS, TaggingExecutor
+
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import TINY_VOCAB, backend_device, build_tiny_model
 
 from nanoserve import SamplingParams
 from nanoserve.memory.host import HostKVStore, KVCopy
@@ -14,8 +15,6 @@ from nanoserve.model.loader import load_model
 from nanoserve.model.runner import ModelRunner
 from nanoserve.request import Request
 from nanoserve.sched import ScheduledChunk, SchedulerOutput
-
-from conftest import TINY_VOCAB, backend_device, build_tiny_model
 
 BLOCK = 4
 BACKENDS = ["torch"] + (["triton"] if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else [])

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.sampling import SamplingParams
 from nanoserve.model.sampler import _apply_top_k_top_p, sample
+from nanoserve.sampling import SamplingParams
 
 
 def draw(logits, params, generators=None, seed=0):

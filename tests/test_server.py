@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
-
 from server_fixtures import LiveServer, server  # noqa: F401  (the module-scoped fixture)
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]

@@ -12,7 +12,6 @@ import re
 import httpx
 import pytest
 from openai import OpenAI, RateLimitError
-
 from server_fixtures import LiveServer, leaks, live_server
 
 MAX_QUEUED = 2

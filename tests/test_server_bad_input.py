@@ -9,7 +9,6 @@ import json
 
 import httpx
 import pytest
-
 from server_fixtures import MAX_MODEL_LEN, LiveServer, server  # noqa: F401  (the module-scoped fixture)
 
 CHAT = "/v1/chat/completions"

@@ -16,11 +16,11 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from server_fixtures import LiveServer, leaks, live_server
 
 from nanoserve.server.batch_store import BatchStore, ResultLog
 from nanoserve.server.batches import BatchService, CreateBatch
 from nanoserve.server.errors import APIError
-from server_fixtures import LiveServer, leaks, live_server
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "The color of the sky is",
            "Water boils at", "My favourite fruit is"]

@@ -17,9 +17,9 @@ import random
 
 import httpx
 import pytest
+from server_fixtures import LiveServer, leaks, live_server, near_tie_equal
 
 from nanoserve.sched import SCHEDULERS
-from server_fixtures import LiveServer, leaks, live_server, near_tie_equal
 
 CLIENTS = 200
 HANG_UPS = CLIENTS // 4

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from nanoserve.server.batch_store import BatchStore
 from serve_process import Serve, require_embedded_model
 from server_fixtures import near_tie_equal
+
+from nanoserve.server.batch_store import BatchStore
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "The color of the sky is",
            "Water boils at"]

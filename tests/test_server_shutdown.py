@@ -10,7 +10,6 @@ import threading
 
 import httpx
 import pytest
-
 from serve_process import Serve, require_embedded_model
 
 pytestmark = pytest.mark.slow

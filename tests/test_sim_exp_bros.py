@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from experiments import ExperimentResult
-from experiments.bros import (BROS, FCFS, POLICIES, RR, SETUPS, VLLM_V0, ablation_variants,
-                                            be_busy_seconds, run)
+from experiments.bros import BROS, FCFS, POLICIES, RR, SETUPS, VLLM_V0, ablation_variants, be_busy_seconds, run
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,19 @@ from __future__ import annotations
 import pytest
 
 from experiments import ExperimentResult
-from experiments.conserve import (BASELINES, CONSERVE, FIG5, FIG78, ONLINE_ONLY, SETUPS, VLLMPP,
-                                               VLLMPP_SELECTIVE, offline_pool_size, run, run_label)
+from experiments.conserve import (
+    BASELINES,
+    CONSERVE,
+    FIG5,
+    FIG78,
+    ONLINE_ONLY,
+    SETUPS,
+    VLLMPP,
+    VLLMPP_SELECTIVE,
+    offline_pool_size,
+    run,
+    run_label,
+)
 
 PARTS = {part.figure: part for part in SETUPS["ci"].parts}
 

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
+from experiments import run_experiment
+from experiments.report import save_plots
 from nanoserve import SamplingParams
 from nanoserve.cluster.cluster import ThrottleMonitor
 from nanoserve.sim.cluster import ClusterConfig, SimCluster, simulate_cluster
 from nanoserve.sim.cluster_layout import StagePipeline
-from experiments import run_experiment
-from experiments.report import save_plots
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import summarize
 from nanoserve.sim.models import ModelCost, model

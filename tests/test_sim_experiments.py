@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from experiments import EXPERIMENTS, Comparison, ExperimentResult, run_experiment
-from experiments.baselines import BASELINES, FASTGEN, ORCA, markdown
 from experiments import ecoserve as ecoserve_experiment
+from experiments.baselines import BASELINES, FASTGEN, ORCA, markdown
 from experiments.ecoserve import sustained_rate
 from experiments.report import comparison_table, format_report, save_json
 
@@ -190,9 +190,9 @@ def test_all_runs_on_conserves_setup_host_memory_included():
     swapped-out and checkpointed KV (left out, the policies with a host store got one the size
     of the device's KV, which BROS filled; RESULTS.md, issue 20)."""
     from experiments import conserve, mixed
-    from nanoserve.sim.roofline import Roofline
     from nanoserve.sim.hardware import gpu
     from nanoserve.sim.models import model
+    from nanoserve.sim.roofline import Roofline
     from nanoserve.sim.simulation import kv_blocks
     setup = conserve.SETUPS["paper"]
     assert (mixed.BASE.gpu, mixed.BASE.model) == (setup.gpu, setup.model)

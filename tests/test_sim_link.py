@@ -13,11 +13,11 @@ from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
+from nanoserve.sim import simulation
 from nanoserve.sim.executor import SimExecutor, VirtualClock
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.models import model
 from nanoserve.sim.roofline import Roofline
-from nanoserve.sim import simulation
 from nanoserve.sim.simulation import SimConfig, simulate
 from nanoserve.sim.workloads import TraceRequest
 

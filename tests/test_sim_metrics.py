@@ -8,8 +8,17 @@ import statistics
 
 import pytest
 
-from nanoserve.sim.metrics import (Summary, downsample, kv_usage_summary, markdown_table, percentile, plot,
-                                   slugify, summarize, to_json)
+from nanoserve.sim.metrics import (
+    Summary,
+    downsample,
+    kv_usage_summary,
+    markdown_table,
+    percentile,
+    plot,
+    slugify,
+    summarize,
+    to_json,
+)
 from nanoserve.sim.simulation import RequestRecord, SimConfig, SimResult, simulate
 from nanoserve.sim.workloads import TraceRequest
 from nanoserve.slo import SLO

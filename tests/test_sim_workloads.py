@@ -11,11 +11,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.sim.workloads import (BROS_BE, CONSERVE, LENGTHS, SHAREGPT_ECOSERVE, LengthDist,
-                                     TraceRequest, burst_windows, bursty_arrivals,
-                                     clipped_lognormal_mean, gamma_arrivals, make_trace,
-                                     merge_traces, on_off_arrivals, poisson_arrivals, replay_csv,
-                                     save_csv, solve_mu)
+from nanoserve.sim.workloads import (
+    BROS_BE,
+    CONSERVE,
+    LENGTHS,
+    SHAREGPT_ECOSERVE,
+    LengthDist,
+    TraceRequest,
+    burst_windows,
+    bursty_arrivals,
+    clipped_lognormal_mean,
+    gamma_arrivals,
+    make_trace,
+    merge_traces,
+    on_off_arrivals,
+    poisson_arrivals,
+    replay_csv,
+    save_csv,
+    solve_mu,
+)
 
 
 def _gaps(arrivals: list[float]) -> list[float]:

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model_parity import assert_logits_close, nanoserve_prompt_logits
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.tokenizer import Tokenizer
-
-from test_model_parity import assert_logits_close, nanoserve_prompt_logits
 
 PROMPTS = [
     "The capital of France is",

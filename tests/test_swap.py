@@ -10,6 +10,9 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_harness import HEAD_DIM, HEADS, LAYERS, StandInStream, TaggingExecutor, serve_random_requests
+from mixed_greedy import MAX_TOKENS, PARAMS, PRIORITIES, PROMPTS, llama_dir, reference  # noqa: F401 (fixtures)
+from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import SchedulerConfig
@@ -21,10 +24,6 @@ from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.swap import SwapKV
 from nanoserve.request import Request
 from nanoserve.sched import make_scheduler
-
-from kv_harness import HEAD_DIM, HEADS, LAYERS, StandInStream, TaggingExecutor, serve_random_requests
-from mixed_greedy import MAX_TOKENS, PARAMS, PRIORITIES, PROMPTS, llama_dir, reference  # noqa: F401 (fixtures)
-from test_invariance import assert_close_greedy
 
 B = 4
 NAMES = [f"r{i}" for i in range(5)]

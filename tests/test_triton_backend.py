@@ -7,12 +7,11 @@ import os
 
 import pytest
 import torch
+from test_invariance import assert_close_greedy
+from test_model_parity import prompts
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.model.attention import default_attention_backend, get_attention_backend
-
-from test_invariance import assert_close_greedy
-from test_model_parity import prompts
 
 # The Triton kernels run compiled on a GPU, interpreted on the CPU; fp32 either way, so that
 # greedy tokens can be compared exactly with HF on the CPU.

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from attention_cases import TOLERANCE, CaseSpec, SeqSpec, build_case, case_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_cases import TOLERANCE, CaseSpec, SeqSpec, build_case, case_specs
 from nanoserve.kernels import reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

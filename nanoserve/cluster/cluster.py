@@ -29,9 +29,10 @@ import secrets
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection, Listener
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,8 +44,8 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.slo import RequestClass
 
 if TYPE_CHECKING:
-    from nanoserve.config import EngineArgs
     from nanoserve.cluster.regroup import LayoutChange
+    from nanoserve.config import EngineArgs
 
 
 class Dispatcher:

@@ -50,9 +50,9 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Iterable, Mapping, Sequence
 
 HOST = -1  # a pull's source when no live instance holds the layers: the host DRAM/SSD copy
 

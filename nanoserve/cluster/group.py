@@ -26,23 +26,23 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanoserve.parallel import p2p
 from nanoserve.cluster.drop_plan import Group
-from nanoserve.parallel.executor import StepMessage
-from nanoserve.model.causal_lm import CausalLM
-from nanoserve.model.stages import MissingLayer
-from nanoserve.parallel.pipeline import run_stage
 from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.runner import ModelRunner
+from nanoserve.model.stages import MissingLayer
+from nanoserve.parallel import p2p
+from nanoserve.parallel.executor import StepMessage
+from nanoserve.parallel.pipeline import run_stage
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
-
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ receiver scatters each chunk where the list says.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 

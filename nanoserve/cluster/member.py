@@ -30,13 +30,13 @@ copy and recomputes its requests: their KV for the peer's layers died with the p
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from nanoserve.cluster.group import GroupExecutor, GroupLayout, StageModules
 from nanoserve.cluster.drop_plan import Group
+from nanoserve.cluster.group import GroupExecutor, GroupLayout, StageModules
 from nanoserve.cluster.kv_exchange import KVMove, block_bytes, chunk_moves, recv_chunk, send_chunk
 from nanoserve.engine import Engine
 from nanoserve.memory.arena_kv import ArenaKV

@@ -18,8 +18,9 @@ at once: the exchange phase needs that, as members send to and receive from each
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from nanoserve.cluster.drop_plan import Group, plan_drop, plan_restore
 from nanoserve.cluster.group import GroupLayout

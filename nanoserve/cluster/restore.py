@@ -25,7 +25,8 @@ copy, not a peer (the paper pulls from peers "whenever possible").
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from nanoserve.cluster.drop_plan import Group
 from nanoserve.cluster.regroup import CallAll, expect_replies

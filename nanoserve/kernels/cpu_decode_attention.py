@@ -18,7 +18,7 @@ backend keeps its SDPA path. The results equal the reference's to fp32 rounding
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ class _DecodeArgs(ctypes.Structure):
     ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _library() -> ctypes.CDLL | None:
     signature = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 4
     return cpu_build.load(SOURCE, {"decode_attention_f32": signature, "decode_attention_bf16": signature})

@@ -21,14 +21,18 @@ fp32 rounding (tests/test_cpu_fused.py).
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
 
 from nanoserve.kernels import cpu_build
 from nanoserve.kernels.fused_ops import (
-    FusedOps, add_rms_norm_reference, rms_norm_reference, rope_reference, rope_store_reference,
+    FusedOps,
+    add_rms_norm_reference,
+    rms_norm_reference,
+    rope_reference,
+    rope_store_reference,
     silu_and_mul_reference,
 )
 
@@ -43,7 +47,7 @@ _SIGNATURES = {
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _library() -> ctypes.CDLL | None:
     return cpu_build.load(SOURCE, {f"{name}_{suffix}": types for name, types in _SIGNATURES.items()
                                    for suffix in _SUFFIX.values()})

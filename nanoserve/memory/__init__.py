@@ -11,8 +11,9 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from nanoserve.config import ModelConfig
 from nanoserve.memory.host import HostKVStore

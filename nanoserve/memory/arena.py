@@ -59,14 +59,21 @@ Invariants (checked by `check_invariants`):
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from nanoserve.memory.arena_layout import (
-    SHARED, ArenaConfig, PageRuns, assert_tiles, check_restore_source, combine, fingerprint, plan_weights,
+    SHARED,
+    ArenaConfig,
+    PageRuns,
+    assert_tiles,
+    check_restore_source,
+    combine,
+    fingerprint,
+    plan_weights,
 )
 from nanoserve.memory.blocks import NoFreeBlocksError
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
 
 import torch
 

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from nanoserve.memory.bidirectional_blocks import BidirectionalBlocks
 from nanoserve.memory.bidirectional_growth import FastGrowth
-from nanoserve.memory.bidirectional_index import (NOBODY, DropResult, HostLedger, PageKey, PreemptedPage, SeqId,
-                                                  SeqState)
+from nanoserve.memory.bidirectional_index import NOBODY, DropResult, HostLedger, PageKey, PreemptedPage, SeqId, SeqState
 from nanoserve.memory.bidirectional_placement import Placement
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.host import HostKVStore, KVCopy

@@ -40,8 +40,19 @@ import copy
 from collections import Counter, defaultdict
 from typing import cast
 
-from nanoserve.memory.bidirectional_index import (FREE, NOBODY, BlockIndex, CopyOnRead, HostLedger, PageKey,
-                                                  PreemptedPage, SeqId, SeqState, clone_entry, clone_state)
+from nanoserve.memory.bidirectional_index import (
+    FREE,
+    NOBODY,
+    BlockIndex,
+    CopyOnRead,
+    HostLedger,
+    PageKey,
+    PreemptedPage,
+    SeqId,
+    SeqState,
+    clone_entry,
+    clone_state,
+)
 from nanoserve.memory.host import HostKVStore
 
 

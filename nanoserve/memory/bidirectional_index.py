@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.host import KVCopy

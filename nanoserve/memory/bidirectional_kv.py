@@ -28,7 +28,8 @@ used here, since the scheduler picks victims.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, cast
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.host import HostKVStore, KVCopy

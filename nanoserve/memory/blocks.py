@@ -23,7 +23,7 @@ Invariants (checked by `check_invariants`):
 """
 from __future__ import annotations
 
-from typing import Collection, Hashable, Iterable
+from collections.abc import Collection, Hashable, Iterable
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -64,8 +64,8 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence
 
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore, KVCopy

@@ -35,8 +35,9 @@ every step and learns, in issue order, what landed since, running the actions it
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Literal
+from typing import Any, Literal
 
 _tickets = itertools.count()
 # The order a group's copies run in: saves first, so one step can checkpoint a slot, then refill it.

@@ -65,8 +65,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 from nanoserve.config import EngineArgs
 from nanoserve.memory.blocks import NoFreeBlocksError

@@ -40,10 +40,11 @@ so the scheduler reads the new value when it gets to it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from nanoserve.memory.blocks import NoFreeBlocksError
-from nanoserve.memory.exact import ExactAllocConfig, ExactAllocator
+from nanoserve.memory.exact import ExactAllocator, ExactAllocConfig
 from nanoserve.memory.host import KVCopy
 from nanoserve.memory.manager import KVManager
 from nanoserve.memory.predictor import LengthPredictor, as_length_predictor

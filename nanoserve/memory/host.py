@@ -47,14 +47,15 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any
 
 import torch
 
+from nanoserve.device import to_device
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.copies import ISSUE_ORDER, LANDED_NOW, InflightCopies, KVCopy
-from nanoserve.device import to_device
 
 __all__ = ["HostKVStore", "KVCopy", "LayerEvents"]
 

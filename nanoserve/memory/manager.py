@@ -25,7 +25,7 @@ interface, such as `MemoryArena`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable
+from collections.abc import Iterable
 
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore, KVCopy

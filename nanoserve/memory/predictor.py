@@ -56,8 +56,9 @@ import random
 import zlib
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from nanoserve.request import Request

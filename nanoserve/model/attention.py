@@ -7,8 +7,9 @@ built by the runner; the model never knows which policy or allocator produced it
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -7,7 +7,8 @@ so nothing outside an architecture's file knows which one it is.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Callable, ClassVar, Iterable
+from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn

@@ -48,12 +48,12 @@ runs the forward over the same static buffers and padding.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.attention import AttentionBackend, ForwardContext
+from nanoserve.model.causal_lm import CausalLM
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:

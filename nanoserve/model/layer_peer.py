@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn

@@ -8,23 +8,35 @@ Qwen2 and Qwen3 differ from Llama in a flag or a hook and subclass these classes
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.config import ModelConfig
-from nanoserve.model.parallel import (
-    SINGLE, ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, divide, even_shard, local_kv_heads,
-    qkv_shards,
-)
 from nanoserve.model.attention import ForwardContext, PagedAttention
 from nanoserve.model.causal_lm import CausalLM, DecoderBody
-from nanoserve.model.stages import MissingLayer
 from nanoserve.model.layers import (
-    LLAMA_STACKED, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights,
+    LLAMA_STACKED,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    load_named_weights,
 )
+from nanoserve.model.parallel import (
+    SINGLE,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    divide,
+    even_shard,
+    local_kv_heads,
+    qkv_shards,
+)
+from nanoserve.model.stages import MissingLayer
 
 
 class LlamaAttention(nn.Module):

@@ -12,19 +12,20 @@ initialisation that the checkpoint would overwrite.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from nanoserve.config import ModelConfig
 from nanoserve.model.causal_lm import CausalLM
-from nanoserve.model.parallel import SINGLE, TPGroup
-from nanoserve.model.stages import StageLayout, keep_stage
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.opt import OPTForCausalLM
+from nanoserve.model.parallel import SINGLE, TPGroup
 from nanoserve.model.qwen2 import Qwen2ForCausalLM
 from nanoserve.model.qwen3 import Qwen3ForCausalLM
+from nanoserve.model.stages import StageLayout, keep_stage
 
 MODEL_CLASSES: dict[str, tuple[str, type[CausalLM]]] = {
     "LlamaForCausalLM": ("llama", LlamaForCausalLM),

@@ -9,21 +9,27 @@ How it differs from Llama, following `transformers`' OPTForCausalLM:
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.config import ModelConfig
-from nanoserve.model.parallel import (
-    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, divide,
-    qkv_shards,
-)
 from nanoserve.model.attention import ForwardContext, PagedAttention
 from nanoserve.model.causal_lm import CausalLM, DecoderBody
-from nanoserve.model.stages import MissingLayer
 from nanoserve.model.layers import MergedLinear, load_named_weights
+from nanoserve.model.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    divide,
+    qkv_shards,
+)
+from nanoserve.model.stages import MissingLayer
 
 POSITION_OFFSET = 2
 OPT_STACKED = [("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2)]

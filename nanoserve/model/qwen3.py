@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from nanoserve.config import ModelConfig
-from nanoserve.model.parallel import SINGLE, TPGroup
 from nanoserve.model.layers import RMSNorm
 from nanoserve.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from nanoserve.model.parallel import SINGLE, TPGroup
 
 
 class Qwen3Attention(LlamaAttention):

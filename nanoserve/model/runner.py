@@ -35,15 +35,14 @@ step's draws, so nothing waits for the host to learn the token:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
 
 import torch
 
 from nanoserve.config import EngineArgs, ModelConfig
+from nanoserve.device import to_device
 from nanoserve.executor import Executor, ExecutorOutput
-from nanoserve.preemption import ForwardPreempted, PreemptionFlag
-from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
@@ -51,9 +50,10 @@ from nanoserve.model.block_table import BlockTableRows
 from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import LayerPeer
-from nanoserve.request import Request
-from nanoserve.device import to_device
+from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.model.sampler import DrawsOnDevice, sample_on_device
+from nanoserve.preemption import ForwardPreempted, PreemptionFlag
+from nanoserve.request import Request
 from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import RequestClass
 

@@ -6,9 +6,9 @@ import sys
 
 import torch
 
+from nanoserve.config import Topology
 from nanoserve.parallel.launch import exit_with_parent
 from nanoserve.parallel.worker import run_worker
-from nanoserve.config import Topology
 
 rank, tp_size, pp_size, device, init_method, parent_pid = sys.argv[1:7]
 exit_with_parent(int(parent_pid))

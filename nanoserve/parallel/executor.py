@@ -24,18 +24,19 @@ micro-batch and runs stage 0 on it, `collect` takes back the oldest one's logits
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
-from nanoserve.parallel.channel import StepChannel
-from nanoserve.parallel.launch import WorkerPool, stop_driver
 from nanoserve.config import Topology
-from nanoserve.parallel.pipeline import PipelineStage, split_microbatches
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.memory.host import KVCopy
 from nanoserve.model.runner import ModelRunner
-from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.parallel.channel import StepChannel
+from nanoserve.parallel.launch import WorkerPool, stop_driver
+from nanoserve.parallel.pipeline import PipelineStage, split_microbatches
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.slo import RequestClass
 

@@ -35,7 +35,6 @@ from nanoserve.parallel import p2p
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 
 
-
 def split_microbatches(chunks: list[ScheduledChunk], count: int) -> list[list[ScheduledChunk]]:
     """Token-count chunking: `count` micro-batches of as equal token counts as possible, in
     order, cutting a chunk where a boundary falls inside it (only its last piece samples)."""

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
 from nanoserve.sched.base import Scheduler
-from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.cost_model import CostModel
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 
 # name -> "module:class", imported on first use.
 SCHEDULERS: dict[str, str] = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool

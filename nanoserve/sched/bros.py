@@ -91,7 +91,8 @@ Our additions, which the paper does not have:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
 
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import Scheduler

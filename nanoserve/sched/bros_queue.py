@@ -29,7 +29,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import Any, Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
+from typing import Any
 
 from nanoserve.request import Request
 from nanoserve.sched.bros_batch import INF, is_rt

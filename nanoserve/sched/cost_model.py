@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -116,7 +116,7 @@ class CostModel:
         """Predicted seconds for a scheduled step (its KV copies are not modelled)."""
         return self.predict(batch_of(output))
 
-    def scaled(self, factor: float) -> "CostModel":
+    def scaled(self, factor: float) -> CostModel:
         """Every coefficient times `factor` (the model is linear: every prediction scales)."""
         return CostModel(**{name: getattr(self, name) * factor for name in FEATURES})
 
@@ -125,7 +125,7 @@ class CostModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, float]) -> "CostModel":
+    def from_dict(cls, data: dict[str, float]) -> CostModel:
         return cls(**{name: float(data[name]) for name in FEATURES})
 
     def save(self, path: str | Path, **extra) -> None:
@@ -133,7 +133,7 @@ class CostModel:
         Path(path).write_text(json.dumps({"coefficients": self.to_dict(), **extra}, indent=1))
 
     @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
+    def load(cls, path: str | Path) -> CostModel:
         return cls.from_dict(json.loads(Path(path).read_text())["coefficients"])
 
 
@@ -148,7 +148,7 @@ class Sample:
         return {"batch": [list(c) for c in self.batch], "seconds": self.seconds}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Sample":
+    def from_dict(cls, data: dict) -> Sample:
         return cls(tuple((int(p), int(c)) for p, c in data["batch"]), float(data["seconds"]))
 
 

@@ -65,16 +65,16 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_right
-from typing import Callable
+from collections.abc import Callable
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import Scheduler
-from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.sched.ecoserve_queue import TaskQueue, deadline_bucket
+from nanoserve.sched.output import SchedulerOutput
 
 
 def _lacking(request: Request) -> int:

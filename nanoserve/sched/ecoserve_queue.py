@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right, insort
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 from nanoserve.request import Request
 

@@ -64,16 +64,16 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_right
+from collections.abc import Callable, Hashable, Sequence
 from itertools import islice
-from typing import Callable, Hashable, Sequence
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import KVManager
 from nanoserve.request import Request
-from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
-from nanoserve.sched.fcfs import FCFSScheduler
 from nanoserve.sched.cost_model import CostModel
+from nanoserve.sched.fcfs import FCFSScheduler
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 
 # One piece of queued work: request `id` still lacks tokens [start, start + num_tokens); the
 # first `start` tokens are its prefix (already cached, or in an earlier micro-batch).

@@ -18,7 +18,8 @@ Offline work gets what online work leaves: there is no SLO model here (that is C
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 from nanoserve.request import Request
 from nanoserve.sched.base import Scheduler

@@ -19,10 +19,11 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse

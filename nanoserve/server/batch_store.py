@@ -26,8 +26,9 @@ import secrets
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 def new_id(prefix: str) -> str:
@@ -92,7 +93,7 @@ class ResultLog:
         self._file: Any = None
 
     @classmethod
-    def open(cls, path: Path) -> "ResultLog":
+    def open(cls, path: Path) -> ResultLog:
         """Read what a previous run wrote: whole lines are kept (the first one per custom_id);
         a torn last line (no newline, or not JSON) is dropped and cut off the file."""
         log = cls(path)

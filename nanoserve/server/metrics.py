@@ -18,8 +18,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from nanoserve.engine import EngineStats
 from nanoserve.outputs import RequestOutput

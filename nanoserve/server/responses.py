@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from nanoserve.outputs import RequestOutput
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from nanoserve.async_engine import AsyncEngine, EngineError
 from nanoserve.outputs import RequestOutput
@@ -83,7 +83,7 @@ class Launch:
                 try:
                     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                     index, item = await asyncio.wait_for(self._queue.get(), timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise APIError("The request timed out before it finished; its generation was stopped.",
                                    408, code="request_timeout") from None
                 if isinstance(item, BaseException):

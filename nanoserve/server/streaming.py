@@ -5,8 +5,9 @@ non-streaming generation nobody will read.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from nanoserve.cluster.cluster import Dispatcher, ThrottleMonitor
-from nanoserve.cluster.load import InstanceLoad
 from nanoserve.cluster.instance import load_of
+from nanoserve.cluster.load import InstanceLoad
 from nanoserve.cluster.regroup import LayoutChange, Regrouper
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
@@ -54,7 +54,6 @@ from nanoserve.sim.migration import LlumnixMigrator, MigrationConfig
 from nanoserve.sim.models import ModelCost
 from nanoserve.sim.simulation import MAX_IDLE_STEPS, RequestRecord, SimConfig, SimResult, build
 from nanoserve.sim.workloads import TraceRequest
-
 
 DEMAND_POINTS = 5000  # kv_demand_series samples kept per run
 

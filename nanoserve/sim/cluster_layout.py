@@ -38,21 +38,20 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nanoserve.builder import pipeline_microbatches
-from nanoserve.config import EngineArgs
 from nanoserve.cluster.drop_plan import Group
 from nanoserve.cluster.group import GroupLayout
 from nanoserve.cluster.member import Manifest, Relayout
-from nanoserve.parallel.pipeline import split_microbatches
+from nanoserve.config import EngineArgs
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.manager import PagedKV
+from nanoserve.parallel.pipeline import split_microbatches
 from nanoserve.request import Request
 from nanoserve.sched.output import SchedulerOutput
-
 from nanoserve.sim.executor import SimExecutor, VirtualClock
 from nanoserve.sim.models import BYTES, ModelCost
 from nanoserve.sim.roofline import Roofline

@@ -68,16 +68,16 @@ installed or a stop is pending): otherwise the forward is one roofline call.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Mapping
 
 from nanoserve.config import EngineArgs
+from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.memory.copies import ISSUE_ORDER
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.preemption import ForwardPreempted, PreemptionFlag
-from nanoserve.executor import Executor, ExecutorOutput
-from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sched.cost_model import CostModel, batch_of
+from nanoserve.sched.output import SchedulerOutput
 from nanoserve.sim.roofline import Roofline
 from nanoserve.slo import RequestClass
 

@@ -16,9 +16,10 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from nanoserve.sim.simulation import RequestRecord, SimResult
 from nanoserve.slo import PRIORITIES, RequestClass

@@ -32,8 +32,9 @@ copy of at most 16 blocks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING
 
 from nanoserve.cluster.instance import load_of
 

@@ -42,8 +42,9 @@ import bisect
 import math
 import os
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

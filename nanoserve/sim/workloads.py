@@ -17,10 +17,10 @@ import csv
 import math
 import os
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from itertools import count, takewhile
-from typing import Callable, Iterator
 
 from nanoserve.slo import PRIORITIES, RequestClass
 
@@ -200,7 +200,7 @@ def clipped_lognormal_mean(mu: float, sigma: float, lo: float, hi: float) -> flo
     return lo * below + hi * above + inside
 
 
-@lru_cache(maxsize=None)
+@cache
 def solve_mu(target: float, sigma: float, lo: float, hi: float) -> float:
     """The mu whose lognormal, clipped to [lo, hi], has mean `target` (bisection: the clipped
     mean rises monotonically from lo to hi as mu grows). Cached: each distribution solves once."""

@@ -32,8 +32,8 @@ from nanoserve.model.runner import ModelRunner
 from nanoserve.request import Request
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import POLICY_MEMORY
-from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.cost_model import Batch, CostModel, FitReport, Sample, evaluate, fit
+from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.sched.profile_grid import FULL, QUICK, Grid, synthetic_batches
 
 
