@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test bench clean
+.PHONY: install model serve test lint bench clean
 
 install: $(VENV)/.installed
 
@@ -25,13 +25,19 @@ model: install
 	$(PY) -m nanoserve.model.gguf
 
 serve: model
-	$(PY) examples/serve.py $(SERVE_ARGS)
+	$(VENV)/bin/nanoserve serve $(SERVE_ARGS)
 
-test: model
+# The checks CI runs before the suite: lint and import order, types, and the floor plan.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: model lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: model
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache

@@ -120,7 +120,8 @@ def run(shapes: list[Shape], batches: tuple[int, ...], library: str, dtype: torc
                 moved = (shape.n * shape.k + m * (shape.n + shape.k)) * dtype.itemsize
                 floor = None if gbs is None else moved / (gbs * 1e9) * 1e6
                 rows.append(Row(shape.name, library, m, shape.n, shape.k, round(us, 2),
-                                None if floor is None else round(floor, 2), None if floor is None else round(floor / us, 3)))
+                                None if floor is None else round(floor, 2),
+                                None if floor is None else round(floor / us, 3)))
     finally:
         if device.type == "cuda":
             torch.backends.cuda.preferred_blas_library("cublas")  # PyTorch's default

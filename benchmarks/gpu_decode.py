@@ -261,7 +261,8 @@ def serve(args) -> dict:
     start = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype="bfloat16", enforce_eager=args.eager,
               async_scheduling=args.async_scheduling, mixed_graphs=args.mixed_graphs,
-              kv_cache_tokens=args.kv_cache_tokens, **graph_stand_in(args, EngineArgs.max_num_seqs, EngineArgs.max_num_batched_tokens))
+              kv_cache_tokens=args.kv_cache_tokens,
+              **graph_stand_in(args, EngineArgs.max_num_seqs, EngineArgs.max_num_batched_tokens))
     startup = time.perf_counter() - start
     graphs = llm.engine.executor.graphs
     stats = llm.engine.stats()

@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--throughput-models", default="smollm2-135m,llama-1b")
     parser.add_argument("--decode-models", default="llama-1b,smollm2-135m")
     # A lease is 15 minutes of device time, the machine's start included.
-    parser.add_argument("--minutes", type=float, default=10.0, help="every step ends by then (each has its own limit too)")
+    parser.add_argument("--minutes", type=float, default=10.0,
+                        help="every step ends by then (each has its own limit too)")
     return parser
 
 

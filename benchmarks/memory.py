@@ -304,7 +304,10 @@ def pool_blocks(workload: Workload, exact: ExactAllocConfig, headroom: float = 1
     """Blocks for the running set's exact reservations (the largest footprint of all the
     allocators), plus exact's reserved pool and `headroom`."""
     arrivals = workload.arrivals()
-    reserve = lambda s: -(-(s.prompt + s.predicted + math.ceil(s.predicted * exact.padding_ratio)) // exact.block_size)
+
+    def reserve(s: SeqSpec) -> int:
+        return -(-(s.prompt + s.predicted + math.ceil(s.predicted * exact.padding_ratio)) // exact.block_size)
+
     footprint = sum(reserve(next(arrivals)[0]) for _ in range(workload.running))
     return math.ceil(headroom * footprint / (1 - exact.reserved_fraction))
 
@@ -314,7 +317,10 @@ ALLOCATORS = ("paged", "exact", "bidirectional", "checkpoint", "arena")
 
 def make_allocator(name: str, workload: Workload, num_blocks: int) -> Allocator:
     B = workload.block_size
-    host = lambda: HostKVStore(num_blocks, B, 1, 1, 1, torch.float32, pin_memory=False)  # bookkeeping only
+
+    def host() -> HostKVStore:  # bookkeeping only
+        return HostKVStore(num_blocks, B, 1, 1, 1, torch.float32, pin_memory=False)
+
     if name == "paged":
         return PagedAlloc(BlockPool(num_blocks, B))
     if name == "exact":
@@ -347,7 +353,7 @@ def bench_bookkeeping(workload: Workload, names: list[str], rounds: int, steps_p
     for _ in range(rounds):
         for driver in drivers:
             deadline = time.perf_counter() + round_budget_s
-            for i in range(steps_per_round):
+            for _i in range(steps_per_round):
                 driver.step()
                 if time.perf_counter() > deadline:
                     break

@@ -39,7 +39,8 @@ def workload(args, vocab: int) -> list[tuple[float, list[int], SamplingParams, s
     for _ in range(args.online):
         t += rng.expovariate(args.rate)
         ids = [rng.randrange(17, vocab) for _ in range(rng.randint(16, 48))]
-        requests.append((t, ids, SamplingParams(temperature=0, max_tokens=args.online_tokens, ignore_eos=True), "online"))
+        requests.append((t, ids, SamplingParams(temperature=0, max_tokens=args.online_tokens, ignore_eos=True),
+                         "online"))
     for _ in range(args.offline):
         ids = [rng.randrange(17, vocab) for _ in range(rng.randint(*args.offline_prompt))]
         requests.append((0.0, ids, SamplingParams(temperature=0, max_tokens=args.offline_tokens, ignore_eos=True),

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from nanoserve.async_engine import AsyncEngine  # noqa: E402
 from nanoserve.builder import build_engine  # noqa: E402
-from nanoserve.config import EngineArgs
+from nanoserve.config import EngineArgs  # noqa: E402
 from nanoserve.sampling import SamplingParams  # noqa: E402
 from nanoserve.slo import percentile  # noqa: E402
 
@@ -231,7 +231,8 @@ def main() -> None:
         engine.engine.shutdown()
 
     print(f"{args.num_requests} requests, Poisson {args.rate:g}/s, prompts 16-128 tokens, {args.max_tokens} output "
-          f"tokens each, policy {args.policy}, max_num_seqs {args.max_num_seqs}; {platform.processor() or platform.machine()}, "
+          f"tokens each, policy {args.policy}, max_num_seqs {args.max_num_seqs}; "
+          f"{platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores\n")
     print("| path | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |")
     print("|---|---|---|---|---|---|---|")
@@ -246,7 +247,8 @@ def main() -> None:
         print(f"The server process over the timed {wall:.1f} s: its main thread (HTTP, validation, tokenizing, "
               f"streaming) {main_thread:.1f} CPU-s ({100 * main_thread / wall:.1f}% of a core); its other threads "
               f"(engine loop, torch workers) {sum(used.values()):.1f} CPU-s"
-              + (f"; GIL switch interval {args.gil_switch_interval:g} s" if args.gil_switch_interval is not None else ""))
+              + (f"; GIL switch interval {args.gil_switch_interval:g} s"
+                 if args.gil_switch_interval is not None else ""))
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ def measure(args) -> dict:
     real = run_real(engine, trace(args, seed=22))
     return {"model": str(model), "fitted": fitted.to_dict(), "kv_blocks": engine.kv.num_blocks,
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-            "max_num_seqs": engine.config.max_num_seqs, "steps": [[list(b), t, follows] for b, t, follows in real["steps"]],
+            "max_num_seqs": engine.config.max_num_seqs,
+            "steps": [[list(b), t, follows] for b, t, follows in real["steps"]],
             "ttft": real["ttft"], "throughput": real["throughput"]}
 
 
@@ -300,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {Path(real['model']).name} "
           f"{args.dtype} on {args.device} vs the simulator with {clock}; {args.requests} requests, "
           f"{LENGTHS.label}, Poisson {args.rate}/s; fcfs"
-          + (", asynchronous scheduling" if args.async_scheduling else "") + (", mixed graphs" if args.mixed_graphs else ""))
+          + (", asynchronous scheduling" if args.async_scheduling else "")
+          + (", mixed graphs" if args.mixed_graphs else ""))
     print("| metric | real engine | simulator | error |")
     print("|---|---|---|---|")
     errors = []

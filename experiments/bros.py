@@ -344,7 +344,8 @@ def notes(sweep: list[dict[str, float | str]], setups: list[Setup], alone: float
                      "knob changed from the default B0 = 8, x2, chunked prefill, layer-by-layer copies; B0 and its "
                      "increment are assumptions: §4.2 lost them): " + "; ".join(
                          f"{r['variant']}: RT norm. latency {float(r['rt_norm_latency']):.3f} s/token, TTFT "
-                         f"{float(r['rt_ttft_attainment']) * 100:.0f}%, BE {float(r['be_throughput_req_s']):.2f} req/s, "
+                         f"{float(r['rt_ttft_attainment']) * 100:.0f}%, "
+                         f"BE {float(r['be_throughput_req_s']):.2f} req/s, "
                          f"{int(r['rt_unfinished'])} RT unfinished" for r in ablation_rows) + ".")
     lines.append("Both length distributions are synthetic (sim/workloads.py).")
     return lines

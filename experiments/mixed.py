@@ -114,7 +114,8 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
         title=f"every policy, one mixed workload: Llama-2-7B, A100-40G, {DURATION[scale]:g} s of bursty online "
               f"+ periodic offline batches",
         workload=f"online {ONLINE.label}, BurstGPT-like arrivals; offline {OFFLINE.label}",
-        runs=runs, comparisons=comparisons, notes=notes, extra={"policies": rows, "online_base_rate": rate, "offline_batch": batch})
+        runs=runs, comparisons=comparisons, notes=notes,
+        extra={"policies": rows, "online_base_rate": rate, "offline_batch": batch})
 
 
 __all__ = ["capacity", "run", "workload"]

@@ -43,6 +43,7 @@ from nanoserve.engine import Engine, EngineStats
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.slo import SLO, RequestClass
+from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.engine")
 
@@ -103,7 +104,7 @@ class AsyncEngine:
 
     # -- facts handlers need -------------------------------------------------------------
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     @property
@@ -158,7 +159,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         sink: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(request_id, token_ids, prompt if isinstance(prompt, str) else None,
-                             params, sink, asyncio.get_running_loop(), priority, slo))
+                             params, sink, asyncio.get_running_loop(), RequestClass(priority), slo))
         finished = False
         try:
             while True:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from nanoserve.config import EngineArgs, ModelConfig, SchedulerConfig, Topology
 from nanoserve.device import resolve_device, resolve_dtype
 from nanoserve.engine import Engine
-from nanoserve.executor import Executor
+from nanoserve.executor import Executor, MicrobatchPipeline
 from nanoserve.kv_sizing import (
     MemoryProbe,
     check_host_kv_fits,
@@ -24,6 +25,7 @@ from nanoserve.memory.arena import ArenaConfig, MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.manager import KVManager
 from nanoserve.model.attention import AttentionBackend
+from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_config, load_model, resolve_model_path
@@ -32,6 +34,7 @@ from nanoserve.model.rank import GraphSizes, RankPlan, attention_backend, build_
 from nanoserve.model.runner import ModelRunner
 from nanoserve.model.stages import partition_layers
 from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
+from nanoserve.sched.base import Scheduler
 from nanoserve.sched.cost_model import CostModel
 from nanoserve.slo import DEFAULT_SLOS, RequestClass
 from nanoserve.tokenizer import Tokenizer
@@ -79,7 +82,7 @@ def _blocks_in(budget: int, block_bytes: int) -> int:
     return blocks
 
 
-def profiled_kv_blocks(model: torch.nn.Module, cfg: ModelConfig, args: EngineArgs, device: torch.device,
+def profiled_kv_blocks(model: CausalLM, cfg: ModelConfig, args: EngineArgs, device: torch.device,
                        dtype: torch.dtype, probe: MemoryProbe, graphs: GraphSizes = GraphSizes((), ())) -> int:
     """vLLM's sizing (kv_sizing.py): with the weights loaded, run the largest step the scheduler
     may build through a runner over a cache just big enough for it, record the CUDA graphs the
@@ -195,10 +198,10 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
             host_weights = move_weights_to_host(model)
             arena = MemoryArena(model, ArenaConfig.from_model_config(cfg, args.block_size, dtype, num_blocks), device)
             kv: KVManager = ArenaKV(arena)
-            runner = executor = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype, attention_backend(args, device),
-                                   args.seed, arena=arena, host_weights=host_weights,
-                                   preempt_every_layers=args.preempt_every_layers,
-                                   layerwise_preemption=policy.PREEMPTS_RUNNING_BATCH)
+            runner = executor = ModelRunner(model, cfg, num_blocks, args.block_size, device, dtype,
+                                            attention_backend(args, device), args.seed, arena=arena,
+                                            host_weights=host_weights, preempt_every_layers=args.preempt_every_layers,
+                                            layerwise_preemption=policy.PREEMPTS_RUNNING_BATCH)
         else:
             runner = executor = rank_runner(plan, model, cfg, device, SINGLE)
     else:
@@ -228,11 +231,13 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     engine = Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
                     model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model,
-                    pipeline=executor if args.async_pipeline or args.async_scheduling else None)
+                    # Both executors built here, a ModelRunner and a DriverExecutor, are pipelines.
+                    pipeline=(cast(MicrobatchPipeline, executor) if args.async_pipeline or args.async_scheduling
+                              else None))
     return engine, runner
 
 
-def check_async_scheduling(args: EngineArgs, policy: type, kv_manager: str, topology: Topology) -> None:
+def check_async_scheduling(args: EngineArgs, policy: type[Scheduler], kv_manager: str, topology: Topology) -> None:
     """Refuse asynchronous scheduling where a step in flight could be overtaken: across ranks
     or stages (a pipeline keeps its own steps in flight: `async_pipeline`), with a host KV store
     (its copies run on their own stream, not ordered after the step still writing a freed
@@ -256,8 +261,8 @@ def shared_device_args(args: EngineArgs, sharing: int) -> EngineArgs:
         return args
     path = model_path(args)
     total = torch.cuda.get_device_properties(device).total_memory
-    budget = (int(total * args.gpu_memory_utilization / sharing) - checkpoint_bytes(path, resolve_dtype(args.dtype, device))
-              - GPU_ACTIVATION_RESERVE)
+    budget = (int(total * args.gpu_memory_utilization / sharing)
+              - checkpoint_bytes(path, resolve_dtype(args.dtype, device)) - GPU_ACTIVATION_RESERVE)
     if budget <= 0:
         raise ValueError(f"{sharing} engines cannot share {device}: a {1 / sharing:.0%} share of "
                          f"gpu_memory_utilization leaves no KV beside the weights")

@@ -67,8 +67,8 @@ class EngineArgs:
     # elsewhere (given on a CPU, the path runs without recording: for tests).
     mixed_graphs: bool = False
     mixed_graph_sizes: tuple[int, ...] | None = None
-    # The backend's fused layer ops (Triton: nanoserve/kernels/fused.py; torch on a CPU: nanoserve/kernels/cpu_fused.py);
-    # False: PyTorch's ops (an A/B switch)
+    # The backend's fused layer ops (Triton: nanoserve/kernels/fused.py; torch on a CPU:
+    # nanoserve/kernels/cpu_fused.py); False: PyTorch's ops (an A/B switch)
     fused_layer_ops: bool = True
     # On a CPU, one rank: each linear layer also keeps its weight packed for oneDNN
     # (nanoserve/kernels/cpu_linear.py; the weights' bytes again in RAM). False: F.linear (an A/B switch).

@@ -183,7 +183,7 @@ class Engine:
             request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
             prompt=prompt if isinstance(prompt, str) else prompt_text,
             arrival_time=arrival_time if arrival_time is not None else self.clock(),
-            priority=priority, slo=slo if slo is not None else self.config.slo_for(priority),
+            priority=RequestClass(priority), slo=slo if slo is not None else self.config.slo_for(priority),
         )
         self.requests[request_id] = request
         if self.tokenizer is not None:

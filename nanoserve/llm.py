@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -12,6 +12,7 @@ from nanoserve.engine import Engine
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.slo import SLO, RequestClass
+from nanoserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -37,11 +38,11 @@ class LLM:
         self.shutdown()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
                  priority: RequestClass | str | Sequence[RequestClass | str] = RequestClass.ONLINE,
                  slo: SLO | Sequence[SLO | None] | None = None) -> list[RequestOutput]:
         """Complete each prompt (a string or a list of token ids); outputs come in input order.
@@ -49,7 +50,8 @@ class LLM:
         the class's) apply to every prompt, or give one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        # Now a sequence of prompts (a list of token ids is one prompt, which types cannot tell).
+        prompts = list(cast(Sequence[Prompt], prompts))
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -60,29 +62,34 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         # Every class is checked before any work: "priority must be one of online, offline, got ...".
-        priorities = [RequestClass(p) for p in priorities]
+        classes = [RequestClass(p) for p in priorities]
         slos = [slo] * len(prompts) if slo is None or isinstance(slo, SLO) else list(slo)
         if len(slos) != len(prompts):
             raise ValueError(f"got {len(slos)} SLOs for {len(prompts)} prompts")
-        return self._run(prompts, list(params), priorities, slos, use_tqdm)
+        return self._run(prompts, list(params), classes, slos, use_tqdm)
 
-    def chat(self, messages: list[Message] | Sequence[list[Message]], params: SamplingParams | Sequence[SamplingParams] | None = None,
-             *, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and complete it."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot chat")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                                         add_special_tokens=False) for c in conversations]
+        # A list of messages is one conversation (which types cannot tell from a list of them).
+        conversations = cast(list[list[Message]],
+                             [messages] if messages and isinstance(messages[0], dict) else list(messages))
+        prompts = [self.tokenizer.encode(
+                       self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                       add_special_tokens=False)
+                   for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[RequestClass],
              slos: list[SLO | None], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         token_ids = [engine.tokenize(p) for p in prompts]
-        for ids, p in zip(token_ids, params):  # reject the whole call before any work starts
-            engine.validate(len(ids), p)
-        ids = []
+        for tokens, p in zip(token_ids, params):  # reject the whole call before any work starts
+            engine.validate(len(tokens), p)
+        ids: list[str] = []
         # Only finished requests are returned: the engine need not build an output for every
         # token of every request (a copy of its tokens so far each time: 0.9 -> 0.7 ms of host
         # time a step at 64 requests, benchmarks/RESULTS.md).

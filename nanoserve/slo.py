@@ -102,7 +102,11 @@ class ClassMetrics:
                     samples.popleft()
 
     def summary(self) -> dict[str, float | int | None]:
-        span = self.last_finish - self.first_arrival if self.finished else None
+        span: float | None = None
+        if self.finished:
+            # Both are set by the first observe().
+            assert self.last_finish is not None and self.first_arrival is not None
+            span = self.last_finish - self.first_arrival
         ttfts, tpots = list(self.ttfts), list(self.tpots)
         return {
             "finished": self.finished,

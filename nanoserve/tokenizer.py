@@ -31,8 +31,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
+_DecodeStream: type[DecodeStream] | None
 try:
-    from tokenizers.decoders import DecodeStream as _DecodeStream
+    from tokenizers.decoders import DecodeStream
+    _DecodeStream = DecodeStream
 except ImportError:  # tokenizers < 0.21
     _DecodeStream = None
 

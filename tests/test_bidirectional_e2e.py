@@ -57,8 +57,9 @@ def reference(llama_dir, prompts):
 
 def run_bidirectional(llama_dir, prompts, backend: str, host_kv_tokens: int, layerwise: bool = False):
     # 16 blocks of 4: the three offline requests alone need 21 pages by their end.
-    llm = LLM(llama_dir, device=backend_device(backend), dtype="float32", kv_manager="bidirectional", kv_cache_tokens=64,
-              host_kv_tokens=host_kv_tokens, block_size=B, attention_backend=backend, layerwise_kv_copies=layerwise)
+    llm = LLM(llama_dir, device=backend_device(backend), dtype="float32", kv_manager="bidirectional",
+              kv_cache_tokens=64, host_kv_tokens=host_kv_tokens, block_size=B, attention_backend=backend,
+              layerwise_kv_copies=layerwise)
     outputs = llm.generate(prompts, PARAMS, priority=PRIORITIES, use_tqdm=False)
     return llm.engine, outputs
 

@@ -124,7 +124,8 @@ def test_fcfs_over_checkpoint_kv_restores_every_position(seed):
     device_blocks = 12
     kv = make_kv(device_blocks, 64, threshold=rng.choice([0.0, 0.3, 0.6]), max_blocks_per_step=rng.choice([1, 3, 8]))
     executor = TaggingExecutor(kv.checkpointer.store, device_blocks, B)
-    config = SchedulerConfig(max_num_batched_tokens=rng.choice([6, 16]), max_num_seqs=6, max_model_len=device_blocks * B)
+    config = SchedulerConfig(max_num_batched_tokens=rng.choice([6, 16]), max_num_seqs=6,
+                             max_model_len=device_blocks * B)
     engine = Engine(FCFSScheduler(config, kv), executor, tokenizer=None)
     assert serve_random_requests(engine, rng, max_tokens=(4, 20), max_steps=2000) == 8
     assert executor.positions_checked > 0

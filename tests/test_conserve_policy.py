@@ -321,8 +321,8 @@ def test_greedy_outputs_match_fcfs_with_checkpointed_preemptions(llama_dir, onli
     engine = llm.engine
     chunks: list[tuple[str, int, int]] = []
     execute = engine.executor.execute
-    engine.executor.execute = lambda batch: (chunks.extend((c.request.request_id, c.start, c.end) for c in batch.chunks),
-                                             execute(batch))[1]
+    engine.executor.execute = lambda batch: (
+        chunks.extend((c.request.request_id, c.start, c.end) for c in batch.chunks), execute(batch))[1]
     ids = [engine.add_request(p, MIXED_PARAMS, f"off{i}", priority="offline").request_id
            for i, p in enumerate(MIXED_OFFLINE)]
     outputs = {}

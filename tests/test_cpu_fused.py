@@ -1,9 +1,10 @@
 """nanoserve/kernels/cpu_fused.py (the layer's elementwise ops in C) against the PyTorch references in
 nanoserve/kernels/fused_ops.py: fp32 to rounding, bf16 to two units in the last place (the mean's sum runs
 in another order, which can flip the rounding of the normalised value by one unit before the
-weight multiplies it and the product rounds again), the residual sum exactly. Shapes include SmolLM2's odd widths (576 hidden, 9
-heads, 1536 MLP), q and k as strided views of one qkv row, and row counts on both sides of the
-kernels' one-thread / OpenMP cut. fp16 has no C path: it must run the reference."""
+weight multiplies it and the product rounds again), the residual sum exactly. Shapes include
+SmolLM2's odd widths (576 hidden, 9 heads, 1536 MLP), q and k as strided views of one qkv row,
+and row counts on both sides of the kernels' one-thread / OpenMP cut. fp16 has no C path: it
+must run the reference."""
 from __future__ import annotations
 
 import pytest

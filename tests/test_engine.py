@@ -84,7 +84,8 @@ def test_generate_builds_outputs_only_for_finished_requests_and_streams_again_af
     with pytest.raises(KeyboardInterrupt):
         llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)
     monkeypatch.undo()
-    assert llm.engine.stream_outputs and len(stream(llm.engine, "Hi", SamplingParams(max_tokens=4, ignore_eos=True))) == 4
+    assert llm.engine.stream_outputs and len(stream(llm.engine, "Hi",
+                                                    SamplingParams(max_tokens=4, ignore_eos=True))) == 4
 
 
 def test_abort_frees_blocks(llm):

@@ -16,14 +16,16 @@ from nanoserve.memory.host import HostKVStore
 
 
 def _store(num_blocks: int, block_size: int) -> HostKVStore:
-    return HostKVStore(num_blocks, block_size, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, pin_memory=False)
+    return HostKVStore(num_blocks, block_size, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                       pin_memory=False)
 
 
 def test_reservation_is_prompt_plus_padded_prediction_up_front():
     alloc = ExactAllocator(16, ExactAllocConfig(block_size=4, padding_ratio=0.15, reserved_fraction=0.125))
     assert alloc.reservation_tokens(5, 20) == 5 + 20 + 3
     assert alloc.reservation_tokens(0, 20) == 20 + 3
-    assert ExactAllocator(8, ExactAllocConfig(block_size=4, padding_ratio=0.1)).reservation_tokens(0, 20) == 22  # no float-noise token
+    # No float-noise token:
+    assert ExactAllocator(8, ExactAllocConfig(block_size=4, padding_ratio=0.1)).reservation_tokens(0, 20) == 22
     assert alloc.admit("a", 5, 20, allow_hosting=False) is None
     assert len(alloc.block_table("a")) == 7  # ceil(28 / 4)
     assert alloc.num_free_blocks == 16 - 7 and alloc.reserve_left == 2 and alloc.num_admission_blocks == 16 - 2 - 7
@@ -199,7 +201,7 @@ def test_a_gt_is_hosted_when_its_rl_is_below_half_the_hosts_minus_b(guest_rl, ho
     # Decoupled: the guest's prompt is already in its own blocks.
     alloc = ExactAllocator(40, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=0.25,
                                                 pipeline_buffer_ratio=0.15))
-    for seq, prompt, rl in (("h", 4, 40), ("g", 3, guest_rl)):
+    for seq, prompt, _rl in (("h", 4, 40), ("g", 3, guest_rl)):
         alloc.admit_prompt(seq, prompt)
         alloc.grow(seq, prompt)
     alloc.batch("h", 4, 40)  # 44 tokens: 11 blocks; its gap is [4, 44), its midpoint 24: block 6
@@ -297,7 +299,8 @@ class ExactAllocMachine(RuleBasedStateMachine):
         self.next_no += 1
         return f"r{self.next_no - 1}"
 
-    @rule(prompt_len=st.integers(0, 4), predicted=st.one_of(st.integers(1, 6), st.integers(7, 30)), allow_hosting=st.booleans())
+    @rule(prompt_len=st.integers(0, 4), predicted=st.one_of(st.integers(1, 6), st.integers(7, 30)),
+          allow_hosting=st.booleans())
     def admit(self, prompt_len, predicted, allow_hosting):
         seq, free_before = self._new(), self.alloc.num_free_blocks
         feasible = self.alloc.can_admit(prompt_len, predicted, allow_hosting=allow_hosting)
@@ -307,7 +310,8 @@ class ExactAllocMachine(RuleBasedStateMachine):
             assert not feasible and not self.alloc.has(seq) and self.alloc.num_free_blocks == free_before
             return
         assert feasible
-        event("fresh admission" if host is None else "nested admission" if self.alloc.host_of(host) else "hosted admission")
+        event("fresh admission" if host is None
+              else "nested admission" if self.alloc.host_of(host) else "hosted admission")
         if host is None:
             need = self.alloc.reservation_tokens(prompt_len, predicted)
             assert len(self.alloc.block_table(seq)) == self.alloc.blocks_for(need)

@@ -179,7 +179,8 @@ def test_fcfs_over_exact_kv_keeps_every_position(seed):
                   padding_ratio=rng.choice([0.0, 0.15]), reserved_fraction=rng.choice([0.0, 0.1, 0.2]),
                   pipeline_buffer_ratio=rng.choice([0.0, 0.15]), decoupled=rng.random() < 0.5)
     executor = TaggingExecutor(kv.alloc.host_store, device_blocks, BLOCK)
-    config = SchedulerConfig(max_num_batched_tokens=rng.choice([3, 6, 16]), max_num_seqs=8, max_model_len=device_blocks * BLOCK)
+    config = SchedulerConfig(max_num_batched_tokens=rng.choice([3, 6, 16]), max_num_seqs=8,
+                             max_model_len=device_blocks * BLOCK)
     engine = Engine(FCFSScheduler(config, kv), executor, tokenizer=None)
     for rid, length in lengths.items():
         engine.add_request([1] * rng.randint(1, 6), SamplingParams(max_tokens=length, ignore_eos=True), rid)

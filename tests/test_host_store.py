@@ -228,7 +228,8 @@ def _fresh(layerwise: bool) -> tuple[HostKVStore, list[tuple[torch.Tensor, torch
     g = torch.Generator().manual_seed(0)
     store.k.copy_(torch.randn(store.k.shape, generator=g))
     store.v.copy_(torch.randn(store.v.shape, generator=g))
-    caches = [(torch.randn(DEVICE_BLOCKS, BLOCK, 1, 2, generator=g), torch.randn(DEVICE_BLOCKS, BLOCK, 1, 2, generator=g))
+    caches = [(torch.randn(DEVICE_BLOCKS, BLOCK, 1, 2, generator=g),
+               torch.randn(DEVICE_BLOCKS, BLOCK, 1, 2, generator=g))
               for _ in range(LAYERS)]
     return store, caches
 

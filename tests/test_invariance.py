@@ -22,7 +22,8 @@ PROMPTS = [
 PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
 
 
-def assert_close_greedy(ref: RequestOutput, out: RequestOutput, label: str, max_tokens: int = PARAMS.max_tokens) -> None:
+def assert_close_greedy(ref: RequestOutput, out: RequestOutput, label: str,
+                        max_tokens: int = PARAMS.max_tokens) -> None:
     assert len(ref.token_ids) == len(out.token_ids) == max_tokens
     for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)):
         if a != b:

@@ -152,7 +152,8 @@ def test_the_cuda_graphs_memory_comes_out_of_the_cache(tiny_llama_dir, monkeypat
     assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids) == 4
 
 
-@pytest.mark.parametrize("engine_args", [dict(enforce_eager=True), dict(policy="kunserve", kv_manager="arena")], ids=["eager", "arena"])
+@pytest.mark.parametrize("engine_args", [dict(enforce_eager=True), dict(policy="kunserve", kv_manager="arena")],
+                         ids=["eager", "arena"])
 def test_no_graph_no_graph_memory(tiny_llama_dir, monkeypatch, engine_args):
     """Nothing recorded, nothing measured: enforce_eager, and KunServe's arena (its runner's
     layers change, so it records no graph)."""

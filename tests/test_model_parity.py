@@ -31,7 +31,8 @@ def nanoserve_prompt_logits(directory, token_ids: list[int], block_size: int = 4
     runner = ModelRunner(model, cfg, 64, block_size, torch.device("cpu"), torch.float32, get_attention_backend("torch"))
     pool.allocate("p", len(token_ids))
     request = Request("p", token_ids, SamplingParams())
-    hidden = runner.run_model(runner.prepare(SchedulerOutput([ScheduledChunk(request, 0, len(token_ids), pool.block_table("p"))])))
+    hidden = runner.run_model(runner.prepare(
+        SchedulerOutput([ScheduledChunk(request, 0, len(token_ids), pool.block_table("p"))])))
     with torch.no_grad():
         return model.compute_logits(hidden)
 

@@ -91,13 +91,15 @@ def test_a_stage_loads_only_its_layers(tiny_dirs, arch):
         assert held == [layout.is_first, layout.is_last]
         assert (body.embed_tokens is not None) == (layout.is_first or model.lm_head is None)
         names = {n for n, _ in model.named_parameters()}
-        assert all(".layers.1." not in n for n in names) if layout.is_first else all(".layers.0." not in n for n in names)
+        assert (all(".layers.1." not in n for n in names) if layout.is_first
+                else all(".layers.0." not in n for n in names))
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1, max_size=8), st.integers(1, 6))
 def test_microbatches_cut_by_token_count(chunks, count):
-    requests = [Request(f"r{i}", list(range(1, n + 2 + (not samples))), PARAMS) for i, (n, samples) in enumerate(chunks)]
+    requests = [Request(f"r{i}", list(range(1, n + 2 + (not samples))), PARAMS)
+                for i, (n, samples) in enumerate(chunks)]
     scheduled = [ScheduledChunk(r, 1, n, [0]) for r, (n, _) in zip(requests, chunks)]
     microbatches = split_microbatches(scheduled, count)
     total = sum(n for n, _ in chunks)
@@ -119,7 +121,8 @@ def test_a_step_survives_its_wire_message(tiny_dirs):
     engine = build_engine(EngineArgs(model=str(tiny_dirs["llama"]), device="cpu", kv_cache_tokens=256))
     runner = engine.executor
     requests = [Request(f"r{i}", list(range(1, 20 + i)), PARAMS) for i in range(2)]
-    batch = SchedulerOutput([ScheduledChunk(requests[0], 4, 15, [3, 7]), ScheduledChunk(requests[1], 19, 1, [1, 2], True)])
+    batch = SchedulerOutput([ScheduledChunk(requests[0], 4, 15, [3, 7]),
+                             ScheduledChunk(requests[1], 19, 1, [1, 2], True)])
     sent, received = runner.prepare(batch), runner.prepare(StepMessage.of(batch).batch())
     for a, b in [(sent.input_ids, received.input_ids), (sent.positions, received.positions),
                  (sent.ctx.slot_mapping, received.ctx.slot_mapping), (sent.ctx.block_tables, received.ctx.block_tables),

@@ -3,6 +3,7 @@ the online bucket-quantile predictor on synthetic lognormal workloads, EcoServe'
 arithmetic, and a predictor plugged into the exact KV manager and consulted on admission."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from statistics import NormalDist
@@ -204,7 +205,7 @@ def test_memory_is_bounded_and_the_window_follows_a_drifting_workload():
 
 def test_config_is_frozen_and_validated():
     cfg = BucketQuantileConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.quantile = 0.9  # type: ignore[misc]
     for bad in (dict(quantile=0.0), dict(quantile=1.5), dict(window=0), dict(min_samples=0), dict(default=0)):
         with pytest.raises(ValueError):

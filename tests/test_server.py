@@ -316,7 +316,8 @@ def test_a_stopped_server_lets_go_of_its_model():
     from server_fixtures import live_server
 
     with live_server() as live:
-        assert httpx.post(live.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
+        assert httpx.post(live.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                          timeout=60).status_code == 200
         model = weakref.ref(live.engine.engine.executor.model)
     del live
     gc.collect()

@@ -160,7 +160,7 @@ def test_oversized_stream_request_gets_a_status_not_a_stream(http: httpx.Client)
 
 def test_errors_are_counted_in_metrics(server: LiveServer):
     text = httpx.get(server.url + "/metrics").text
-    assert 'nanoserve_request_errors_total{model_name="%s",type="invalid_request_error"}' % server.model in text
+    assert f'nanoserve_request_errors_total{{model_name="{server.model}",type="invalid_request_error"}}' in text
     assert 'type="not_found_error"' in text
 
 

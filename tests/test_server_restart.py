@@ -52,7 +52,8 @@ def test_batch_survives_sigkill(tmp_path: Path):
             assert time.monotonic() < deadline, f"batch still {done.status} after 180 s:\n{second.tail()}"
             time.sleep(0.1)
         assert done.status == "completed", done
-        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (N_LINES, N_LINES, 0)
+        assert (done.request_counts.total, done.request_counts.completed,
+                done.request_counts.failed) == (N_LINES, N_LINES, 0)
         assert done.error_file_id is None
         raw = second.client.files.content(done.output_file_id).content.splitlines()
         direct = {p: second.client.completions.create(model=second.client.models.list().data[0].id, prompt=p,

@@ -87,9 +87,11 @@ def test_conserve_harvests_throughput_beyond_online_only_and_vllmpp(result):
 
 def test_conserve_keeps_online_ttft_below_vllmpp_and_near_online_only(result):
     for figure in PARTS:  # seeds 0-4: 2.3-7.7x lower than vLLM++ (swap)
-        assert stats(result, VLLMPP, figure)["online_ttft_p99"] > 1.5 * stats(result, CONSERVE, figure)["online_ttft_p99"]
+        assert (stats(result, VLLMPP, figure)["online_ttft_p99"]
+                > 1.5 * stats(result, CONSERVE, figure)["online_ttft_p99"])
     # Seeds 0-4: Online-Only's P99 TTFT is 0.77-0.89x ConServe's (paper: within 25%, i.e. >= 0.8x).
-    assert stats(result, ONLINE_ONLY, FIG78)["online_ttft_p99"] > 0.7 * stats(result, CONSERVE, FIG78)["online_ttft_p99"]
+    assert (stats(result, ONLINE_ONLY, FIG78)["online_ttft_p99"]
+            > 0.7 * stats(result, CONSERVE, FIG78)["online_ttft_p99"])
 
 
 def test_the_result_states_its_setup_and_compares_with_the_paper(result):

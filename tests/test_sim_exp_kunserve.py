@@ -199,8 +199,8 @@ def test_stages_price_their_own_layers_and_overlap_the_members_batches():
 def test_ci_experiment_kunserve(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "0")  # per step is too slow here; layout changes still check
     result = run_experiment("kunserve", scale="ci", seed=0)
-    assert set(result.runs) == {f"BurstGPT: {label}" for label in ("KunServe", "vLLM (fcfs)", "vLLM-PP", "InferCept-like",
-                                                                          "Llumnix-like")}
+    assert set(result.runs) == {f"BurstGPT: {label}" for label in ("KunServe", "vLLM (fcfs)", "vLLM-PP",
+                                                                          "InferCept-like", "Llumnix-like")}
     result.runs = {label.removeprefix("BurstGPT: "): run for label, run in result.runs.items()}
     count = len(result.runs["KunServe"].records)
     assert count > 300

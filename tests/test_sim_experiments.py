@@ -122,7 +122,8 @@ def test_sweep_plot_draws_a_panel_per_dataset(ecoserve, tmp_path):
     rows = [dict(row, dataset=name) for name in ("ShareGPT", "Alpaca") for row in ecoserve.extra["sweep"]]
     threshold = ecoserve.extra["threshold_s_per_token"]["ShareGPT"]
     fake = ExperimentResult("eco-two", "two datasets", "synthetic", {}, [],
-                            extra={"sweep": rows, "threshold_s_per_token": {"ShareGPT": threshold, "Alpaca": threshold}})
+                            extra={"sweep": rows,
+                                   "threshold_s_per_token": {"ShareGPT": threshold, "Alpaca": threshold}})
     (path,) = save_plots(fake, tmp_path)
     assert path.name == "eco-two-sweep.png" and path.stat().st_size > 0
 
@@ -132,7 +133,8 @@ def test_report_and_json_say_synthetic(ecoserve, tmp_path):
     assert "synthetic" in text and "EcoServe / ORCA" in text and "Sweep:" in text
     data = save_json(ecoserve, tmp_path / "eco.json")
     assert "synthetic" in data["workload_note"]
-    assert json.loads((tmp_path / "eco.json").read_text())["extra"]["comparisons"][0]["paper"].startswith("2.5-4x higher on ShareGPT")
+    assert json.loads((tmp_path / "eco.json").read_text())["extra"]["comparisons"][0]["paper"].startswith(
+        "2.5-4x higher on ShareGPT")
 
 
 def test_simulate_example_writes_json_and_plots(ecoserve, tmp_path, monkeypatch, capsys):

@@ -175,7 +175,7 @@ class SwapMachine(RuleBasedStateMachine):
         table = self.kv.block_table(r)
         for pos in range(r.num_computed_tokens):  # what it reads is there now, other copies still in flight
             slot = table[pos // size] * size + pos % size
-            for layer, (k, v) in enumerate(self.caches):
+            for layer, (k, _v) in enumerate(self.caches):
                 assert torch.equal(k.view(-1, HEADS, HEAD_DIM)[slot], tag(rid, pos, layer, False)), (rid, pos)
         for pos in range(r.num_computed_tokens, r.num_computed_tokens + extra):
             slot = table[pos // size] * size + pos % size
@@ -235,7 +235,7 @@ class SwapMachine(RuleBasedStateMachine):
             table = self.kv.block_table(r)
             for pos in range(r.num_computed_tokens):
                 slot = table[pos // B] * B + pos % B
-                for layer, (k, v) in enumerate(caches):
+                for layer, (k, _v) in enumerate(caches):
                     assert torch.equal(k.view(-1, HEADS, HEAD_DIM)[slot], tag(rid, pos, layer, False)), (rid, pos)
         for rid in self.swapped:
             entry = self.kv._swapped[rid]

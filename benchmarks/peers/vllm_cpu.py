@@ -204,7 +204,8 @@ def served(args) -> dict:
     print(f"\n{date.today().isoformat()}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"{Path(model).name}, {args.dtype}; {len(work)} requests, Poisson {args.rate:g}/s, prompts 16-128 tokens, "
           f"{args.max_tokens} output tokens; warm-up {args.warmup or 'two 2-token'} requests; median of {args.repeats}")
-    print("| server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |\n|---|---|---|---|---|---|")
+    print("| server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |\n"
+          "|---|---|---|---|---|---|")
     for engine, m in median.items():
         print(f"| {engine} | {m['tok_s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
               f"{m['tpot_p50_ms']:.1f} | {m['tpot_p99_ms']:.1f} |")
@@ -214,8 +215,8 @@ def served(args) -> dict:
           f"{ratios['ttft_p99']:.2f}x; TPOT p50 vLLM / nanoserve {ratios['tpot_p50']:.2f}x")
     result = {"date": date.today().isoformat(), "processor": platform.processor() or platform.machine(),
               "cores": os.cpu_count(), "model": model, "dtype": args.dtype, "rate": args.rate,
-              "num_requests": len(work), "max_tokens": args.max_tokens, "warmup": args.warmup, "runs": runs, "median": median,
-              "ratios": ratios}
+              "num_requests": len(work), "max_tokens": args.max_tokens, "warmup": args.warmup, "runs": runs,
+              "median": median, "ratios": ratios}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

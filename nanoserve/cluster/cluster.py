@@ -30,9 +30,10 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from multiprocessing.connection import Connection, Listener
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -147,7 +148,7 @@ class Cluster:
     def layout_changes(self) -> list[LayoutChange]:
         return self.regrouper.history
 
-    def _call(self, instance: int, *message):
+    def _call(self, instance: int, *message: object) -> Any:
         return _raise(self.call_all({instance: message})[instance])
 
     def call_all(self, messages: Mapping[int, tuple]) -> dict[int, object]:
@@ -234,7 +235,7 @@ class Cluster:
         self._end_pull([g for g in pending.groups if g not in kept], kept)
         return kept
 
-    def _end_pull(self, cancelled: list, kept: list, skip: set[int] = frozenset()) -> None:
+    def _end_pull(self, cancelled: list, kept: list, skip: AbstractSet[int] = frozenset()) -> None:
         """The pending pull ends: `cancelled` groups give theirs back (`skip`: members that are
         gone), `kept` ones switch now; recorded in `restore_pulls`."""
         pending = self.pending_restore
@@ -300,7 +301,7 @@ class Cluster:
     def __enter__(self) -> Cluster:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
 
@@ -310,7 +311,8 @@ class InstanceGone(RuntimeError):
         self.instance = instance
 
 
-def _raise(reply):
+def _raise(reply: object) -> Any:
+    """An instance's reply (whatever it pickled), or raised if it is an exception."""
     if isinstance(reply, BaseException):
         raise reply
     return reply

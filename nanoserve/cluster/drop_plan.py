@@ -144,7 +144,8 @@ class DropPlan:
         prefix = _prefix(self.before.layer_bytes)
         dropped = fetched = 0
         for i, stage in self.new_layers.items():
-            assert new[i] == stage and self.dropped[i] == _minus(old[i], stage) and self.fetched[i] == _minus(stage, old[i])
+            assert (new[i] == stage and self.dropped[i] == _minus(old[i], stage)
+                    and self.fetched[i] == _minus(stage, old[i]))
             dropped += sum(_bytes(prefix, r) for r in self.dropped[i])
             fetched += sum(_bytes(prefix, r) for r in self.fetched[i])
         assert self.freed_bytes == dropped - fetched == sum(m.freed_bytes for m in self.merges)

@@ -76,13 +76,17 @@ def exchange_objects(obj: Any, me: int, peers: Sequence[int]) -> dict[int, Any]:
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     sizes = {p: torch.empty(1, dtype=torch.int64) for p in peers}
     works = [dist.isend(size, p) for p in peers] + [dist.irecv(sizes[p], p) for p in peers]
-    for work in works:
-        work.wait()
+    _wait_all(works)
     received = {p: torch.empty(int(sizes[p]), dtype=torch.uint8) for p in peers}
     works = [dist.isend(payload, p) for p in peers] + [dist.irecv(received[p], p) for p in peers]
-    for work in works:
-        work.wait()
+    _wait_all(works)
     return {p: pickle.loads(received[p].numpy().tobytes()) for p in peers} | {me: obj}
+
+
+def _wait_all(works: Sequence[dist.Work | None]) -> None:
+    for work in works:
+        assert work is not None, "every member is in the default group"
+        work.wait()
 
 
 # -- the model as one stage ----------------------------------------------------------------
@@ -166,6 +170,7 @@ class GroupExecutor(Executor):
                 sampling.extend(c.request for c in chunks if c.samples)
             hidden, begin = run_stage(runner, prepared, self.prev, dtype)
             if not self.is_last:
+                assert self.next is not None  # set for every stage but the last
                 sends.append(p2p.isend(hidden, self.next))
             elif prepared.sample_rows:
                 logits = runner.model.compute_logits(prepared.sampled(hidden)).contiguous()

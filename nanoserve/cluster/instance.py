@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Connection
 from typing import Protocol
 
 import torch.distributed as dist
@@ -72,7 +72,7 @@ def load_of(member: LoadSource) -> InstanceLoad:
                         member.restore_pulled_bytes)
 
 
-def serve(connection, instance_id: int) -> None:
+def serve(connection: Connection, instance_id: int) -> None:
     from nanoserve.builder import build_engine_and_runner, shared_device_args
 
     args, world, timeout_s, sharing = connection.recv()
@@ -83,6 +83,7 @@ def serve(connection, instance_id: int) -> None:
     connection.send((load_of(member), member.layer_bytes(), member.replica_block_bytes))
     while True:
         kind, *rest = connection.recv()
+        reply: object
         try:
             if kind == "add":
                 request_id, token_ids, params, priority = rest

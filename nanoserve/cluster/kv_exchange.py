@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from nanoserve.parallel import p2p
 
@@ -37,6 +38,13 @@ class KVMove:
     layer: int
     src_block: int  # in the sender's cache
     dst_block: int  # in the receiver's cache
+
+
+def _held(kv_caches: KVCaches, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer`'s (K, V), which a move names only where it is held."""
+    cache = kv_caches[layer]
+    assert cache is not None, f"layer {layer} is not held here"
+    return cache
 
 
 def block_bytes(kv_caches: KVCaches) -> int:
@@ -51,28 +59,31 @@ def chunk_moves(moves: Sequence[KVMove], bytes_per_block: int, chunk_bytes: int)
     return [list(moves[i:i + per_chunk]) for i in range(0, len(moves), per_chunk)]
 
 
-def send_chunk(kv_caches: KVCaches, chunk: Sequence[KVMove], dst: int, group=None) -> int:
+def send_chunk(kv_caches: KVCaches, chunk: Sequence[KVMove], dst: int,
+               group: dist.ProcessGroup | None = None) -> int:
     """Send one chunk's blocks (K and V of each move's layer) as one message; returns bytes."""
-    buffer = torch.stack([torch.stack((kv_caches[m.layer][0][m.src_block], kv_caches[m.layer][1][m.src_block]))
+    buffer = torch.stack([torch.stack((_held(kv_caches, m.layer)[0][m.src_block],
+                                       _held(kv_caches, m.layer)[1][m.src_block]))
                           for m in chunk])
     p2p.send(buffer, dst=dst, group=group)
     return buffer.numel() * buffer.element_size()
 
 
-def recv_chunk(kv_caches: KVCaches, chunk: Sequence[KVMove], src: int, group=None) -> int:
+def recv_chunk(kv_caches: KVCaches, chunk: Sequence[KVMove], src: int,
+               group: dist.ProcessGroup | None = None) -> int:
     """Receive what `send_chunk` sent and scatter it into the moves' destination blocks."""
     k_example = next(c for c in kv_caches if c is not None)[0]
     buffer = torch.empty((len(chunk), 2, *k_example.shape[1:]), dtype=k_example.dtype, device=k_example.device)
     p2p.recv(buffer, src=src, group=group)
     for m, kv in zip(chunk, buffer):
-        k_cache, v_cache = kv_caches[m.layer]
+        k_cache, v_cache = _held(kv_caches, m.layer)
         k_cache[m.dst_block].copy_(kv[0])
         v_cache[m.dst_block].copy_(kv[1])
     return buffer.numel() * buffer.element_size()
 
 
 def send_kv(kv_caches: KVCaches, moves: Sequence[KVMove], dst: int, chunk_bytes: int,
-            yield_to: Callable[[], None] | None = None, group=None) -> int:
+            yield_to: Callable[[], None] | None = None, group: dist.ProcessGroup | None = None) -> int:
     """Send the moves' blocks to rank `dst` in chunks, yielding between them; returns bytes sent.
     (The cluster's members send one chunk per serving step instead: cluster/member.py.)"""
     sent = 0
@@ -84,7 +95,8 @@ def send_kv(kv_caches: KVCaches, moves: Sequence[KVMove], dst: int, chunk_bytes:
     return sent
 
 
-def recv_kv(kv_caches: KVCaches, moves: Sequence[KVMove], src: int, chunk_bytes: int, group=None) -> int:
+def recv_kv(kv_caches: KVCaches, moves: Sequence[KVMove], src: int, chunk_bytes: int,
+            group: dist.ProcessGroup | None = None) -> int:
     """Receive what `send_kv` sends and scatter it into the moves' destination blocks; returns
     bytes received."""
     return sum(recv_chunk(kv_caches, chunk, src, group)

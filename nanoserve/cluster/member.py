@@ -39,6 +39,7 @@ from nanoserve.cluster.drop_plan import Group
 from nanoserve.cluster.group import GroupExecutor, GroupLayout, StageModules
 from nanoserve.cluster.kv_exchange import KVMove, block_bytes, chunk_moves, recv_chunk, send_chunk
 from nanoserve.engine import Engine
+from nanoserve.memory.arena import MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.manager import PagedKV
@@ -125,6 +126,20 @@ class ClusterMember:
             "retire": self.retire, "release": self.release, "cancel_restore": self.cancel_restore}
         return phases[kind]
 
+    @property
+    def _arena(self) -> MemoryArena:
+        """The arena every layout change re-lays out."""
+        if self.arena is None:
+            raise RuntimeError(f"instance {self.id} has no memory arena: it cannot drop or restore layers")
+        return self.arena
+
+    @property
+    def _host_weights(self) -> Mapping[str, torch.Tensor]:
+        """The host copy that layers load back from."""
+        weights = self.runner.host_weights
+        assert weights is not None, "a runner over an arena has host weights"
+        return weights
+
     # -- serving ---------------------------------------------------------------------------
     def step(self) -> list:
         """One engine step. In a group a member with nothing to run still runs its stage of
@@ -181,28 +196,30 @@ class ClusterMember:
                             device=self.runner.device)
         self._staging = [None] * len(self.runner.kv_caches)
         for layer in old.stage_of(self.id):
-            k_cache, v_cache = self.runner.kv_caches[layer]
+            cache = self.runner.kv_caches[layer]
+            assert cache is not None, f"layer {layer} of this member's stage is held here"
+            k_cache, v_cache = cache
             # To the host, one layer at a time: a drop is due when the arena is full, so the
             # device has no room for a second copy of the live KV (a GPU would run out of
             # memory); one layer's rows pass through it at a time. On a CPU .cpu() is free.
             self._staging[layer] = (k_cache[rows].cpu(), v_cache[rows].cpu())  # indexing by a tensor copies
         self._hold(new)
         self._relayout = relayout
-        return self.arena.num_free_blocks
+        return self._arena.num_free_blocks
 
     def _hold(self, layout: GroupLayout) -> None:
         """Free every block, then drop or load back layers (from the host copy) until the arena
         holds this member's stage of `layout`, and run the model and the caches as that stage."""
-        self.arena.free_all()
-        held, keep = set(self.arena.resident_layers), set(layout.stage_of(self.id))
+        self._arena.free_all()
+        held, keep = set(self._arena.resident_layers), set(layout.stage_of(self.id))
         self.weights_copied = 0
         if held - keep:
-            if self.arena.restoring:  # every block is free by now: nothing to adopt back
-                self.arena.cancel_restore()
+            if self._arena.restoring:  # every block is free by now: nothing to adopt back
+                self._arena.cancel_restore()
                 self._released = {}
-            self.arena.drop_layers(held - keep)
+            self._arena.drop_layers(held - keep)
         if keep - held:
-            self.weights_copied = self.arena.restore_layers(keep - held, self.runner.host_weights).copied_bytes
+            self.weights_copied = self._arena.restore_layers(keep - held, self._host_weights).copied_bytes
         if layout.solo:
             self.stage.release()
         else:
@@ -213,12 +230,12 @@ class ClusterMember:
     def allocate(self, pools: Mapping[int, int] | None) -> Manifest:
         """`pools`: each owner's logical pool in blocks when the new layout is a group."""
         assert self._relayout is not None
-        new, size = self._relayout.new[self.id], self.arena.block_size
+        new, size = self._relayout.new[self.id], self._arena.block_size
         requests = {r.request_id: r for r in self.engine.scheduler.running}
         self._released, self.owner_pool = {}, None
         if new.solo:
             self.luts = {}
-            kv: PagedKV = ArenaKV(self.arena)
+            kv: PagedKV = ArenaKV(self._arena)
             self.group = None
             self.engine.use_executor(self.runner)
         else:
@@ -242,9 +259,9 @@ class ClusterMember:
         and evenly, so they are every owner's highest logical ids, which a fresh pool hands out
         last: a later background restore then finds them free more often, and retiring them
         leaves each owner about its share of the rest."""
-        self.arena.allocate(LUT, sum(pools[o] for o in members) * self.arena.block_size)
-        dropped = set(self.arena.layer_ids) - set(self.arena.resident_layers)
-        blocks = sorted(self.arena.block_table(LUT), key=lambda b: self.arena.overlaps_restore(b, dropped))
+        self._arena.allocate(LUT, sum(pools[o] for o in members) * self._arena.block_size)
+        dropped = set(self._arena.layer_ids) - set(self._arena.resident_layers)
+        blocks = sorted(self._arena.block_table(LUT), key=lambda b: self._arena.overlaps_restore(b, dropped))
         luts: dict[int, list[int]] = {o: [] for o in members}
         turn = 0
         for block in blocks:
@@ -338,7 +355,9 @@ class ClusterMember:
     def _install(self, moves: list[KVMove]) -> int:
         copied = 0
         for m in moves:
-            (k_stage, v_stage), (k_cache, v_cache) = self._staging[m.layer], self.runner.kv_caches[m.layer]
+            staged, cache = self._staging[m.layer], self.runner.kv_caches[m.layer]
+            assert staged is not None and cache is not None, f"layer {m.layer} was staged and is held here"
+            (k_stage, v_stage), (k_cache, v_cache) = staged, cache
             k_cache[m.dst_block].copy_(k_stage[m.src_block])
             v_cache[m.dst_block].copy_(v_stage[m.src_block])
             copied += 2 * k_stage[m.src_block].numel() * k_stage.element_size()
@@ -349,10 +368,10 @@ class ClusterMember:
         """Start pulling every layer this member lacks (from the host copy; the paper pulls
         from peers "whenever possible"): reserve their home pages, and return, per owner, the
         logical blocks of its pool whose pages here lie on them."""
-        lacking = set(self.arena.layer_ids) - set(self.arena.resident_layers)
-        self.arena.begin_restore(lacking, self.runner.host_weights)
+        lacking = set(self._arena.layer_ids) - set(self._arena.resident_layers)
+        self._arena.begin_restore(lacking, self._host_weights)
         self._pull_chunk = chunk_bytes
-        return {owner: tuple(i for i, block in enumerate(lut) if self.arena.overlaps_restore(block))
+        return {owner: tuple(i for i, block in enumerate(lut) if self._arena.overlaps_restore(block))
                 for owner, lut in self.luts.items()}
 
     def retire(self, logical: Iterable[int]) -> None:
@@ -365,15 +384,15 @@ class ClusterMember:
         """(owner, logical blocks) its owner no longer uses: their pages here go to the pull."""
         for owner, logical in freed:
             ids = set(logical) - self._released.setdefault(owner, set())
-            self.arena.release_blocks(LUT, [self.luts[owner][i] for i in ids])
+            self._arena.release_blocks(LUT, [self.luts[owner][i] for i in ids])
             self._released[owner] |= ids
 
     def cancel_restore(self) -> None:
         """Throttling is back before the switch: pages and logical blocks return to the KV."""
-        self.arena.cancel_restore()
+        self._arena.cancel_restore()
         for owner, ids in self._released.items():
             for i in ids:
-                self.arena.adopt(LUT, self.luts[owner][i])
+                self._arena.adopt(LUT, self.luts[owner][i])
         self._released = {}
         if self.owner_pool is not None:
             self.owner_pool.unretire()
@@ -386,10 +405,10 @@ class ClusterMember:
         for request_id in list(self.stalled):
             self.unstall(request_id)
         self._transfers, self._staging, self._index = [], [], {}
-        self.luts, self.layout = {}, GroupLayout.of(Group.replica(self.id, len(self.arena.layer_ids)))
+        self.luts, self.layout = {}, GroupLayout.of(Group.replica(self.id, len(self._arena.layer_ids)))
         self._released, self.owner_pool = {}, None
         self._hold(self.layout)  # a background restore's pulled pages count: the rest is copied
-        scheduler.use_kv_manager(ArenaKV(self.arena))
+        scheduler.use_kv_manager(ArenaKV(self._arena))
         self.group = None
         self.engine.use_executor(self.runner)
         return scheduler.requeue_running()

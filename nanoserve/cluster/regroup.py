@@ -129,7 +129,7 @@ class Regrouper:
         new_manifests = expect_replies(call({i: ("allocate", pools[i]) for i in involved}))
         moved = expect_replies(call({i: ("exchange", new_manifests, self.chunk_bytes) for i in involved}))
         before, self.groups = self.groups, tuple(after)
-        capacity_after = sum(pools[i][i] if pools[i] else loads[i].replica_blocks for i in involved)
+        capacity_after = sum(pool[i] if (pool := pools[i]) else loads[i].replica_blocks for i in involved)
         change = LayoutChange(kind, before, self.groups, time.perf_counter() - started, sum(used.values()),
                               sum(m["sent"] for m in moved.values()), max(m["rounds"] for m in moved.values()),
                               sum(m["kept"] for m in moved.values()),

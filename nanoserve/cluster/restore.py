@@ -26,6 +26,7 @@ copy, not a peer (the paper pulls from peers "whenever possible").
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from nanoserve.cluster.drop_plan import Group
@@ -73,7 +74,7 @@ class BackgroundRestore:
     def pulled_bytes(self, loads: Mapping[int, InstanceLoad]) -> int:
         return sum(loads[i].pulled_bytes for i in self.members) - self._pulled_before
 
-    def cancel(self, call: CallAll, groups: Sequence[Group], skip: set[int] = frozenset()) -> None:
+    def cancel(self, call: CallAll, groups: Sequence[Group], skip: AbstractSet[int] = frozenset()) -> None:
         """Give back what `groups` pulled; `skip` the members that are gone."""
         members = [i for g in groups for i in g.instances if i not in skip]
         expect_replies(call({i: ("cancel_restore",) for i in members}))

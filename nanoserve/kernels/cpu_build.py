@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,14 +92,14 @@ def load(source: Path, signatures: dict[str, Sequence[type]]) -> ctypes.CDLL | N
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: atomic
                 built, obj = Path(tmp) / target.name, Path(tmp) / "kernel.o"
                 flags = ["-O3", "-march=native", "-fPIC"] + (["-fopenmp"] if gomp else [])
-                run = dict(check=True, capture_output=True, timeout=120)
+                run: dict[str, Any] = dict(check=True, capture_output=True, timeout=120)
                 subprocess.run([cc, *flags, "-c", str(source), "-o", str(obj)], **run)
                 # Linked without -fopenmp, which would add the system's libgomp: torch's instead.
                 subprocess.run([cc, "-shared", str(obj), "-o", str(built), *([gomp] if gomp else []), "-lm"], **run)
                 os.replace(built, target)
         except (OSError, subprocess.SubprocessError) as exc:
-            failed_run = isinstance(exc, (subprocess.CalledProcessError, subprocess.TimeoutExpired))
-            detail = ((exc.stderr if failed_run else None) or b"").decode(errors="replace")[-500:]
+            stderr = exc.stderr if isinstance(exc, (subprocess.CalledProcessError, subprocess.TimeoutExpired)) else None
+            detail = (stderr or b"").decode(errors="replace")[-500:]
             log.warning("building %s failed (%s %s): PyTorch's ops run instead", source.name, exc, detail)
             return None
     library = ctypes.CDLL(str(target))  # its libgomp is torch's, already loaded: the same one

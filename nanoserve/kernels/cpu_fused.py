@@ -21,6 +21,7 @@ fp32 rounding (tests/test_cpu_fused.py).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from nanoserve.kernels.fused_ops import (
 SOURCE = Path(__file__).with_suffix(".c")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
+_SIGNATURES: dict[str, Sequence[type]] = {
     "rms_norm": [_P] * 5 + [_I] * 6 + [_F],
     "rope": [_P] * 6 + [_I] * 9 + [_P] * 3 + [_I] * 6,
     "silu_mul": [_P] * 2 + [_I] * 4,
@@ -59,7 +60,7 @@ def _native(*tensors: torch.Tensor) -> bool:
     return first.dtype in _SUFFIX and all(t.device.type == "cpu" and t.dtype == first.dtype for t in tensors)
 
 
-def _fn(name: str, dtype: torch.dtype):
+def _fn(name: str, dtype: torch.dtype) -> Callable[..., int]:
     return getattr(_library(), f"{name}_{_SUFFIX[dtype]}")
 
 

@@ -1,3 +1,5 @@
+# Triton kernel bodies (@triton.jit) take untyped pointer and tl.constexpr parameters; the launchers are typed.
+# mypy: disable-error-code="no-untyped-def"
 """Fused elementwise kernels of a Llama-style decoder layer, in Triton (references: nanoserve/kernels/fused_ops.py).
 
 An eager decoder layer launches about 45 kernels, most of them small elementwise ones: RMSNorm

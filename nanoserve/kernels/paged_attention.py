@@ -1,3 +1,5 @@
+# Triton kernel bodies (@triton.jit) take untyped pointer and tl.constexpr parameters; the launchers are typed.
+# mypy: disable-error-code="no-untyped-def"
 """Paged attention in Triton: one kernel for prefill chunks, decodes and mixed batches.
 
 Semantics are exactly `nanoserve/kernels/reference.paged_attention` (same signature): q holds every
@@ -106,7 +108,8 @@ def _attend_columns(queries, query_pos, k_cache, v_cache, block_tables, directio
             slot = tl.where(right_to_left, BLOCK_SIZE - 1 - slot, slot)
 
         k_offsets = page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
-        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=dim_valid[:, None] & col_valid[None, :], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
+        keys = tl.load(k_cache + k_offsets + dims[:, None], mask=dim_valid[:, None] & col_valid[None, :],
+                       other=0.0)  # [HEAD_DIM_PAD, TILE_N]
         if DOT_IN_FP32:
             keys = keys.to(tl.float32)
         scores = tl.dot(queries, keys, input_precision=DOT_PRECISION) * scale_log2
@@ -348,8 +351,10 @@ def paged_attention(
     return out
 
 
-def _split_decode(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, directions, scale, splits,
-                  group, head_dim_pad, block_m, tile_n, precision, dot_in_fp32) -> torch.Tensor:
+def _split_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                  directions: torch.Tensor | None, scale: float, splits: int, group: int, head_dim_pad: int,
+                  block_m: int, tile_n: int, precision: str, dot_in_fp32: bool) -> torch.Tensor:
     num_seqs = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]

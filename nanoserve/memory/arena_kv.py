@@ -26,7 +26,9 @@ class ArenaKV(PagedKV):
     try_reserve = KVManager.try_reserve
 
     def __init__(self, arena: MemoryArena):
-        super().__init__(arena)  # the arena is BlockPool-compatible (allocate, free, block_table, ...)
+        # The arena is BlockPool-compatible (allocate, free, block_table, ...), less try_allocate,
+        # which try_reserve above does without; no protocol names that subset.
+        super().__init__(arena)  # type: ignore[arg-type]
         self.arena = arena
 
     @property

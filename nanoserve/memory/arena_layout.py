@@ -10,6 +10,7 @@ import bisect
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class ArenaConfig:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype, kv_blocks: int,
-                          **kwargs) -> ArenaConfig:
+                          **kwargs: Any) -> ArenaConfig:
         return cls(block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, kv_blocks, **kwargs)
 
     @property

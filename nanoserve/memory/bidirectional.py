@@ -276,10 +276,12 @@ class BidirectionalBlockManager:
         if count is not None:  # a page boundary crossed, or a new sequence: free blocks, in order
             self.growth.grow_onto_free(seq_id, num_tokens, best_effort, count)
             return []
-        plan, copies = self._plan_growth(seq_id, num_tokens, best_effort, NOBODY), []
+        plan = self._plan_growth(seq_id, num_tokens, best_effort, NOBODY)
+        copies: list[KVCopy] = []
         chosen = self._victims_to_drop(seq_id, num_tokens, victims) if plan is None and not best_effort else None
         if chosen:
             gone_plan = self._plan_growth(seq_id, num_tokens, False, frozenset(chosen))
+            assert gone_plan is not None  # chosen because, with them gone, the growth fits
             reserve = self.pool.host_blocks_needed(gone_plan.saves)  # the overwrite checkpoints come first
             for victim in chosen:
                 copies += self._drop(victim, reserve).copies
@@ -318,6 +320,7 @@ class BidirectionalBlockManager:
         fills = [(page, min(B, num_tokens - page * B)) for page in range(have, -(-num_tokens // B))]
         if old % B and num_tokens > old:
             last, new_fill = state.pages[-1], min(B, num_tokens - (have - 1) * B)
+            assert last is not None  # no page on the host (checked above): every page is on the device
             if not best_effort:  # the last page grows in place, over any BE slots in its way
                 plan.saves += pool.be_positions_under(last, gone, old % B, new_fill)
             elif new_fill > B - pool.rt_fill(last):  # RT holds slots it must grow into: move the page
@@ -357,6 +360,7 @@ class BidirectionalBlockManager:
     def _plan_restore(self, seq_id: SeqId, num_tokens: int) -> _Plan | None:
         pool = self.pool
         state, plan = pool.seqs[seq_id], _Plan()
+        target: int | None
         for page, block in enumerate(state.pages):
             entry = pool.preemption_table.get((seq_id, page))
             if entry is None:
@@ -368,7 +372,8 @@ class BidirectionalBlockManager:
             if block is not None and self.block_size - pool.rt_fill(block) >= room:
                 target = block  # the RT page that took these slots has left: load them in place
             elif state.best_effort:
-                target = (self.placement.be_targets([room], taken) or [None])[0]
+                be_targets = self.placement.be_targets([room], taken)
+                target = be_targets[0] if be_targets else None
             else:
                 target = next(iter(self.placement.rt_targets(1, taken, NOBODY) or []), None)
                 plan.saves += pool.be_positions_under(target, NOBODY, 0, fill) if target is not None else []
@@ -395,9 +400,11 @@ class BidirectionalBlockManager:
         slot_in, best_effort = pool.slot_in, state.best_effort
         copies = [KVCopy("move", tuple(pool.device_slot(seq_id, p) for p in kept),
                          tuple(slot_in(target, best_effort, p) for p in kept), reader=seq_id)] if kept else []
-        return copies + ([KVCopy("load", tuple(entry.host_slots[p] for p in lost),
-                                 tuple(slot_in(target, best_effort, p) for p in lost), reader=seq_id)]
-                         if lost else [])
+        if not lost:
+            return copies
+        assert entry is not None  # lost is read from it
+        return copies + [KVCopy("load", tuple(entry.host_slots[p] for p in lost),
+                                tuple(slot_in(target, best_effort, p) for p in lost), reader=seq_id)]
 
     # -- applying ------------------------------------------------------------------------
     def _commit(self, seq_id: SeqId, plan: _Plan, num_tokens: int, held: list[int] | None = None) -> list[KVCopy]:
@@ -414,8 +421,8 @@ class BidirectionalBlockManager:
         for page, block in sorted(plan.placements.items()):
             if page == len(state.pages):
                 state.pages.append(None)
-            if state.pages[page] is not None:
-                sides[state.pages[page]] = None
+            if (old := state.pages[page]) is not None:
+                sides[old] = None
                 self.relocated_pages += 1
             state.pages[page] = block
             sides[block] = (seq_id, page)

@@ -101,8 +101,9 @@ class BidirectionalBlocks:
         twin = copy.copy(self)
         twin.host = cast(HostKVStore, host)  # a ledger stands in: a trial uses only what both offer
         twin.rt, twin.be = list(self.rt), list(self.be)
-        twin.seqs = CopyOnRead(self.seqs, clone_state)
-        twin.preemption_table = CopyOnRead(self.preemption_table, clone_entry)
+        # Overlays that read and write like the dicts they stand for: a trial uses only what both offer.
+        twin.seqs = cast("dict[SeqId, SeqState]", CopyOnRead(self.seqs, clone_state))
+        twin.preemption_table = cast("dict[PageKey, PreemptedPage]", CopyOnRead(self.preemption_table, clone_entry))
         twin.index = self.index.copy()
         twin.stale, twin.pinned = set(self.stale), set(self.pinned)
         return twin
@@ -233,8 +234,9 @@ class BidirectionalBlocks:
                            ) -> list[tuple[PageKey, int]]:
         """The block's on-device BE positions in slots [lo, hi): what an RT fill there overwrites."""
         owner, hi = self.live_be(block, gone), self.block_size if hi is None else hi
-        in_range = [p for p in self.resident(*owner) if lo <= self.slot_in(0, True, p) < hi] if owner else []
-        return [(owner, p) for p in in_range]
+        if not owner:
+            return []
+        return [(owner, p) for p in self.resident(*owner) if lo <= self.slot_in(0, True, p) < hi]
 
     def spare_host_slots(self, entry: PreemptedPage) -> list[int]:
         """Host slots of `entry`'s host blocks that hold none of its positions."""
@@ -252,7 +254,10 @@ class BidirectionalBlocks:
     # -- invariants ----------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert the invariants of the module docstring (and the host store's)."""
-        B, used, slot_owner, host_owned = self.block_size, set(), {}, defaultdict(list)
+        B, used = self.block_size, set()
+        slot_owner: dict[int, tuple[SeqId, int]] = {}
+        host_owned: defaultdict[SeqId, list[int]] = defaultdict(list)
+        block: int | None  # a page's device block below; None: swapped out
         shared = {b for b, (rt, be) in enumerate(zip(self.rt, self.be)) if rt is not None and be is not None}
         for sides, best_effort in ((self.rt, False), (self.be, True)):
             for block, (seq_id, page) in ((b, o) for b, o in enumerate(sides) if o is not None):

@@ -40,7 +40,9 @@ class FastGrowth:
             return None
         if num_tokens <= state.num_tokens:
             return state
-        other = (pool.rt if best_effort else pool.be)[state.pages[-1]]
+        last = state.pages[-1]
+        assert last is not None  # none of its pages is in the preemption table: all are on the device
+        other = (pool.rt if best_effort else pool.be)[last]
         # RT fills [0, f) and BE [B - f, B): they meet only if the two fills exceed the block.
         return state if other is None or num_tokens - (len(state.pages) - 1) * B + pool.fill(*other) <= B else None
 
@@ -56,7 +58,9 @@ class FastGrowth:
                 return None
             have, old = len(state.pages), state.num_tokens
             if old % B and num_tokens > old:
-                other = (pool.rt if best_effort else pool.be)[state.pages[-1]]
+                last = state.pages[-1]
+                assert last is not None  # none of its pages is in the preemption table: all are on the device
+                other = (pool.rt if best_effort else pool.be)[last]
                 if other is not None and min(B, num_tokens - (have - 1) * B) + pool.fill(*other) > B:
                     return None
         count = max(0, -(-num_tokens // B) - have)

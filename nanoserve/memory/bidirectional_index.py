@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.host import KVCopy
@@ -51,9 +52,11 @@ def clone_state(state: SeqState) -> SeqState:
 
 
 _MISSING = object()  # a CopyOnRead key the twin popped: hidden from it, still in the real table
+_K = TypeVar("_K", bound=Hashable)
+_V = TypeVar("_V")
 
 
-class CopyOnRead:
+class CopyOnRead(Generic[_K, _V]):
     """A what-if twin's view of a table of mutable records (`BidirectionalBlocks.what_if`): an
     overlay on the real table, which it never changes. A record is cloned into the overlay the
     first time the twin reads it by key, so a trial mutates only copies; keys the twin sets or
@@ -64,11 +67,14 @@ class CopyOnRead:
     is in use (`can_grow` makes one, asks, and drops it)."""
 
     __slots__ = ("_base", "_clone", "_own")
+    _base: dict[_K, _V]
+    _clone: Callable[[_V], _V]
+    _own: dict[_K, Any]  # the twin's records, and _MISSING for the keys it popped
 
-    def __init__(self, table: dict, clone):
+    def __init__(self, table: dict[_K, _V], clone: Callable[[_V], _V]) -> None:
         self._base, self._clone, self._own = table, clone, {}
 
-    def _read(self, key):
+    def _read(self, key: _K) -> Any:
         """The twin's record under `key` (cloned on first read), or _MISSING."""
         own = self._own
         if key in own:
@@ -78,30 +84,30 @@ class CopyOnRead:
             return value
         return _MISSING
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: _K) -> _V:
         value = self._read(key)
         if value is _MISSING:
             raise KeyError(key)
         return value
 
-    def __setitem__(self, key, value) -> None:
+    def __setitem__(self, key: _K, value: _V) -> None:
         self._own[key] = value
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         own = self._own
         return own[key] is not _MISSING if key in own else key in self._base
 
-    def get(self, key, default=None):
+    def get(self, key: _K, default: _V | None = None) -> _V | None:
         value = self._read(key)
         return default if value is _MISSING else value
 
-    def setdefault(self, key, default=None):
+    def setdefault(self, key: _K, default: _V | None = None) -> _V | None:
         value = self._read(key)
         if value is _MISSING:
             value = self._own[key] = default
         return value
 
-    def pop(self, key, *default):
+    def pop(self, key: _K, *default: Any) -> Any:
         value = self._read(key)
         if value is _MISSING:
             if default:
@@ -110,7 +116,7 @@ class CopyOnRead:
         self._own[key] = _MISSING
         return value
 
-    def items(self):
+    def items(self) -> Iterator[tuple[_K, _V]]:
         """The twin's view (no cloning: read-only checks iterate)."""
         own = self._own
         for key, value in self._base.items():
@@ -120,13 +126,13 @@ class CopyOnRead:
             if value is not _MISSING:
                 yield key, value
 
-    def keys(self):
+    def keys(self) -> Iterator[_K]:
         return (key for key, _ in self.items())
 
-    def values(self):
+    def values(self) -> Iterator[_V]:
         return (value for _, value in self.items())
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[_K]:
         return self.keys()
 
     def __len__(self) -> int:
@@ -163,7 +169,7 @@ class BlockIndex:
     def __init__(self, num_blocks: int):
         self.key: list[tuple | None] = [FREE] * num_blocks
         self.heaps: dict[tuple, list[int]] = defaultdict(list, {FREE: list(range(num_blocks))})
-        self.sizes = Counter({FREE: num_blocks})  # blocks per key
+        self.sizes: Counter[tuple | None] = Counter({FREE: num_blocks})  # blocks per key
 
     def copy(self) -> BlockIndex:
         twin = BlockIndex.__new__(BlockIndex)
@@ -183,10 +189,12 @@ class BlockIndex:
                 if len(heap) > 2 * self.sizes[key] + 32:  # mostly stale: keep the live entries
                     heap[:] = sorted({b for b in heap if self.key[b] == key})
 
-    def first(self, key: tuple, count: int, ok) -> list[int]:
+    def first(self, key: tuple, count: int, ok: Callable[[int], bool]) -> list[int]:
         """Up to `count` blocks under `key` that pass `ok`, lowest id first. The heap is popped to
         be read and its live entries pushed back, so nothing visible changes."""
-        heap, found, seen = self.heaps[key], [], []
+        heap = self.heaps[key]
+        found: list[int] = []
+        seen: list[int] = []
         while heap and len(found) < count:
             block = heapq.heappop(heap)
             if self.key[block] == key and not (seen and seen[-1] == block):  # skip stale, duplicates

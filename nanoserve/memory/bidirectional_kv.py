@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
+from nanoserve.memory import KVBuildContext
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.memory.manager import KVManager
@@ -155,7 +156,7 @@ class BidirectionalKV(KVManager):
         self.blocks.check_invariants()
 
 
-def build(ctx) -> BidirectionalKV:
+def build(ctx: KVBuildContext) -> BidirectionalKV:
     """The registry's builder for "bidirectional" (see nanoserve/memory/__init__.py). No options."""
     if ctx.host_store is None:
         raise ValueError("the bidirectional KV manager needs a host KV store")

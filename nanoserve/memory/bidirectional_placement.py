@@ -37,7 +37,13 @@ class Placement:
         found = [((False, False, 0), b) for b in index.first(FREE, count, lambda b: b not in skip)]
         for pinned, n in product((False, True), range(pool.block_size + 1)) if len(found) < count else ():
             pool.refresh()
-            ok = lambda b: b not in skip and self.rt_rank(b, NOBODY)[0] == pinned  # noqa: B023
+
+            def ok(b: int) -> bool:
+                if b in skip:
+                    return False
+                rank = self.rt_rank(b, NOBODY)
+                assert rank is not None  # filed under ("be", n): a BE page alone, its RT side free
+                return rank[0] == pinned  # noqa: B023
             found += [((pinned, True, n), b) for b in index.first(("be", n), count - len(found), ok)]
         ranked = sorted(found + [(r, b) for b in mine - taken if (r := self.rt_rank(b, gone)) is not None])
         return [b for _, b in ranked[:count]] if len(ranked) >= count else None

@@ -329,7 +329,8 @@ class IncrementalCheckpointer:
                 assert self.pool.has(seq_id), f"{seq_id!r} resident but has no device blocks"
                 assert entry.num_tokens <= len(table) * size, f"{seq_id!r}: more computed tokens than slots"
                 if self.is_restoring(seq_id):
-                    assert entry.num_tokens == len(entry.host_blocks) * size, f"{seq_id!r} restoring past its checkpoint"
+                    assert entry.num_tokens == len(entry.host_blocks) * size, \
+                        f"{seq_id!r} restoring past its checkpoint"
                     assert len(table) == self.pool.blocks_for(entry.num_tokens), f"{seq_id!r} grew while restoring"
             else:
                 assert not self.pool.has(seq_id), f"{seq_id!r} preempted but still holds device blocks"
@@ -343,7 +344,7 @@ class IncrementalCheckpointer:
         for seq_id, entry in self._tracked.items():
             assert entry.in_flight <= set(self._touching), f"{seq_id!r}: an in-flight copy is unknown"
             if entry.resident:
-                table = set(self.pool.block_table(seq_id))
+                own = set(self.pool.block_table(seq_id))
                 for ticket in entry.in_flight:
                     if ticket not in self._holding:
-                        assert set(self._touching[ticket]) <= table, f"{seq_id!r}: a copy touches a block not its own"
+                        assert set(self._touching[ticket]) <= own, f"{seq_id!r}: a copy touches a block not its own"

@@ -43,8 +43,10 @@ The scheduler decides whom to pause, drop, prefetch and resume; this adapter onl
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+from nanoserve.memory import KVBuildContext
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
 from nanoserve.memory.host import HostKVStore, KVCopy
@@ -91,7 +93,8 @@ class CheckpointKV(PagedKV):
         """
         self._link_blocks = None if window is None or not self.block_seconds else int(window / self.block_seconds)
         ckpt, size = self.checkpointer, self.block_size
-        computed = {r.request_id: r.num_computed_tokens for r in (*self._paused.values(), *running)}
+        computed: dict[Hashable, int] = {r.request_id: r.num_computed_tokens
+                                         for r in (*self._paused.values(), *running)}
 
         def rank(rid: str) -> tuple[bool, int]:
             return ckpt.saved_blocks(rid) == 0, -(computed[rid] // size - ckpt.saved_blocks(rid))
@@ -240,7 +243,7 @@ class CheckpointKV(PagedKV):
             assert self.pool.has(rid) and not ckpt.is_preempted(rid), f"{rid!r} prefetching without device blocks"
 
 
-def build(ctx) -> CheckpointKV:
+def build(ctx: KVBuildContext) -> CheckpointKV:
     """The registry's builder for "checkpoint" (see nanoserve/memory/__init__.py).
 
     Options: `threshold` (device usage at which checkpointing starts, default 0.5 as in the

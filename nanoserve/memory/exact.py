@@ -110,7 +110,8 @@ class ExactAllocator:
     def __init__(self, num_blocks: int, config: ExactAllocConfig, host_store: HostKVStore | None = None):
         if num_blocks < 1 or (host_store is not None and host_store.block_size != config.block_size):
             raise ValueError("num_blocks must be positive and the host store use the same block size")
-        self.num_blocks, self.config, self.block_size, self.host_store = num_blocks, config, config.block_size, host_store
+        self.num_blocks, self.config, self.block_size = num_blocks, config, config.block_size
+        self.host_store = host_store
         self.reserve_target = int(num_blocks * config.reserved_fraction)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids are handed out first
         self._charged = 0  # blocks charged to the reserved pool, over all requests
@@ -224,7 +225,8 @@ class ExactAllocator:
         return self.can_grow(seq_id, max(0, end - seq.written))
 
     # -- mutations: each is all or nothing, raising NoFreeBlocksError and changing nothing -----
-    def admit(self, seq_id: Hashable, prompt_len: int, predicted_len: int, *, allow_hosting: bool = True) -> Hashable | None:
+    def admit(self, seq_id: Hashable, prompt_len: int, predicted_len: int, *,
+              allow_hosting: bool = True) -> Hashable | None:
         """Coupled: reserve prompt + padded RL at once, from A_KVC or in a host's region (§3.4); returns
         the host's id or None. `grow` writes the positions, prompt included."""
         self._check_new(seq_id, prompt_len)
@@ -256,7 +258,8 @@ class ExactAllocator:
         if prompt_len == 0:
             self._queued.add(seq_id)
 
-    def batch(self, seq_id: Hashable, base_tokens: int, predicted_len: int, *, allow_hosting: bool = True) -> list[KVCopy]:
+    def batch(self, seq_id: Hashable, base_tokens: int, predicted_len: int, *,
+              allow_hosting: bool = True) -> list[KVCopy]:
         """Batch a waiting GT (§3.2.1): allocate its predicted RL past `base_tokens` (the tokens it had
         when predicted), padded, in A_KVC or in a host's region (§3.4); its reserved-pool charge moves
         to A_KVC. Returns the loads of a GT that was evicted while it waited."""
@@ -413,6 +416,7 @@ class ExactAllocator:
         self.restores += 1
         if seq.written == 0:
             return []
+        assert self.host_store is not None  # written K/V survives an eviction only in the host store
         # Its latest save: each save appends its blocks to the request's host blocks, and earlier
         # saves (restored from before, now stale) stay held until it is released (`_release`).
         latest = self.host_store.blocks_of(seq_id)[-self.blocks_for(seq.written):]
@@ -439,7 +443,8 @@ class ExactAllocator:
         tokens plus the host's b (the §3.4 rule; ties: the earliest admitted). A region is at most half of
         base * B - written, which only shrinks as its host writes: `_lenders` holds that (negated) as of
         some earlier call, so only its entries of 2 * blocks * B or more are looked at, and pushed back fresh."""
-        size, best, hosts = self.block_size, None, {}
+        size, best = self.block_size, None
+        hosts: dict[Hashable, None] = {}
         while self._lenders and -self._lenders[0][0] >= 2 * blocks * size:
             hosts[heapq.heappop(self._lenders)[2]] = None  # a host's older entries too: it is looked at once
         for host_id in hosts:
@@ -516,7 +521,8 @@ class ExactAllocator:
         assert self._queued == {i for i, s in self._seqs.items() if not s.batched and s.written >= s.reservation}, \
             "`queued` is not the unbatched requests done writing"
         slots: list[int] = []
-        keys = {seq_id: key for key, _, seq_id in sorted(self._lenders, key=lambda e: -e[0])}  # each id's least key
+        # each id's least key
+        keys = {seq_id: key for key, _, seq_id in sorted(self._lenders, key=lambda e: -e[0])}
         for seq_id, seq in self._seqs.items():
             if not seq.resident:
                 assert not seq.table and not seq.children and seq.host is None and not seq.charged, \
@@ -524,26 +530,34 @@ class ExactAllocator:
                 saved = len(self.host_store.blocks_of(seq_id)) if self.host_store is not None else 0
                 assert saved >= self.blocks_for(seq.written), f"{seq_id!r}: written KV neither saved nor dropped"
                 continue
-            assert len(seq.table) * self.block_size >= seq.written, f"{seq_id!r}: table does not cover the written positions"
+            assert len(seq.table) * self.block_size >= seq.written, \
+                f"{seq_id!r}: table does not cover the written positions"
             assert seq.lent_from <= seq.base <= len(seq.table)
             if seq.batched:
                 assert seq.charged == len(seq.table) - seq.base, f"{seq_id!r}: charge is not its overrun"
-                assert keys.get(seq_id, math.inf) <= seq.written - seq.base * self.block_size, f"{seq_id!r}: missing from `_lenders`"
+                assert keys.get(seq_id, math.inf) <= seq.written - seq.base * self.block_size, \
+                    f"{seq_id!r}: missing from `_lenders`"
             else:
-                assert seq.written <= seq.reservation <= len(seq.table) * self.block_size, f"{seq_id!r}: wrote past its reservation"
-                assert not seq.children and seq.charged <= len(self._owned(seq)), f"{seq_id!r}: unbatched host, or overcharged"
+                assert seq.written <= seq.reservation <= len(seq.table) * self.block_size, \
+                    f"{seq_id!r}: wrote past its reservation"
+                assert not seq.children and seq.charged <= len(self._owned(seq)), \
+                    f"{seq_id!r}: unbatched host, or overcharged"
             slots += self.slot_mapping(seq_id, 0, seq.written)
-            assert seq.host is None or seq_id in self._seqs[seq.host].children, f"{seq_id!r}: host does not know its guest"
+            assert seq.host is None or seq_id in self._seqs[seq.host].children, \
+                f"{seq_id!r}: host does not know its guest"
             edge = self.blocks_for(seq.written)
             for child_id in seq.children:
                 child = self._seqs[child_id]
                 assert child.resident and child.host == seq_id, f"{child_id!r}: wrong host link"
-                assert child.region_start >= edge, f"{child_id!r}: region overlaps the host's written part or a sibling"
-                assert seq.host is None or child.region_start >= seq.lent_from, f"{child_id!r}: outside its nested host's region"
+                assert child.region_start >= edge, \
+                    f"{child_id!r}: region overlaps the host's written part or a sibling"
+                assert seq.host is None or child.region_start >= seq.lent_from, \
+                    f"{child_id!r}: outside its nested host's region"
                 edge = child.region_start + child.base - child.lent_from
                 assert child.table[child.lent_from:child.base] == seq.table[child.region_start:edge], \
                     f"{child_id!r}: region is not the host's blocks"
                 assert edge <= seq.base, f"{child_id!r}: region outside the host's allocation"
         assert len(slots) == len(set(slots)), "two live positions share a KV slot"
         assert self.num_guests == sum(s.host is not None for s in self._seqs.values()), "num_guests is off"
-        assert self._seqs or (len(self._free) == self.num_blocks and not self._charged), "blocks leaked with no requests left"
+        assert self._seqs or (len(self._free) == self.num_blocks and not self._charged), \
+            "blocks leaked with no requests left"

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+from nanoserve.memory import KVBuildContext
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.exact import ExactAllocator, ExactAllocConfig
 from nanoserve.memory.host import KVCopy
@@ -252,7 +253,7 @@ class ExactKV(KVManager):
         while stack:
             guests.append(stack.pop())
             stack += self.alloc.hosted_by(guests[-1])
-        return guests
+        return cast("list[str]", guests)  # the allocator is keyed by this manager's request ids
 
     def _reset_dropped(self, guests: list[str]) -> None:
         """Guests just evicted with no host room recompute from 0 (see the module docstring)."""
@@ -287,7 +288,7 @@ class ExactKV(KVManager):
         self.alloc.check_invariants()
 
 
-def build(ctx) -> ExactKV:
+def build(ctx: KVBuildContext) -> ExactKV:
     """The registry's builder for "exact" (see nanoserve/memory/__init__.py). Options:
     `predicted_len` (one RL for every request, or a function of the request; default each
     request's max_tokens), `decoupled` (default True: PTs get their prompt's KV, GTs their RL
@@ -300,7 +301,8 @@ def build(ctx) -> ExactKV:
     knobs = {name: options.pop(name) for name in ALLOC_OPTIONS if name in options}
     if options:
         raise ValueError(f"unknown options for the exact KV manager: {sorted(options)}")
-    if not (predicted_len is None or callable(predicted_len) or (isinstance(predicted_len, int) and predicted_len >= 1)):
+    if not (predicted_len is None or callable(predicted_len)
+            or (isinstance(predicted_len, int) and predicted_len >= 1)):
         raise ValueError(f"predicted_len must be a positive integer or a function of the request, "
                          f"got {predicted_len!r}")
     if not isinstance(decoupled, bool):

@@ -31,8 +31,9 @@ the link:
     compute stream:       ├L0─┤├L1─┤├L2─┤├L3─┤head┤      (whole copies: ....wait....├L0─┤├L1─ ...)
 
 Per layer, the order is still saves, moves, loads, group after group, and a layer's copies touch
-only that layer's tensors, so the caches end exactly as with whole copies. On a CPU there is no second engine: the same code runs
-the copies in order, at once, and they land immediately, with exactly the same bookkeeping.
+only that layer's tensors, so the caches end exactly as with whole copies. On a CPU there is no
+second engine: the same code runs the copies in order, at once, and they land immediately, with
+exactly the same bookkeeping.
 
 Host space is handed out in whole host blocks of B slots, owned by an owner id (a request id,
 usually); a save of fewer than B slots still takes a block. A slot copy carries every layer's
@@ -47,7 +48,7 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +79,7 @@ def _pin_in_place(owner: object, tensors: Sequence[torch.Tensor]) -> weakref.fin
     to a power of two, which turns a 40 GiB store into 64 GiB of locked host memory. Unlocked
     when `owner` is collected (the finalizer holds the tensors, so they outlive it), or earlier by
     calling the finalizer this returns (it runs once)."""
-    registered = []
+    registered: list[torch.Tensor] = []
     if all(t.numel() == 0 for t in tensors):
         return weakref.finalize(owner, _unpin, registered)  # nothing to lock: no CUDA context either
     cudart = torch.cuda.cudart()
@@ -203,7 +204,9 @@ class HostKVStore:
         if not groups:
             return
         held = [layer for layer, c in enumerate(kv_caches) if c is not None]
-        device = kv_caches[held[0]][0].device
+        first = kv_caches[held[0]]
+        assert first is not None  # held lists only layers with caches
+        device = first[0].device
         if device.type != "cuda":
             for layer in held:
                 for group in groups:
@@ -310,7 +313,8 @@ class HostKVStore:
             else:
                 self._transfer(kind, src_slots, dst_slots, kv_caches, device)
 
-    def _move(self, src_slots: list[int], dst_slots: list[int], kv_caches, device: torch.device) -> None:
+    def _move(self, src_slots: list[int], dst_slots: list[int],
+              kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None], device: torch.device) -> None:
         src, dst = (to_device(slots, torch.int64, device=device) for slots in (src_slots, dst_slots))
         for caches in kv_caches:
             for cache in caches or ():
@@ -318,7 +322,8 @@ class HostKVStore:
                 # Gather first, then scatter: a move's sources are read before any is overwritten.
                 flat.index_copy_(0, dst, flat.index_select(0, src))
 
-    def _layers(self, kv_caches):
+    def _layers(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(host tensor, flat device cache) for every layer's K and V this rank holds."""
         for layer, caches in enumerate(kv_caches):
             if caches is None:
@@ -327,7 +332,8 @@ class HostKVStore:
             for host, cache in zip((self.k[row], self.v[row]), caches):
                 yield host, cache.view(-1, *cache.shape[2:])
 
-    def _transfer(self, kind: str, src_slots: list[int], dst_slots: list[int], kv_caches, device) -> None:
+    def _transfer(self, kind: str, src_slots: list[int], dst_slots: list[int],
+                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None], device: torch.device) -> None:
         """A save or load on the CPU (or any synchronous device)."""
         src = torch.tensor(src_slots, dtype=torch.int64)
         dst = torch.tensor(dst_slots, dtype=torch.int64)
@@ -347,7 +353,8 @@ class HostKVStore:
             source, target = (flat, host) if kind == "save" else (host, flat)
             target.index_copy_(0, dst, source.index_select(0, src).to(target.device))
 
-    def _transfer_async(self, kind: str, src_slots: list[int], dst_slots: list[int], kv_caches,
+    def _transfer_async(self, kind: str, src_slots: list[int], dst_slots: list[int],
+                        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
                         device: torch.device) -> None:
         """A save or load on the copy stream, never blocking the host thread.
 

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:  # nanoserve.memory imports this module
+    from nanoserve.memory import KVBuildContext
 
 
 class KVManager(ABC):
@@ -228,6 +232,6 @@ class PagedKV(KVManager):
         self.pool.check_invariants()
 
 
-def build_paged(ctx) -> PagedKV:
+def build_paged(ctx: KVBuildContext) -> PagedKV:
     """The registry's builder for "paged" (see nanoserve/memory/__init__.py)."""
     return PagedKV(BlockPool(ctx.num_blocks, ctx.block_size))

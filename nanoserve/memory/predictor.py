@@ -56,7 +56,7 @@ import random
 import zlib
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -217,7 +217,7 @@ def prompt_bucket(num_prompt_tokens: int) -> int:
     return max(1, num_prompt_tokens).bit_length()
 
 
-def quantile(values: list[int] | deque[int], q: float) -> int:
+def quantile(values: Sequence[int], q: float) -> int:
     """Nearest-rank quantile: the smallest observed value with at least a share q of the
     values at or below it. An observed length, never an interpolated one."""
     ordered = sorted(values)

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanoserve.memory import KVBuildContext
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.memory.manager import KVManager, PagedKV
@@ -64,6 +65,8 @@ class _Loading:
 
 class SwapKV(PagedKV):
     """Paged KV whose preemption swaps a request's blocks to host memory (vLLM's swap mode)."""
+
+    host_store: HostKVStore  # always set: a swap manager cannot do without one
 
     def __init__(self, pool: BlockPool, store: HostKVStore):
         if pool.block_size != store.block_size:
@@ -185,16 +188,18 @@ class SwapKV(PagedKV):
             else:
                 assert self._loading.get(loading.rid) == ticket, f"{loading.rid}: a live swap-in is not filed"
                 table = self.pool.block_table(loading.rid)
-                assert table[:len(loading.device_blocks)] == loading.device_blocks, f"{loading.rid}: swap-in blocks moved"
+                assert table[:len(loading.device_blocks)] == loading.device_blocks, \
+                    f"{loading.rid}: swap-in blocks moved"
         assert all(self._loads[t].rid == rid for rid, t in self._loading.items())
         assert held == self.pool.num_held_blocks, "held blocks disagree with the swap-ins in flight"
         owned = self.host_store.num_blocks - self.host_store.num_free_blocks
         assert owned == sum(map(len, expected.values())), "host blocks held by someone the swap manager does not track"
         for rid, blocks in expected.items():
-            assert sorted(self.host_store.blocks_of(rid)) == sorted(blocks), f"{rid}: host blocks disagree with the store"
+            assert sorted(self.host_store.blocks_of(rid)) == sorted(blocks), \
+                f"{rid}: host blocks disagree with the store"
 
 
-def build(ctx) -> SwapKV:
+def build(ctx: KVBuildContext) -> SwapKV:
     """The registry's builder for "swap" (see nanoserve/memory/__init__.py). No options."""
     if ctx.host_store is None:
         raise ValueError("the swap KV manager needs a host KV store")

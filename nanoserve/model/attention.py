@@ -7,7 +7,7 @@ built by the runner; the model never knows which policy or allocator produced it
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,7 @@ class ForwardContext:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_seqs]: context length after this step
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]  # per layer (k_cache, v_cache); None: not held here
     backend: AttentionBackend
     directions: torch.Tensor | None = None
 
@@ -96,7 +96,9 @@ class PagedAttention(nn.Module):
     def cache(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (K, V) cache, for a caller that stores the step's K/V itself (a fused
         RoPE + store kernel) and then calls `attend`."""
-        return ctx.kv_caches[self.layer_idx]
+        cache = ctx.kv_caches[self.layer_idx]
+        assert cache is not None, f"layer {self.layer_idx} runs where its KV cache is held"
+        return cache
 
     def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q: [T, num_heads, head_dim], the step's K/V already in the cache. Returns [T, num_heads * head_dim]."""

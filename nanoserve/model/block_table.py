@@ -3,9 +3,10 @@ the step"; the idea is vLLM v1's persistent block table, the code ours).
 
 Rebuilding a batch's padded block table as Python lists costs per block every step: 1.9 ms at
 128 sequences x 256 blocks on this project's 2-core CPU (the issue measured 4.3 ms at 128 x 4k
-tokens), as long as a whole graphed decode forward on the GPUs we measured (0.9-1.9 ms). Yet between two decode steps a sequence's table rarely changes, and when it
-does it grows by one block at the end. So each request keeps a row of one host array, and a step
-writes only what changed:
+tokens), as long as a whole graphed decode forward on the GPUs we measured (0.9-1.9 ms). Yet
+between two decode steps a sequence's table rarely changes, and when it does it grows by one
+block at the end. So each request keeps a row of one host array, and a step writes only what
+changed:
 
     rows (host, int32, width = the longest table so far)      request -> row
     +---------------------------------------+

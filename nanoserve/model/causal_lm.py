@@ -15,6 +15,7 @@ from torch import nn
 
 from nanoserve.config import ModelConfig
 from nanoserve.model.attention import ForwardContext
+from nanoserve.model.layers import Weight
 from nanoserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -74,5 +75,5 @@ class CausalLM(nn.Module):
         return embed
 
     @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Copy HF-named checkpoint tensors into the model (each rank takes its own slices)."""

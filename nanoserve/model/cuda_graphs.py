@@ -49,11 +49,16 @@ runs the forward over the same static buffers and padding.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoserve.model.attention import AttentionBackend, ForwardContext
 from nanoserve.model.causal_lm import CausalLM
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # a private torch name: for the annotation only
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -76,7 +81,8 @@ def mixed_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, model: CausalLM, kv_caches: list, backend: AttentionBackend, buckets: Sequence[int],
+    def __init__(self, model: CausalLM, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+                 backend: AttentionBackend, buckets: Sequence[int],
                  max_blocks: int, device: torch.device, record: bool | None = None,
                  mixed_sizes: Sequence[int] = (), max_num_seqs: int = 0):
         """`buckets`: decode batch sizes; `mixed_sizes`: token counts of mixed graphs over up to
@@ -113,14 +119,14 @@ class StepGraphs:
                                 for t in self.mixed_sizes}
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         self._mixed_replays: dict[int, Callable[[], torch.Tensor]] = {}
-        self._pool = None
+        self._pool: _POOL_HANDLE | None = None
         self.num_replays = 0  # decode steps served by a graph (what tests and benchmarks read)
         self.num_mixed_replays = 0
         # Largest first: the smaller graphs reuse its memory pool.
         for t in reversed(self.mixed_sizes):
-            self._mixed_replays[t] = self._capture(lambda t=t: self._mixed_forward(t))
+            self._mixed_replays[t] = self._capture(partial(self._mixed_forward, t))
         for b in reversed(self.buckets):
-            self._replays[b] = self._capture(lambda b=b: self._forward(b))
+            self._replays[b] = self._capture(partial(self._forward, b))
 
     def _forward(self, b: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self._contexts[b], None)

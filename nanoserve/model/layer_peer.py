@@ -131,7 +131,7 @@ class LayerPeer:
         layers = list(layers)
         blocks = arena.num_pages // block_pages_after
 
-        def kv_bytes(pair) -> int:  # a (K, V) pair's bytes with `blocks` blocks
+        def kv_bytes(pair: tuple[torch.Tensor, torch.Tensor]) -> int:  # a (K, V) pair's bytes with `blocks` blocks
             return sum(blocks * cache[0].numel() * cache.element_size() for cache in pair)
 
         caches = arena.kv_caches()
@@ -219,6 +219,7 @@ class LayerPeer:
                 block_tables=torch.div(ctx.block_tables, self._block_pages, rounding_mode="floor"),
                 kv_caches=self._caches)
             self._ctx_in = ctx
+        assert self._ctx_out is not None  # set with `_ctx_in`
         return self._ctx_out
 
     def _block_size(self) -> int:

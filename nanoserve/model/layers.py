@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -78,11 +78,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+class LazyWeight(Protocol):
+    """A checkpoint tensor not read yet (model/loader.py's `CheckpointSlice`): `narrow` reads
+    only the rows asked for, `materialize` the whole tensor."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+    def materialize(self) -> torch.Tensor: ...
+
+
+# A weight may arrive as a tensor or as a lazy checkpoint slice that reads only the rows asked for.
+Weight = torch.Tensor | LazyWeight
+
+
 class ShardedWeight:
     """A layer that takes its own slice of each checkpoint tensor it owns (the tensor-parallel
     layers of model/parallel.py): the loader hands it the whole tensor instead of copying."""
 
-    def load_weight(self, param_name: str, weight: Any) -> None:
+    def load_weight(self, param_name: str, weight: Weight) -> None:
         """Copy this rank's slice of the checkpoint tensor `weight` into parameter `param_name`."""
         raise NotImplementedError
 
@@ -104,7 +120,7 @@ class MergedLinear(PackedWeight, nn.Linear):
         self.part_offsets = [sum(local[:i]) for i in range(len(local))]
         self.part_shards = shards
 
-    def load_part(self, part: int, param_name: str, tensor) -> None:
+    def load_part(self, part: int, param_name: str, tensor: Weight) -> None:
         start, size = self.part_offsets[part], self.part_sizes[part]
         getattr(self, param_name).data[start : start + size].copy_(tensor.narrow(0, *self.part_shards[part]))
 
@@ -121,7 +137,7 @@ LLAMA_STACKED = [
 
 def load_named_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Weight]],
     stacked: Sequence[tuple[str, str, int]] = (),
     skip: Sequence[str] = (),
 ) -> None:
@@ -133,7 +149,7 @@ def load_named_weights(
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     # Every part of a MergedLinear must arrive on its own, so parts are tracked as "name#i".
-    pending = set()
+    pending: set[str] = set()
     for module_name, module in modules.items():
         for param_name, _ in module.named_parameters(recurse=False):
             full = f"{module_name}.{param_name}" if module_name else param_name

@@ -9,6 +9,7 @@ Qwen2 and Qwen3 differ from Llama in a flag or a hook and subclass these classes
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from nanoserve.model.layers import (
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
+    Weight,
     apply_rotary,
     load_named_weights,
 )
@@ -83,7 +85,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, [shard, shard])
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor, fused=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:  # fused: AttentionBackend.fused
         if fused is not None:
             return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -138,7 +140,11 @@ class LlamaModel(DecoderBody):
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """A pipeline stage (parallel/pipeline.py) passes the previous stage's `hidden` instead of
         ids, holds only its own layers, and only the last stage keeps the final norm."""
-        x = self.embed_tokens(input_ids) if hidden is None else hidden
+        if hidden is None:
+            assert self.embed_tokens is not None  # the first stage embeds
+            x = self.embed_tokens(input_ids)
+        else:
+            x = hidden
         cos, sin = self.rotary(positions)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -170,6 +176,6 @@ class LlamaForCausalLM(CausalLM):
     def body(self) -> LlamaModel:
         return self.model
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.lm_head is None else [])
         load_named_weights(self, weights, LLAMA_STACKED, skip)

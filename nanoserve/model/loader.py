@@ -122,7 +122,7 @@ class CheckpointSlice:
     """A safetensors tensor not read yet: `narrow` reads only the rows a tensor-parallel rank
     keeps, `materialize` the whole tensor. Valid while its file is open (one loading pass)."""
 
-    def __init__(self, handle, name: str):
+    def __init__(self, handle: Any, name: str):
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
 
@@ -133,7 +133,7 @@ class CheckpointSlice:
         return self._slice[:]
 
 
-def iter_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
     """Yield (HF name, tensor) from every weight file of a checkpoint, one tensor at a time.
     With `lazy`, safetensors tensors come as `CheckpointSlice`s, read when loaded."""
     from safetensors import safe_open

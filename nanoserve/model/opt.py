@@ -9,7 +9,7 @@ How it differs from Llama, following `transformers`' OPTForCausalLM:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from torch import nn
 from nanoserve.config import ModelConfig
 from nanoserve.model.attention import ForwardContext, PagedAttention
 from nanoserve.model.causal_lm import CausalLM, DecoderBody
-from nanoserve.model.layers import MergedLinear, load_named_weights
+from nanoserve.model.layers import MergedLinear, Weight, load_named_weights
 from nanoserve.model.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -33,7 +33,7 @@ from nanoserve.model.stages import MissingLayer
 
 POSITION_OFFSET = 2
 OPT_STACKED = [("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2)]
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
 
 
 class OPTAttention(nn.Module):
@@ -95,6 +95,7 @@ class OPTDecoder(DecoderBody):
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """As LlamaModel.forward: a later pipeline stage starts from `hidden`."""
         if hidden is None:
+            assert self.embed_tokens is not None  # the first stage embeds
             x = self.embed_tokens(input_ids)
             if self.project_in is not None:
                 x = self.project_in(x)
@@ -133,7 +134,7 @@ class OPTForCausalLM(CausalLM):
     def body(self) -> OPTDecoder:
         return self.model.decoder
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         # Early OPT checkpoints name tensors "decoder.*" rather than "model.decoder.*".
         renamed = ((f"model.{n}" if n.startswith("decoder.") else n, t) for n, t in weights)
         skip = ["lm_head."] if self.lm_head is None else []

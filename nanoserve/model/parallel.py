@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels.cpu_linear import PackedWeight, linear
-from nanoserve.model.layers import ShardedWeight
+from nanoserve.model.layers import ShardedWeight, Weight
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,6 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
-
-# A weight may arrive as a tensor or as a lazy checkpoint slice (see model/loader.py) that reads
-# only the rows asked for.
-Weight = Any
-
 
 def narrow(weight: Weight, dim: int, start: int, length: int) -> torch.Tensor:
     """Rows [start, start + length) of `weight` along `dim`, reading no more than that."""
@@ -191,7 +186,8 @@ class VocabParallelEmbedding(ShardedWeight, PackedWeight, nn.Embedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This weight as an LM head: every rank's vocab slice, gathered, padding dropped."""
-        return self.tp.all_gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))[..., : self.vocab_size]
+        logits = self.tp.all_gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))
+        return logits[..., : self.vocab_size]
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -16,7 +16,7 @@ from nanoserve.config import EngineArgs, ModelConfig, Topology
 from nanoserve.device import resolve_dtype
 from nanoserve.kernels.cpu_linear import pack_linear_weights
 from nanoserve.memory.host import HostKVStore
-from nanoserve.model.attention import default_attention_backend, get_attention_backend
+from nanoserve.model.attention import AttentionBackend, default_attention_backend, get_attention_backend
 from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
 from nanoserve.model.loader import load_config, load_model
@@ -44,7 +44,7 @@ class GraphSizes(NamedTuple):
     mixed: tuple[int, ...]
 
 
-def attention_backend(args: EngineArgs, device: torch.device):
+def attention_backend(args: EngineArgs, device: torch.device) -> AttentionBackend:
     backend = get_attention_backend(args.attention_backend or default_attention_backend(device), device)
     return backend if args.fused_layer_ops else replace(backend, fused=None)
 

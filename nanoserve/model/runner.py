@@ -97,7 +97,8 @@ class ModelRunner(Executor):
     def __init__(self, model: CausalLM, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, backend: AttentionBackend, seed: int = 0,
                  host_store: HostKVStore | None = None, arena: MemoryArena | None = None,
-                 host_weights: Mapping[str, torch.Tensor] | None = None, preempt_every_layers: int = EngineArgs.preempt_every_layers,
+                 host_weights: Mapping[str, torch.Tensor] | None = None,
+                 preempt_every_layers: int = EngineArgs.preempt_every_layers,
                  tp: TPGroup = SINGLE, stage_layers: range | None = None,
                  cuda_graph_sizes: Iterable[int] = (), max_blocks_per_seq: int = 0,
                  mixed_graph_sizes: Iterable[int] = (), max_num_seqs: int = 0, layerwise_preemption: bool = True):
@@ -157,6 +158,7 @@ class ModelRunner(Executor):
     # -- KunServe: drop and restore layers between steps (§4.1, §4.2, §4.4) --------------------
     def _arena_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         # A dropped layer's entry is None: its PeerStage reads the peer's cache, never this list.
+        assert self.arena is not None, "only a runner over an arena reads its KV views"
         views = self.arena.kv_caches()
         return [views.get(layer) for layer in range(self.model_config.num_layers)]
 
@@ -189,6 +191,7 @@ class ModelRunner(Executor):
         if self.arena is None or self.peer is None:
             raise RuntimeError("restore_layers needs a runner built over a MemoryArena")
         layers = sorted(set(layer_ids))
+        assert self.host_weights is not None  # required with the arena (__init__)
         change = self.arena.restore_layers(layers, self.host_weights)
         self.peer.release(layers, self.arena.num_pages, self.arena.block_pages)
         self.kv_caches = self._arena_kv_caches()
@@ -310,6 +313,7 @@ class ModelRunner(Executor):
     def _after_layer(self, layers_done: int) -> None:
         """Between layers when copies stream layer by layer: the next layer waits for its part of
         the copies it reads (HostKVStore.wait_layer), then ConServe's safe point, if armed."""
+        assert self.host_store is not None  # installed only for a store's layer waits (run_model)
         self.host_store.wait_layer(layers_done)
         if self._preemptible:
             self.preemption.safe_point(layers_done)
@@ -345,8 +349,10 @@ class ModelRunner(Executor):
         sampling = [c.request for c in batch.chunks if c.samples]
         graph = self._replayable(batch, prepared, preemptible)
         if graph == "decode":
+            assert self.graphs is not None  # _replayable found a graph
             logits = self.graphs.replay(prepared.ctx, prepared.input_ids, prepared.positions)
         elif graph == "mixed":
+            assert self.graphs is not None
             logits = self.graphs.replay_mixed(prepared.ctx, prepared.input_ids, prepared.positions,
                                               prepared.sample_index)
             if not sampling:

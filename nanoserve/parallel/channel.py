@@ -41,7 +41,9 @@ class StepChannel:
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         for rank in range(1, self.world_size):
             for tensor in (length, payload):
-                self._sends.append((dist.isend(tensor, dst=rank, group=self.group, tag=CONTROL_TAG), tensor))
+                work = dist.isend(tensor, dst=rank, group=self.group, tag=CONTROL_TAG)
+                assert work is not None, "rank 0 is in the control group"
+                self._sends.append((work, tensor))
 
     def receive(self) -> Any:
         """A worker: the next message rank 0 posted."""

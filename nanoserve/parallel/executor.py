@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -37,6 +37,7 @@ from nanoserve.model.runner import ModelRunner
 from nanoserve.parallel.channel import StepChannel
 from nanoserve.parallel.launch import WorkerPool, stop_driver
 from nanoserve.parallel.pipeline import PipelineStage, split_microbatches
+from nanoserve.request import Request
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.slo import RequestClass
 
@@ -77,8 +78,10 @@ class StepMessage:
 
     def outputs(self) -> list[SchedulerOutput]:
         """The micro-batches as batches a runner executes (the first carries the KV copies)."""
-        out = [SchedulerOutput([ScheduledChunk(StepRequest(m), m.start, len(m.token_ids), list(m.block_table),
-                                               m.right_to_left) for m in mb]) for mb in self.microbatches]
+        # A `StepRequest` has every field of a `Request` the runner reads (cast: it is a stand-in).
+        out = [SchedulerOutput([ScheduledChunk(cast(Request, StepRequest(m)), m.start, len(m.token_ids),
+                                               list(m.block_table), m.right_to_left) for m in mb])
+               for mb in self.microbatches]
         out = out or [SchedulerOutput()]  # a copies-only step
         out[0].kv_copies = [list(group) for group in self.kv_copies]
         out[0].landed_copies = self.landed_copies

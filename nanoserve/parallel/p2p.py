@@ -14,16 +14,16 @@ import torch
 import torch.distributed as dist
 
 
-def staged(tensor: torch.Tensor, group=None) -> bool:
+def staged(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
     """Must `tensor` go through host memory to travel over `group`?"""
     return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
-def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
     dist.send(tensor.cpu() if staged(tensor, group) else tensor, dst=dst, group=group)
 
 
-def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
     """Receive into `tensor` (on any device)."""
     if not staged(tensor, group):
         dist.recv(tensor, src=src, group=group)
@@ -33,8 +33,10 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     tensor.copy_(host)
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None) -> tuple[dist.Work, torch.Tensor]:
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> tuple[dist.Work, torch.Tensor]:
     """Start sending `tensor`; returns the handle and the tensor actually sent, which must stay
     alive until the handle completes."""
     payload = tensor.cpu() if staged(tensor, group) else tensor
-    return dist.isend(payload, dst=dst, group=group), payload
+    work = dist.isend(payload, dst=dst, group=group)
+    assert work is not None, "isend returns no handle only to a rank outside `group`"
+    return work, payload

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from nanoserve.config import Topology
 from nanoserve.executor import ExecutorOutput
-from nanoserve.model.runner import ModelRunner
+from nanoserve.model.runner import ModelRunner, PreparedBatch
 from nanoserve.parallel import p2p
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 
@@ -54,7 +54,8 @@ def split_microbatches(chunks: list[ScheduledChunk], count: int) -> list[list[Sc
     return [mb for mb in microbatches if mb]
 
 
-def run_stage(runner: ModelRunner, prepared, prev: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+def run_stage(runner: ModelRunner, prepared: PreparedBatch, prev: int | None,
+              dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     """This stage's layers over one micro-batch: from the tokens on the first stage (`prev` None),
     else from the activations rank `prev` sends. Returns the hidden states and when computing
     began: the wait for activations is not busy time."""

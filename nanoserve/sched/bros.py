@@ -92,6 +92,7 @@ Our additions, which the paper does not have:
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from nanoserve.request import Request, RequestStatus
@@ -191,7 +192,8 @@ class BROSScheduler(Scheduler):
         # Then for real, reserving as it packs: RT chunks before any BE chunk. An RT request the
         # memory cannot take (even after evictions) is passed over for the next one. Where the
         # memory takes each chunk as it is, the real pass decides as the draft did: replay it.
-        batch = Batch(self, now, out=SchedulerOutput(), draft=draft)
+        out = SchedulerOutput()
+        batch = Batch(self, now, out=out, draft=draft)
         replayed = self._replay_rt(batch, draft)
         replay_be = replayed and draft.host_version == self.kv.host_slots_version()
         if not replayed:
@@ -201,9 +203,9 @@ class BROSScheduler(Scheduler):
                 self._select_be(batch, replace=False, skip=set(batch.held))
         self._adapt_batch_size(batch.risk)
         self.slo_risk = batch.risk
-        return batch.out
+        return out
 
-    def _select_rt(self, batch: Batch, skip: set[int] = frozenset(), cap: int | None = None) -> None:
+    def _select_rt(self, batch: Batch, skip: AbstractSet[int] = frozenset(), cap: int | None = None) -> None:
         """Alg. 1 lines 5-15, up to `cap` RT requests (the batch size less the seats the draft
         gave BE requests)."""
         cap = self.batch_size if cap is None else cap
@@ -213,7 +215,7 @@ class BROSScheduler(Scheduler):
         finally:
             candidates.close()  # puts back the waiting requests it pulled but did not admit
 
-    def _pack_rt(self, batch: Batch, candidates: Iterator[Request], skip: set[int], cap: int) -> None:
+    def _pack_rt(self, batch: Batch, candidates: Iterator[Request], skip: AbstractSet[int], cap: int) -> None:
         # Locals and inline arithmetic: this loop runs for every RT request in the batch, twice.
         chunk_cost, iteration = self.cost_model.chunk_cost, self.cost_model.iteration
         gone, held = batch.gone, batch.held
@@ -271,7 +273,7 @@ class BROSScheduler(Scheduler):
         victims = (r for r in self.running if not is_rt(r) and not batch.holds(r) and not batch.evicted(r))
         return self.kv.fits_after_preempting(request, num_tokens, victims)
 
-    def _select_be(self, batch: Batch, replace: bool, skip: set[int] = frozenset()) -> None:
+    def _select_be(self, batch: Batch, replace: bool, skip: AbstractSet[int] = frozenset()) -> None:
         """Alg. 1 lines 17-33 (past the requests in `skip`, which a replay already packed)."""
         candidates = self._be_candidates()
         try:
@@ -279,7 +281,8 @@ class BROSScheduler(Scheduler):
         finally:
             candidates.close()
 
-    def _pack_be(self, batch: Batch, candidates: Iterator[Request], replace: bool, skip: set[int]) -> None:
+    def _pack_be(self, batch: Batch, candidates: Iterator[Request], replace: bool,
+                 skip: AbstractSet[int]) -> None:
         # Locals, and the whole chunk tried inline before any bisection: this loop runs for
         # every BE request in the batch, twice.
         gone, held, batch_size, draft = batch.gone, batch.held, self.batch_size, batch.out is None
@@ -425,12 +428,16 @@ class BROSScheduler(Scheduler):
         if request.status is WAITING:
             return None  # §5.2: an RT request is admitted onto free or BE blocks, never another RT's
         mine = self.queues.seniority(request)
-        if not rt or mine >= batch.youngest_rt:  # the common case in overload: a newcomer
+        if not rt:
+            return None
+        assert batch.youngest_rt is not None  # the latest seniority in `rt`, set with it
+        if mine >= batch.youngest_rt:  # the common case in overload: a newcomer
             return None
         return next((r for r, seniority in rt if seniority > mine and r is not request
                      and id(r) not in gone and id(r) not in held), None)
 
     def _victim_orders(self, batch: Batch) -> tuple[list[Request], list[tuple[Request, tuple]]]:
+        assert batch.draft is not None  # only the real pass evicts, and it has its draft
         planned = batch.draft.holds
         be = [r for r in reversed(self.running) if not is_rt(r)]
         rt = [r for r in self.running if is_rt(r)]
@@ -444,6 +451,7 @@ class BROSScheduler(Scheduler):
 
     def _evict(self, batch: Batch, victim: Request) -> None:
         self.running.remove(victim)
+        assert batch.out is not None  # a draft reserves nothing: it never evicts
         self.preempt(victim)
         batch.out.preempted.append(victim)
         batch.gone.add(id(victim))

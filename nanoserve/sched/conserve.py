@@ -61,7 +61,7 @@ time budget caps both, under `max_num_batched_tokens` and `max_num_seqs`.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Literal
+from typing import Any, Literal
 
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
@@ -76,7 +76,7 @@ class ConServeScheduler(PriorityScheduler):
     MIN_ONLINE_CHUNK = 16  # tokens an online prompt chunk always gets, whatever the TPOT target
     PREEMPTS_RUNNING_BATCH = True  # Alg. 2 (Scheduler.PREEMPTS_RUNNING_BATCH)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.num_running_batch_preemptions = 0  # Alg. 2's requests to stop the batch in flight
         self._in_flight: tuple[SchedulerOutput, float] | None = None  # (batch, t_sched)
@@ -281,6 +281,7 @@ class ConServeScheduler(PriorityScheduler):
                 del counter[old[1]]
         target = None if phase is None or request.priority is not RequestClass.ONLINE else getattr(request.slo, phase)
         if target is not None:
+            assert phase is not None  # a target is read only for a phase
             self._phase[request.request_id] = (phase, target)
             self._targets[phase][target] += 1
 

@@ -33,6 +33,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,7 +129,7 @@ class CostModel:
     def from_dict(cls, data: dict[str, float]) -> CostModel:
         return cls(**{name: float(data[name]) for name in FEATURES})
 
-    def save(self, path: str | Path, **extra) -> None:
+    def save(self, path: str | Path, **extra: Any) -> None:
         """JSON: {"coefficients": {...}, **extra} (the profiler adds the fit report and samples)."""
         Path(path).write_text(json.dumps({"coefficients": self.to_dict(), **extra}, indent=1))
 

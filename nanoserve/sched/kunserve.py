@@ -145,7 +145,7 @@ def lookahead_microbatches(work: Sequence[Piece], cost_model: CostModel, min_tok
     (App. A.1), fewer where cost-dense work needs them larger; `num_microbatches` lowers m."""
     if min_tokens < 1:
         raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
-    pieces = [tuple(p) for p in work]
+    pieces: list[Piece] = [(rid, start, n) for rid, start, n in work]
     if any(n < 1 or start < 0 for _, start, n in pieces):
         raise ValueError("every piece of work needs num_tokens >= 1 and start >= 0")
     if not pieces:
@@ -155,7 +155,7 @@ def lookahead_microbatches(work: Sequence[Piece], cost_model: CostModel, min_tok
     if num_microbatches is not None:
         m = max(1, min(m, num_microbatches))
     while True:
-        mbs = _balance(pieces, m, cost_model)  # type: ignore[arg-type]
+        mbs = _balance(pieces, m, cost_model)
         fewest = min(sum(n for _, _, n in b) for b in mbs)
         if m == 1 or fewest >= min_tokens:
             return mbs
@@ -312,5 +312,5 @@ class KunServeScheduler(FCFSScheduler):
     @staticmethod
     def _cut(out: SchedulerOutput, step: list[MicroBatch]) -> list[list[ScheduledChunk]]:
         """The step's chunks cut along `step`'s pieces (which cover them exactly)."""
-        chunks = {c.request.request_id: c for c in out.chunks}
+        chunks: dict[Hashable, ScheduledChunk] = {c.request.request_id: c for c in out.chunks}
         return [[chunks[rid]._replace(start=start, num_tokens=n) for rid, start, n in mb] for mb in step]

@@ -28,13 +28,15 @@ difference between it and `fcfs` (vLLM v1) is part of what the papers' gains wer
 """
 from __future__ import annotations
 
+from typing import Any
+
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import Scheduler
 from nanoserve.sched.output import SchedulerOutput
 
 
 class PrefillFirstScheduler(Scheduler):
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.swapped: list[Request] = []  # preempted with their K/V kept off the device, by arrival
 
@@ -43,12 +45,13 @@ class PrefillFirstScheduler(Scheduler):
         return out if out.chunks else self._decode_step()
 
     # -- the swapped queue (vLLM 0.2's `self.swapped`) ----------------------------------------
-    def preempt(self, request: Request) -> None:
-        super().preempt(request)
+    def preempt(self, request: Request, keep_resident: bool = False) -> bool:
+        kept = super().preempt(request, keep_resident)
         if request.num_computed_tokens > 0:  # kept off the device: swapped, not waiting
             self.waiting.remove(request)
             self.swapped.append(request)
             self.swapped.sort(key=lambda r: r.arrival_time)
+        return kept
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         if request in self.swapped:

@@ -18,7 +18,7 @@ Offline work gets what online work leaves: there is no SLO model here (that is C
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 from nanoserve.request import Request
@@ -29,7 +29,7 @@ from nanoserve.slo import RequestClass
 CLASSES = (RequestClass.ONLINE, RequestClass.OFFLINE)  # served in this order
 
 
-def _online_first(requests) -> list[Request]:
+def _online_first(requests: Iterable[Request]) -> list[Request]:
     return sorted(requests, key=lambda r: r.priority is not RequestClass.ONLINE)  # stable: FCFS within a class
 
 

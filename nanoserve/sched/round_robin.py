@@ -23,6 +23,7 @@ this step is older than every victim, so it is never preempted in it.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sched.base import Scheduler
@@ -34,7 +35,7 @@ _OTHER = {RequestClass.ONLINE: RequestClass.OFFLINE, RequestClass.OFFLINE: Reque
 
 
 class RoundRobinScheduler(Scheduler):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The two FCFS queues. `self.waiting` (which the engine and the cluster read) keeps every
         # waiting request; these index it by class, so that a class's head is found without
@@ -48,9 +49,10 @@ class RoundRobinScheduler(Scheduler):
         super().add_request(request)
         self.queues[request.priority].append(request)
 
-    def preempt(self, request: Request) -> None:
-        super().preempt(request)  # to the head of `waiting`: it resumes first, as in fcfs
+    def preempt(self, request: Request, keep_resident: bool = False) -> bool:
+        kept = super().preempt(request, keep_resident)  # to the head of `waiting`: it resumes first, as in fcfs
         self.queues[request.priority].appendleft(request)
+        return kept
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         queue = self.queues[request.priority]

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -81,13 +81,14 @@ class OpenAIServer:
         slo = None
         if req.slo is not None:  # targets left out keep the class's defaults
             slo = replace(self.engine.default_slo(req.priority), **req.slo.model_dump(exclude_unset=True))
-        for ids in prompts:
-            budget = max_tokens if max_tokens is not None else max(1, self.engine.max_model_len - len(ids))
+        for prompt in prompts:
+            budget = max_tokens if max_tokens is not None else max(1, self.engine.max_model_len - len(prompt))
+            ids: list[int] = []  # the prompt's token ids, set by its first choice's validation
             for j in range(n):
                 params = req.sampling_params(budget, logprobs, j)
                 if j == 0:
                     try:
-                        ids = self.engine.prepare(ids, params)
+                        ids = self.engine.prepare(prompt, params)
                     except ValueError as exc:
                         long = "context length" in str(exc)
                         raise APIError(str(exc), param=max_tokens_field if long and max_tokens is not None
@@ -109,12 +110,13 @@ class OpenAIServer:
         finally:
             launch.cancel()  # also when the wait was cancelled before it began
 
-    def stream(self, launch: Launch, events: Callable[[R.Outputs], AsyncIterator[str]]) -> EventStream:
+    def stream(self, launch: Launch, events: Callable[[R.Outputs], AsyncGenerator[str, None]]) -> EventStream:
         """An SSE response: `events(outputs)`, a mid-stream failure as an error event, then [DONE].
         The stream cancels the launch when it closes, even if its body never started."""
         return EventStream(self._events(launch, events), on_close=launch.cancel)
 
-    async def _events(self, launch: Launch, events: Callable[[R.Outputs], AsyncIterator[str]]) -> AsyncIterator[str]:
+    async def _events(self, launch: Launch,
+                      events: Callable[[R.Outputs], AsyncGenerator[str, None]]) -> AsyncIterator[str]:
         # Both generators are closed explicitly: when the client leaves, the response closes only
         # the outermost one, and an unclosed inner one would keep its requests running.
         try:
@@ -172,8 +174,10 @@ class OpenAIServer:
     async def run_batch_request(self, url: str, body: Any) -> dict:
         """A batch line's request, run as the offline class whatever its body says: the response
         body, or APIError for a line the endpoint itself would have refused."""
-        endpoint = {"/v1/completions": (P.CompletionRequest, self.completions),
-                    "/v1/chat/completions": (P.ChatCompletionRequest, self.chat)}.get(url)
+        endpoints: dict[str, tuple[type[P._SamplingRequest], Callable[[Any, Request | None], Awaitable[Any]]]] = {
+            "/v1/completions": (P.CompletionRequest, self.completions),
+            "/v1/chat/completions": (P.ChatCompletionRequest, self.chat)}
+        endpoint = endpoints.get(url)
         if endpoint is None:
             raise APIError(f"Unsupported url {url!r}: a batch line may call /v1/completions or "
                            "/v1/chat/completions.", param="url")

@@ -153,6 +153,7 @@ class BatchRunner:
             if rec["status"] == "validating":
                 self._set(job, "in_progress")
             if rec["status"] == "in_progress":
+                assert job.log is not None  # opened by _launch, which started this runner
                 for line in job.lines:
                     if line.custom_id in job.log.lines:
                         continue  # finished before a restart
@@ -205,12 +206,14 @@ class BatchRunner:
             status, body, request_id = error.status, error.body(), uuid.uuid4().hex
         out = {"id": new_id("batch_req_"), "custom_id": line.custom_id,
                "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+        assert job.log is not None  # opened by _launch
         job.log.append(line.custom_id, json.dumps(out, ensure_ascii=False).encode())
         job.record["request_counts"]["completed" if status == 200 else "failed"] += 1
 
     def _finalize(self, job: Job) -> None:
         """Write the output and error files (idempotent: their ids derive from the batch's)."""
         rec = job.record
+        assert job.log is not None  # opened by _launch
         final = "cancelled" if rec["status"] == "cancelling" else "completed"
         if final == "completed" and rec["status"] != "finalizing":
             self._set(job, "finalizing")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -71,7 +71,7 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """Turn pydantic/FastAPI validation errors into one readable 400 naming the first bad field."""
     if not errors:
         return APIError("The request is invalid.")

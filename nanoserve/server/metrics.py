@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from nanoserve.engine import EngineStats
@@ -142,7 +142,7 @@ def _metric(name: str, kind: str, help_text: str, samples: Iterable[str]) -> lis
 
 
 def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_alive: bool,
-           queued: dict[str, int], rejected: int) -> str:
+           queued: Mapping[RequestClass, int], rejected: int) -> str:
     """The whole /metrics page."""
     model = {"model_name": model_name}
 
@@ -157,7 +157,8 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
                 stats.num_waiting),
         *_metric("nanoserve_requests_queued", "gauge",
                  "Requests admitted by the server that have no first token yet, per class (what --max-queued bounds).",
-                 [f"nanoserve_requests_queued{_labels({**model, 'priority': c})} {n}" for c, n in sorted(queued.items())]),
+                 [f"nanoserve_requests_queued{_labels({**model, 'priority': c})} {n}"
+                  for c, n in sorted(queued.items())]),
         *simple("nanoserve_requests_rejected_total", "counter",
                 "Requests turned away with 429 (queue full) or 503 (shutting down).", rejected),
         *simple("nanoserve_kv_blocks_used", "gauge", "KV cache blocks held by requests.", stats.kv_blocks_used),
@@ -202,7 +203,8 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
     for name, hist, help_text in (
         ("nanoserve_request_prompt_tokens", server.prompt_len, "Prompt length of finished requests."),
         ("nanoserve_request_generation_tokens", server.output_len, "Output length of finished requests."),
-        ("nanoserve_scheduler_step_seconds", server.step_seconds(), "Wall-clock time of one engine step (schedule + forward)."),
+        ("nanoserve_scheduler_step_seconds", server.step_seconds(),
+         "Wall-clock time of one engine step (schedule + forward)."),
     ):
         lines += _metric(name, "histogram", help_text, hist.lines(name, model))
     return "\n".join(lines) + "\n"
@@ -216,7 +218,8 @@ def log_request(request_id: str, priority: RequestClass, prompt_tokens: int, las
         return
     m = last.metrics if last is not None else None
     request_log.info(json.dumps({
-        "ts": round(time.time(), 3), "event": "request", "id": request_id, "class": priority, "prompt_tokens": prompt_tokens,
+        "ts": round(time.time(), 3), "event": "request", "id": request_id, "class": priority,
+        "prompt_tokens": prompt_tokens,
         "output_tokens": len(last.token_ids) if last is not None else 0,
         "ttft_s": _rounded(m.ttft if m else None), "tpot_s": _rounded(m.tpot if m else None),
         "e2e_s": _rounded(m.e2e if m else None), "preemptions": m.num_preemptions if m else 0,

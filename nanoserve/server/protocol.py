@@ -142,6 +142,7 @@ class CompletionRequest(_SamplingRequest):
         def is_ids(v: Any) -> bool:
             return isinstance(v, list) and bool(v) and all(type(t) is int for t in v)  # bool is not a token
 
+        prompts: list[Prompt]
         if isinstance(value, str):
             prompts = [value]
         elif not isinstance(value, list):

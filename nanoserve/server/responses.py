@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from nanoserve.outputs import RequestOutput
@@ -15,6 +15,12 @@ from nanoserve.outputs import RequestOutput
 # engine's live list, so it is always cut to the length of the `token_ids` snapshot beside it.
 
 Outputs = AsyncIterator[tuple[int, RequestOutput]]
+
+
+def _logprob_rows(out: RequestOutput, start: int) -> list[dict[int, float]]:
+    """`out`'s logprob rows for its tokens from `start` on (set whenever logprobs were asked for)."""
+    assert out.logprobs is not None
+    return out.logprobs[start:len(out.token_ids)]
 
 
 def now() -> int:
@@ -79,7 +85,7 @@ def completion_response(head: dict, finals: list[RequestOutput], tokenizer: Any,
     return {**head, "choices": [{
         "index": i, "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
         "logprobs": None if logprobs is None else completion_logprobs(
-            tokenizer, out.token_ids, out.logprobs[:len(out.token_ids)], 0),
+            tokenizer, out.token_ids, _logprob_rows(out, 0), 0),
     } for i, out in enumerate(finals)], "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in finals))}
 
 
@@ -89,12 +95,12 @@ def chat_response(head: dict, finals: list[RequestOutput], tokenizer: Any, top_n
         "index": i, "message": {"role": "assistant", "content": out.text},
         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
         "logprobs": None if top_n is None else {"content": chat_logprobs(
-            tokenizer, out.token_ids, out.logprobs[:len(out.token_ids)], top_n)},
+            tokenizer, out.token_ids, _logprob_rows(out, 0), top_n)},
     } for i, out in enumerate(finals)], "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in finals))}
 
 
 async def completion_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, logprobs: int | None,
-                            include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+                            include_usage: bool, prompt_tokens: int) -> AsyncGenerator[str, None]:
     """Stream chunks for /v1/completions: text deltas, the finish reason on a choice's last one."""
     extra = {"usage": None} if include_usage else {}
     sent = [0] * n  # tokens already reported, per choice
@@ -106,7 +112,7 @@ async def completion_events(outputs: Outputs, *, head: dict, n: int, tokenizer: 
             continue  # text held back (half a character, a possible stop string): nothing to say
         lp = None
         if logprobs is not None:
-            lp = completion_logprobs(tokenizer, new_ids, out.logprobs[sent[i]:len(out.token_ids)], offset[i])
+            lp = completion_logprobs(tokenizer, new_ids, _logprob_rows(out, sent[i]), offset[i])
             offset[i] += sum(len(t) for t in lp["tokens"])
         sent[i] = len(out.token_ids)
         if out.finished:
@@ -119,7 +125,7 @@ async def completion_events(outputs: Outputs, *, head: dict, n: int, tokenizer: 
 
 
 async def chat_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, top_n: int | None,
-                      include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+                      include_usage: bool, prompt_tokens: int) -> AsyncGenerator[str, None]:
     """Stream chunks for /v1/chat/completions, as OpenAI orders them: a `role` delta per choice,
     content deltas, then a chunk with an empty delta and the finish reason."""
     extra = {"usage": None} if include_usage else {}
@@ -136,7 +142,7 @@ async def chat_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, t
         new_ids = out.token_ids[sent[i]:]
         lp = None
         if top_n is not None and new_ids:
-            lp = {"content": chat_logprobs(tokenizer, new_ids, out.logprobs[sent[i]:len(out.token_ids)], top_n)}
+            lp = {"content": chat_logprobs(tokenizer, new_ids, _logprob_rows(out, sent[i]), top_n)}
         sent[i] = len(out.token_ids)
         if out.new_text or lp is not None:
             yield chunk(i, {"content": out.new_text}, logprobs=lp)

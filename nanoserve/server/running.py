@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from functools import partial
 
 from nanoserve.async_engine import AsyncEngine, EngineError
 from nanoserve.outputs import RequestOutput
@@ -50,13 +51,16 @@ class Launch:
             admission.entered(choice.priority)
         self._tasks = [asyncio.create_task(self._pump(c)) for c in choices]
         for choice, task in zip(choices, self._tasks):
-            task.add_done_callback(lambda _, c=choice: self._started(c, False))
+            task.add_done_callback(partial(self._pump_done, choice))
         self._remaining = len(choices)
 
     def _started(self, choice: Choice, started: bool) -> None:
         if choice.index in self._waiting:
             self._waiting.discard(choice.index)
             self.admission.left(choice.priority, started)
+
+    def _pump_done(self, choice: Choice, _task: asyncio.Task[None]) -> None:
+        self._started(choice, False)
 
     async def _pump(self, choice: Choice) -> None:
         last: RequestOutput | None = None
@@ -72,9 +76,10 @@ class Launch:
             finished = last is not None and last.finished
             log_request(choice.request_id, choice.priority, len(choice.token_ids), last, None if finished else "abort")
             if finished:
+                assert last is not None
                 self.metrics.observe_finished(last, choice.priority)
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """The choices' outputs in arrival order, until every one finishes (or the earliest
         deadline passes: then a 408, and the rest are aborted)."""
         deadline = min((c.deadline for c in self.choices if c.deadline is not None), default=None)

@@ -127,7 +127,7 @@ class SimCluster:
         self.events = {"throttled_steps": 0, "drops": 0, "restores": 0, "requeued": 0, "restores_cancelled": 0}
         # A restore whose weights are being pulled in the background: (groups, when they are in).
         self._pending_restore: tuple[list, float] | None = None
-        self._idle_steps = Counter()  # copies-only steps in a row at one instant, per instance
+        self._idle_steps: Counter[int] = Counter()  # copies-only steps in a row at one instant, per instance
         self.finished: dict[str, RequestOutput] = {}
         self.placement: dict[str, int] = {}  # request id -> the instance serving it
         self.first_throttle = math.inf
@@ -220,6 +220,7 @@ class SimCluster:
             if arrival == busy_at == migration_at == math.inf:
                 return
             if migration_at <= min(arrival, busy_at):
+                assert self.migrator is not None  # without one, migration_at is inf
                 self.migrator.advance(migration_at)
                 continue
             if arrival <= busy_at:
@@ -323,6 +324,7 @@ class SimCluster:
 
     def _drop_pending_restore(self, keep: Sequence = ()) -> None:
         """End the pending restore; its members' pulled layers are discarded, `keep`'s excepted."""
+        assert self._pending_restore is not None
         kept = {i for g in keep for i in g.instances}
         for group in self._pending_restore[0]:
             for i in set(group.instances) - kept:
@@ -375,7 +377,8 @@ class SimCluster:
 
 def _tail(records: list[RequestRecord], placement: Mapping[str, int]) -> tuple[int | None, float]:
     """The instance holding most of the slowest 1% (by TTFT), and the share it holds."""
-    slowest = sorted((r for r in records if r.ttft is not None), key=lambda r: -r.ttft)[:max(1, len(records) // 100)]
+    timed = [(r.ttft, r) for r in records if r.ttft is not None]
+    slowest = [r for _, r in sorted(timed, key=lambda pair: -pair[0])[:max(1, len(records) // 100)]]
     if not slowest:
         return None, 0.0
     instance, count = Counter(placement[r.request_id] for r in slowest).most_common(1)[0]

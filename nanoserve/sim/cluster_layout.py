@@ -98,6 +98,8 @@ class PipelineExecutor(SimExecutor):
     """`SimExecutor` whose forward pass runs through its instance's `StagePipeline`; the clock
     advances until the step's last micro-batch is out (waits for busy stages included)."""
 
+    cost: Roofline  # `__init__` takes a roofline, never a fitted CostModel
+
     def __init__(self, clock: VirtualClock, roofline: Roofline, output_lens: Mapping[str, int],
                  pipeline: StagePipeline, host_store: HostKVStore | None = None, layerwise_copies: bool = False,
                  token_count_budget: int | None = None):
@@ -240,7 +242,12 @@ class SimMember:
     def allocate(self, pools: Mapping[int, int] | None) -> Manifest:
         assert self._relayout is not None
         new, size = self._relayout.new[self.id], self.engine.kv.block_size
-        kv = PagedKV(BlockPool(self.replica_blocks if new.solo else pools[self.id], size))
+        if new.solo:
+            blocks = self.replica_blocks
+        else:
+            assert pools is not None  # a group's members are given their pool sizes
+            blocks = pools[self.id]
+        kv = PagedKV(BlockPool(blocks, size))
         requests = {r.request_id: r for r in self.engine.scheduler.running}
         tables = []
         for request_id, table in self._relayout.manifests.get(self.id, ()):
@@ -288,7 +295,8 @@ class SimMember:
                             sent[holder, target] += nbytes
                             if owner == self.id:
                                 last[request_id][holder, target] = sent[holder, target]
-        out_degree, in_degree = defaultdict(int), defaultdict(int)
+        out_degree: defaultdict[int, int] = defaultdict(int)
+        in_degree: defaultdict[int, int] = defaultdict(int)
         for src, dst in sent:
             out_degree[src] += 1
             in_degree[dst] += 1

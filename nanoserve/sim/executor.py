@@ -68,8 +68,9 @@ installed or a stop is pending): otherwise the forward is one roofline call.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from nanoserve.config import EngineArgs
 from nanoserve.executor import Executor, ExecutorOutput
@@ -211,7 +212,7 @@ class SimExecutor(Executor):
         for slot in slots:
             self._on_link.append(slot)
             if self.host_store is not None:
-                self.host_store.inflight.issue(slot.copy, lambda end=slot.end: self._landed(end))
+                self.host_store.inflight.issue(slot.copy, partial(self._landed, slot.end))
         return slots
 
     def on_link(self) -> list[LinkSlot]:
@@ -253,7 +254,7 @@ class SimExecutor(Executor):
         return self.cost.iteration, (forward_s - self.cost.iteration) / self.preemption.num_layers
 
     def layer_ends(self, batch: SchedulerOutput, forward_start: float, forward_s: float,
-                   waits: list[LinkSlot] = ()) -> list[float]:
+                   waits: Sequence[LinkSlot] = ()) -> list[float]:
         """When each decoder layer of the forward starting at `forward_start` is done; with
         `waits` (layer-major copies it reads), layer l starts no earlier than its part lands."""
         before, per_layer = self.layer_timing(batch, forward_s)

@@ -40,6 +40,7 @@ factor changes the absolute times, never which code runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 GB = 1e9
 
@@ -91,7 +92,8 @@ class GPU:
                      "network": self.network_bandwidth}[link]
         return nbytes / (bandwidth * self.efficiency.link)
 
-    def with_efficiency(self, **changes: float | bool | None) -> GPU:
+    def with_efficiency(self, **changes: Any) -> GPU:
+        # Any: each field has its own type (float, float | None, bool); `replace` checks the names.
         return replace(self, efficiency=replace(self.efficiency, **changes))
 
 

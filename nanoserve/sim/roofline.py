@@ -56,7 +56,7 @@ class Roofline:
     def layer_seconds(self, batch: Batch) -> float:
         tokens = sum(c for _, c in batch)
         q_dim = self.model.num_heads * self.model.head_dim
-        flops = 2 * tokens * self.cost.layer_params
+        flops: float = 2 * tokens * self.cost.layer_params
         flops += sum(4 * q_dim * c * (p + (c + 1) / 2) for p, c in batch)
         nbytes = self.cost.layer_bytes + sum(p + c for p, c in batch) * self.cost.kv_bytes_per_token_per_layer
         gpu = self.gpu

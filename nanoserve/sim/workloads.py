@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from itertools import count, takewhile
+from typing import cast
 
 from nanoserve.slo import PRIORITIES, RequestClass
 
@@ -293,7 +294,8 @@ LENGTHS: dict[str, LengthDist] = {
 def make_trace(arrivals: list[float], lengths: LengthDist, *, seed: int = 0,
                priority: RequestClass | str = RequestClass.ONLINE) -> list[TraceRequest]:
     pairs = lengths.sample(len(arrivals), seed)
-    return [TraceRequest(t, p, o, priority) for t, (p, o) in zip(arrivals, pairs)]
+    # A class name is checked and coerced to the member by TraceRequest.__post_init__.
+    return [TraceRequest(t, p, o, cast(RequestClass, priority)) for t, (p, o) in zip(arrivals, pairs)]
 
 
 def merge_traces(*traces: list[TraceRequest]) -> list[TraceRequest]:

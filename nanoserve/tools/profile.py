@@ -42,7 +42,9 @@ class Profiler:
 
     def __init__(self, runner: ModelRunner, vocab_size: int, seed: int = 0):
         self.runner = runner
-        num_blocks, block_size = runner.kv_caches[0][0].shape[:2]
+        first = runner.kv_caches[0]
+        assert first is not None, "the profiled runner holds every layer"
+        num_blocks, block_size = first[0].shape[:2]
         # Private: the engine's own manager (whatever it is) never sees these sequences.
         self.pool = BlockPool(num_blocks, block_size)
         self.vocab_size = vocab_size
@@ -98,7 +100,8 @@ class Profiler:
 def describe(batch: Batch) -> str:
     prefill = [(p, c) for p, c in batch if c > 1]
     decodes = [p + 1 for p, c in batch if c == 1]
-    parts = [f"prefill {c}@{p}" for p, c in prefill[:2]] + ([f"... ({len(prefill)} chunks)"] if len(prefill) > 2 else [])
+    parts = ([f"prefill {c}@{p}" for p, c in prefill[:2]]
+             + ([f"... ({len(prefill)} chunks)"] if len(prefill) > 2 else []))
     if decodes:
         parts.append(f"{len(decodes)} decodes, ctx {max(decodes)}")
     return ", ".join(parts)
