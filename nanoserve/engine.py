@@ -229,6 +229,14 @@ class Engine:
             self._detokenizers[request.request_id] = handover.detokenizer
         self._emitted[request.request_id] = handover.emitted
 
+    def set_stream_outputs(self, stream: bool) -> bool:
+        """Whether `step` returns an output for every request it advanced (True) or only for
+        those that finished; returns the previous setting. `LLM.generate` turns it off while it
+        runs: it needs only the finished requests, and an output per token costs a copy of the
+        request's tokens so far."""
+        previous, self.stream_outputs = self.stream_outputs, stream
+        return previous
+
     def use_executor(self, executor: Executor) -> None:
         """Run later steps on `executor` (KunServe's cluster member switching between its own
         runner and the pipeline group it joined). Only between steps: none may be in flight."""

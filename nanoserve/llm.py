@@ -93,7 +93,7 @@ class LLM:
         # Only finished requests are returned: the engine need not build an output for every
         # token of every request (a copy of its tokens so far each time: 0.9 -> 0.7 ms of host
         # time a step at 64 requests, benchmarks/RESULTS.md).
-        streaming, engine.stream_outputs = engine.stream_outputs, False
+        streaming = engine.set_stream_outputs(False)
         try:
             for prompt, tokens, p, priority, slo in zip(prompts, token_ids, params, priorities, slos):
                 text = prompt if isinstance(prompt, str) else None
@@ -107,6 +107,6 @@ class LLM:
                             bar.update(1)
             return [results[i] for i in ids]
         finally:
-            engine.stream_outputs = streaming
+            engine.set_stream_outputs(streaming)
             for request_id in ids:  # on an exception (or Ctrl-C) leave no request behind
                 engine.abort_request(request_id)

@@ -167,7 +167,7 @@ class SimCluster:
             pipeline = StagePipeline(self.roofline, group.stages, self.config.link, [m.clock.now for m in members])
             self.pipelines.append(pipeline)
             for m in members:
-                m.executor.pipeline = pipeline
+                m.executor.run_on(pipeline)
                 m.engine.kv.check_invariants()
         return involved
 

@@ -113,6 +113,10 @@ class PipelineExecutor(SimExecutor):
         self.pipeline = pipeline
         self.token_count_budget = token_count_budget
 
+    def run_on(self, pipeline: StagePipeline) -> None:
+        """Run later steps through `pipeline`: the instance joined a group, or left one."""
+        self.pipeline = pipeline
+
     def forward_seconds(self, batch: SchedulerOutput, follows_step: bool = False) -> float:
         # (follows_step never hides host work here: asynchronous scheduling is refused for KunServe.)
         # One stage runs a step as one forward: micro-batches only pay off between stages.
