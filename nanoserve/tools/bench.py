@@ -16,8 +16,10 @@ import json
 import random
 import time
 
+from nanoserve.builder import model_path
 from nanoserve.engine_flags import add_engine_arguments, engine_args_from
 from nanoserve.llm import LLM
+from nanoserve.model.loader import load_config
 from nanoserve.sampling import SamplingParams
 
 
@@ -33,10 +35,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     if min(args.num_prompts, args.input_len, args.output_len) < 1:
         raise SystemExit("--num-prompts, --input-len and --output-len must be >= 1")
     engine_args = engine_args_from(args)
+    vocab = load_config(model_path(engine_args)).vocab_size
     llm = LLM(**vars(engine_args))
-    vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else 1000
     rng = random.Random(args.seed)
-    # Token ids past the first few hundred: no special tokens, whatever the tokenizer.
+    # Token ids past the first few hundred (no special tokens, whatever the tokenizer), where the
+    # vocabulary has that many.
     prompts = [[rng.randrange(min(256, vocab // 2), vocab) for _ in range(args.input_len)]
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
