@@ -42,13 +42,24 @@ from nanoserve.engine import Engine
 from nanoserve.memory.arena import MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.blocks import BlockPool
-from nanoserve.memory.manager import PagedKV
+from nanoserve.memory.manager import KVManager, PagedKV
 from nanoserve.model.runner import ModelRunner
 from nanoserve.request import Request
 from nanoserve.sched.output import SchedulerOutput
 
 Manifest = tuple[tuple[str, tuple[int, ...]], ...]  # an owner's (request id, block table) pairs
 LUT = "group lookup tables"  # the arena sequence that owns every block of a group's pools
+
+
+def reserve_manifest(kv: KVManager, manifest: Manifest, running: Iterable[Request], block_size: int) -> Manifest:
+    """Phase 3 in a member's new KV manager: as many blocks for each of its requests in
+    `manifest` as it held before; returns their new block tables, in the manifest's order."""
+    requests = {r.request_id: r for r in running}
+    tables = []
+    for request_id, table in manifest:
+        kv.reserve(requests[request_id], len(table) * block_size)
+        tables.append((request_id, tuple(kv.block_table(requests[request_id]))))
+    return tuple(tables)
 
 
 @dataclass
@@ -231,7 +242,6 @@ class ClusterMember:
         """`pools`: each owner's logical pool in blocks when the new layout is a group."""
         assert self._relayout is not None
         new, size = self._relayout.new[self.id], self._arena.block_size
-        requests = {r.request_id: r for r in self.engine.scheduler.running}
         self._released, self.owner_pool = {}, None
         if new.solo:
             self.luts = {}
@@ -245,13 +255,10 @@ class ClusterMember:
             kv = PagedKV(self.owner_pool)
             self.group = GroupExecutor(self.runner, new, self.id, self.luts)
             self.engine.use_executor(self.group)
-        tables = []
-        for request_id, table in self._relayout.manifests.get(self.id, ()):
-            kv.reserve(requests[request_id], len(table) * size)
-            tables.append((request_id, tuple(kv.block_table(requests[request_id]))))
+        tables = reserve_manifest(kv, self._relayout.manifests.get(self.id, ()), self.engine.scheduler.running, size)
         self.engine.scheduler.use_kv_manager(kv)
         self.layout = new
-        return tuple(tables)
+        return tables
 
     def _deal_blocks(self, members: tuple[int, ...], pools: Mapping[int, int]) -> dict[int, list[int]]:
         """Carve the group's blocks from the arena (one table, `LUT`) and deal them out: owner ->

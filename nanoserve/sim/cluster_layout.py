@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from nanoserve.builder import pipeline_microbatches
 from nanoserve.cluster.drop_plan import Group
 from nanoserve.cluster.group import GroupLayout
-from nanoserve.cluster.member import Manifest, Relayout
+from nanoserve.cluster.member import Manifest, Relayout, reserve_manifest
 from nanoserve.config import EngineArgs
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
@@ -252,15 +252,11 @@ class SimMember:
             assert pools is not None  # a group's members are given their pool sizes
             blocks = pools[self.id]
         kv = PagedKV(BlockPool(blocks, size))
-        requests = {r.request_id: r for r in self.engine.scheduler.running}
-        tables = []
-        for request_id, table in self._relayout.manifests.get(self.id, ()):
-            kv.reserve(requests[request_id], len(table) * size)
-            tables.append((request_id, tuple(kv.block_table(requests[request_id]))))
+        tables = reserve_manifest(kv, self._relayout.manifests.get(self.id, ()), self.engine.scheduler.running, size)
         self.engine.scheduler.use_kv_manager(kv)
         self.layout = new
         self.schedule_for_layout()
-        return tuple(tables)
+        return tables
 
     def schedule_for_layout(self) -> None:
         """KunServe's scheduler (sched/kunserve.py) runs in its pipeline-parallel mode: FCFS's
