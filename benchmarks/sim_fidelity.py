@@ -3,7 +3,7 @@ engine (SmolLM2 fp32, fcfs) and in the simulator, and the two are compared: per-
 latency, TTFT p50/p99 and throughput. Goal (issue 7): median error at most 15%.
 
 The simulator's clock needs this machine's cost per step. A forward-only profile
-(`python -m nanoserve.tools.profile`) misses what a served step also does (scheduling, sampling,
+(`nanoserve profile`) misses what a served step also does (scheduling, sampling,
 output), which ran 1.5-1.75x the forward here (benchmarks/RESULTS.md, calibration). So the
 profile is fitted the way the simulator will use it: on whole engine steps, measured on a
 *different* seeded workload first (same shape, other requests), with the cost model's own

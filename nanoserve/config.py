@@ -35,7 +35,7 @@ class EngineArgs:
     attention_backend: str | None = None  # None: "triton" on CUDA, else "torch"
     gpu_memory_utilization: float = 0.9
     kv_manager: str | None = None  # see nanoserve/memory/__init__.py; None: the policy's own
-    cost_model: str | None = None  # JSON from `python -m nanoserve.tools.profile`; None: a default
+    cost_model: str | None = None  # JSON from `nanoserve profile`; None: a default
     kv_manager_options: dict | None = None  # knobs of the chosen manager
     policy_options: dict | None = None  # knobs of the chosen policy (its Scheduler.OPTIONS)
     host_kv_tokens: int | None = None  # host KV store size; default: kv_sizing.host_kv_tokens_default

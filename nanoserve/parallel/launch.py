@@ -3,7 +3,7 @@
 On one machine, `LLM(..., tensor_parallel_size=N)` (and `serve.py --tp N`) runs the engine in
 the caller's process as rank 0 and starts ranks 1..N-1 as `python -m nanoserve.parallel`. Under
 `torchrun` the processes already exist: each reads RANK / WORLD_SIZE / MASTER_ADDR from the
-environment, rank 0 builds the engine and the others call `run_worker` (examples/serve.py).
+environment, rank 0 builds the engine and the others call `run_worker` (`nanoserve serve`, server/serve.py).
 
 Either way a worker joins the process group knowing only its rank and device; rank 0 then
 broadcasts a `RankPlan` (the engine arguments, the checkpoint, the KV cache size it decided),

@@ -18,7 +18,7 @@ sampling set-up, Python) closes the model:
     cost(batch) = Σ_prefill cost(p, c) + Σ_decode (δ·(p + 1) + ε) + ι
 
 Every term is linear in the coefficients, so the model is `coefficients · features(batch)` and
-is fitted by least squares on profiled batches (`nanoserve.tools.profile`). Coefficients are
+is fitted by least squares on profiled batches (`nanoserve profile`, tools/profile.py). Coefficients are
 kept non-negative, so that a prediction never drops when a chunk grows or gains prefix.
 
 A profile is the forward pass alone, on a quiet machine, at its fastest (see profile.py). A
@@ -216,7 +216,7 @@ def fit(samples: Iterable[Sample], relative: bool = True) -> CostModel:
     return CostModel(**{name: float(v) for name, v in zip(FEATURES, solution)})
 
 
-# SmolLM2-135M in fp32 on a 2-core CPU (`python -m nanoserve.tools.profile --quick`, 2026-11-22:
+# SmolLM2-135M in fp32 on a 2-core CPU (`nanoserve profile --quick`, 2026-11-22:
 # mean relative error 2.2%). Policies use it until a profile of the served model is given
 # (`EngineArgs.cost_model`); its shape, not its scale, is what the default gets right elsewhere.
 DEFAULT_COST_MODEL = CostModel(prefill_attn=4.5e-7, prefill_tokens=1.3e-3, prefill_chunks=3.8e-3,

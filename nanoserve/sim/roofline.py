@@ -21,7 +21,7 @@ stage (`layers`) costs its share of layers; only the last runs the LM head.
 
 Policies do not read this model: they budget with the linear `CostModel` of
 sched/cost_model.py, which `fitted_cost_model` fits to this roofline over the same synthetic
-batches `python -m nanoserve.tools.profile` times on real hardware. A policy therefore meets
+batches `nanoserve profile` times on real hardware. A policy therefore meets
 the simulated GPU as it meets a real one: through a profile, with its fitting error.
 """
 from __future__ import annotations
