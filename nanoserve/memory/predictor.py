@@ -108,6 +108,9 @@ class OraclePredictor(LengthPredictor):
     def __init__(self, lengths: Mapping[Hashable, int]):
         self.lengths = lengths  # not copied: a trace loader may keep filling it
 
+    def __repr__(self) -> str:  # what a run's saved config names (no object address: reproducible)
+        return f"OraclePredictor({len(self.lengths)} lengths)"
+
     def predict(self, request: Request) -> int:
         return clamp(self.lengths.get(request.request_id, request.params.max_tokens), request)
 
@@ -154,6 +157,9 @@ class NoisyOraclePredictor(LengthPredictor):
 
     def __init__(self, lengths: Mapping[Hashable, int], error: PredictionError = PredictionError(), seed: int = 0):
         self.lengths, self.error, self.seed = lengths, error, seed
+
+    def __repr__(self) -> str:
+        return f"NoisyOraclePredictor({len(self.lengths)} lengths, {self.error}, seed={self.seed})"
 
     def predict(self, request: Request) -> int:
         true = self.lengths.get(request.request_id)
@@ -238,6 +244,9 @@ class BucketQuantilePredictor(LengthPredictor):
         self.config = config
         self.buckets: dict[int, deque[int]] = {}
         self.recent: deque[int] = deque(maxlen=config.global_window)
+
+    def __repr__(self) -> str:
+        return f"BucketQuantilePredictor({self.config})"
 
     def predict(self, request: Request) -> int:
         cfg = self.config
