@@ -104,12 +104,12 @@ def serve(connection: Connection, instance_id: int) -> None:
                 member.unstall(rest[0])
                 engine.abort_request(rest[0])
                 reply = None
-            elif kind in ClusterMember.PHASES:
-                reply = member.phase(kind)(*rest)
             elif kind == "stop":
                 engine.shutdown()
                 connection.send(None)
                 return
+            elif (run_phase := member.phase(kind)) is not None:
+                reply = run_phase(*rest)
             else:
                 reply = ValueError(f"unknown message {kind!r}")
         except Exception as exc:  # the cluster raises it; this instance keeps serving

@@ -104,10 +104,6 @@ class ClusterMember:
     """One instance of the cluster: its engine, the model runner under it (`runner`, its
     executor while it serves alone), and its part in each layout change."""
 
-    # The messages of a layout change the cluster sends (cluster/regroup.py, restore.py).
-    PHASES = ("manifest", "reweigh", "allocate", "exchange", "recover", "begin_restore", "retire", "release",
-              "cancel_restore")
-
     def __init__(self, instance_id: int, engine: Engine, runner: ModelRunner):
         self.id, self.engine, self.runner = instance_id, engine, runner
         self.arena = runner.arena  # None: this member cannot drop layers
@@ -129,13 +125,14 @@ class ClusterMember:
         self._pull_chunk = 0  # weight bytes a background restore copies per step
         self.weights_copied = 0  # by the latest layout change itself (not in the background)
 
-    def phase(self, kind: str) -> Callable[..., object]:
-        """The method that runs the layout-change message `kind` (one of `PHASES`)."""
+    def phase(self, kind: str) -> Callable[..., object] | None:
+        """The method that runs the layout-change message `kind` the cluster sends
+        (cluster/regroup.py, restore.py); None if `kind` is no such message."""
         phases: dict[str, Callable[..., object]] = {
             "manifest": self.manifest, "reweigh": self.reweigh, "allocate": self.allocate,
             "exchange": self.exchange, "recover": self.recover, "begin_restore": self.begin_restore,
             "retire": self.retire, "release": self.release, "cancel_restore": self.cancel_restore}
-        return phases[kind]
+        return phases.get(kind)
 
     @property
     def _arena(self) -> MemoryArena:

@@ -301,11 +301,8 @@ def build(ctx: KVBuildContext) -> ExactKV:
     knobs = {name: options.pop(name) for name in ALLOC_OPTIONS if name in options}
     if options:
         raise ValueError(f"unknown options for the exact KV manager: {sorted(options)}")
-    if not (predicted_len is None or callable(predicted_len)
-            or (isinstance(predicted_len, int) and predicted_len >= 1)):
-        raise ValueError(f"predicted_len must be a positive integer or a function of the request, "
-                         f"got {predicted_len!r}")
+    predictor = as_length_predictor(predicted_len)  # checks it, before anything is allocated
     if not isinstance(decoupled, bool):
         raise ValueError(f"decoupled must be a bool, got {decoupled!r}")
     config = ExactAllocConfig(block_size=ctx.block_size, **knobs)
-    return ExactKV(ExactAllocator(ctx.num_blocks, config, ctx.host_store), predicted_len, decoupled)
+    return ExactKV(ExactAllocator(ctx.num_blocks, config, ctx.host_store), predictor, decoupled)

@@ -366,7 +366,8 @@ class FixedLengthPredictor(LengthPredictor):
 
     def __init__(self, length: int):
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-            raise ValueError(f"predicted_len must be a positive integer, got {length!r}")
+            raise ValueError(f"predicted_len must be a positive integer or a function of the request, "
+                             f"got {length!r}")
         self.length = length
 
     def predict(self, request: Request) -> int:

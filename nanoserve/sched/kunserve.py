@@ -233,10 +233,7 @@ class KunServeScheduler(FCFSScheduler):
         self.pipeline_min_tokens: int | None = config.policy_options.get("pipeline_min_tokens")
         if self.pipeline_min_tokens is not None and self.pipeline_min_tokens < 1:
             raise ValueError(f"pipeline_min_tokens must be >= 1, got {self.pipeline_min_tokens}")
-        if num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-        self.num_stages = num_stages
-        self.microbatches_per_step = config.pipeline_microbatches  # > 1: a pipelined executor
+        self.use_pipeline(num_stages, config.pipeline_microbatches)  # > 1 micro-batches: a pipelined executor
         self.min_tokens = min_tokens if min_tokens is not None else max(1, config.max_num_batched_tokens // 2)
         self._allotted: dict[Hashable, int] | None = None  # this step's share per request
         if self.min_tokens < 1:
