@@ -20,7 +20,7 @@ from nanoserve.kv_sizing import (
     memory_probe,
     profile_batch,
 )
-from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager
+from nanoserve.memory import NEEDS_HOST_STORE, KVBuildContext, make_kv_manager, resolve_prefix_caching
 from nanoserve.memory.arena import ArenaConfig, MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
 from nanoserve.memory.manager import KVManager
@@ -171,6 +171,10 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
     if microbatches_in_flight(args) > 1 and not policy.ASYNC_PIPELINE:
         raise ValueError(f"policy {args.policy!r} cannot schedule for an asynchronous pipeline (fcfs and kunserve can)")
     kv_manager = args.kv_manager or POLICY_MEMORY[args.policy]
+    if kv_manager == "arena" and args.enable_prefix_caching:
+        raise ValueError("the arena KV manager does not support prefix caching: a drop remaps its blocks and ships "
+                         "their K/V to the pipeline peer (see nanoserve/memory/arena_kv.py); "
+                         "use enable_prefix_caching=False")
     topology = Topology(args.tensor_parallel_size, args.pipeline_parallel_size)
     if args.async_scheduling:
         check_async_scheduling(args, policy, kv_manager, topology)
@@ -213,8 +217,9 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
         plan = RankPlan(args, str(path), num_blocks, host_blocks, topology)
         runner, executor = _start_parallel(plan, device)
     if kv_manager != "arena":
-        kv = make_kv_manager(kv_manager, KVBuildContext(num_blocks, args.block_size, cfg, runner.host_store,
-                                                        args.kv_manager_options or {}))
+        kv = make_kv_manager(kv_manager, KVBuildContext(
+            num_blocks, args.block_size, cfg, runner.host_store, args.kv_manager_options or {},
+            prefix_caching=resolve_prefix_caching(kv_manager, args.enable_prefix_caching)))
     microbatches = 1 if args.async_pipeline else pipeline_microbatches(args)
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                         kv.max_request_tokens)

@@ -37,6 +37,10 @@ class EngineArgs:
     kv_manager: str | None = None  # see nanoserve/memory/__init__.py; None: the policy's own
     cost_model: str | None = None  # JSON from `nanoserve profile`; None: a default
     kv_manager_options: dict | None = None  # knobs of the chosen manager
+    # Automatic prefix caching (memory/prefix_cache.py; vLLM's flag): requests share the cached
+    # K/V of a prompt prefix another request computed. None: on wherever the KV manager supports
+    # it (paged and swap; memory.PREFIX_CACHING_MANAGERS), as vLLM v1 turns it on by default.
+    enable_prefix_caching: bool | None = None
     policy_options: dict | None = None  # knobs of the chosen policy (its Scheduler.OPTIONS)
     host_kv_tokens: int | None = None  # host KV store size; default: kv_sizing.host_kv_tokens_default
     host_kv_bytes: int | None = None  # ...or in bytes (the server's --host-kv-gb); tokens win

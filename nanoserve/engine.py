@@ -267,6 +267,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`: after weights change, or to
+        benchmark cold); running requests keep their blocks. Returns the blocks forgotten."""
+        return self.kv.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
@@ -423,6 +428,7 @@ class Engine:
             new_text=new_text,
             new_token_ids=request.token_ids[len(request.token_ids) - new_tokens:] if new_tokens else [],
             stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
         if request.is_finished:
             self.requests.pop(rid, None)

@@ -17,11 +17,15 @@ from nanoserve.slo import DEFAULT_SLOS, SLO, RequestClass
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 
-# (flags, EngineArgs field, type or "switch", help, choices); the default comes from the field.
+# (flags, EngineArgs field, type, "switch" (store_true) or "on-off" (--x / --no-x), help, choices);
+# the default comes from the field.
 _FLAGS: list[tuple[tuple[str, ...], str, Callable[[str], Any] | str, str, tuple[str, ...] | None]] = [
     (("--policy",), "policy", str, "scheduling policy (see nanoserve/sched/__init__.py)", tuple(sorted(SCHEDULERS))),
     (("--kv-manager",), "kv_manager", str, "KV memory manager (default: the policy's own; see "
                                            "nanoserve/memory/__init__.py)", tuple(sorted(KV_MANAGER_NAMES))),
+    (("--enable-prefix-caching",), "enable_prefix_caching", "on-off",
+     "share the cached K/V of prompt prefixes between requests (default: on where the KV manager supports it: "
+     "paged, swap); --no-enable-prefix-caching turns it off", None),
     (("--cost-model",), "cost_model", str, "iteration cost model JSON from `nanoserve profile`", None),
     (("--dtype",), "dtype", str, "float32 | float16 | bfloat16 (default: per device)", None),
     (("--device",), "device", str, "cpu | cuda | cuda:N (default: cuda if available)", None),
@@ -72,6 +76,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
     for flags, name, kind, help_text, choices in _FLAGS:
         if kind == "switch":
             parser.add_argument(*flags, dest=name, action="store_true", help=help_text)
+        elif kind == "on-off":  # --flag / --no-flag, default None (the field's)
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=_DEFAULTS[name],
+                                help=help_text)
         else:
             default = _DEFAULTS[name]
             shown = f" (default: {default})" if default is not None else ""

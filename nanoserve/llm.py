@@ -41,6 +41,10 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`); returns the blocks forgotten."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
                  priority: RequestClass | str | Sequence[RequestClass | str] = RequestClass.ONLINE,

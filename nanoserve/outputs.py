@@ -32,6 +32,8 @@ class RequestOutput:
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    # Prompt tokens whose K/V the prefix cache supplied (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

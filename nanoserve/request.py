@@ -60,6 +60,13 @@ class Request:
     # `num_computed_tokens` can exceed `num_tokens` by this much. vLLM v1's output placeholders.
     num_pending_tokens: int = 0
     num_preemptions: int = 0
+    # Prompt tokens whose K/V came from the prefix cache when the request was first scheduled
+    # (OpenAI's usage.prompt_tokens_details.cached_tokens); None until then.
+    num_cached_tokens: int | None = None
+    # The chain hashes of its full blocks, extended as the prefix cache needs them
+    # (memory/prefix_cache.py; vLLM keeps them on its Request too). Tokens are only appended,
+    # so a hash once computed stays right.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     generator: torch.Generator | None = None  # only for requests with their own seed
     # Text state, filled by the engine's detokenizer.
     output_text: str = ""

@@ -122,3 +122,63 @@ class StandInStream:
         """Land every unlanded copy, one by one in order, on scratch `caches` and `store`."""
         for copy in self.unlanded():
             store.copy_now([copy], caches)
+
+
+def prefix_digest(token_ids, upto: int, salt: int = 0) -> int:
+    """A 20-bit digest of token_ids[:upto + 1] (exact in float32), the stand-in for what a real
+    model's K/V at position `upto` depends on: every token up to it."""
+    h = salt
+    for t in token_ids[:upto + 1]:
+        h = (h * 1_000_003 + t + 1) % (1 << 20)
+    return h
+
+
+class ContentTaggingExecutor(TaggingExecutor):
+    """Like `TaggingExecutor`, but each position's K/V is a function of the tokens up to it, as a
+    real model's is: [token id, digest of the prefix] per layer and K or V. So two requests with
+    the same first tokens write the same K/V there, and one may read what the other wrote (a
+    shared prefix block); a block read back that holds other tokens fails the check. The sampled
+    token is a function of the request's tokens only, so outputs do not depend on who computed
+    which block."""
+
+    def __init__(self, store, num_blocks: int, block_size: int):
+        super().__init__(store, num_blocks, block_size)
+        self.positions_shared = 0  # positions read that this request did not write itself
+        self.written_by: dict[int, str] = {}
+
+    @staticmethod
+    def content_tag(token: int, digest: int, layer: int, is_v: bool) -> torch.Tensor:
+        sign = -1.0 if is_v else 1.0
+        return torch.tensor([[sign * (token + 1 + layer * 100_000), float(digest)]], dtype=torch.float32)
+
+    def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
+        for group in batch.kv_copies:
+            self.store.execute(group, self.caches)
+        size = self.block_size
+        sampled = {}
+        for chunk in batch.chunks:
+            request, table = chunk.request, chunk.block_table
+            rid, ids = request.request_id, request.token_ids
+            digest = 0
+            for pos in range(chunk.end):
+                token = ids[pos] if pos < len(ids) else -1
+                digest = (digest * 1_000_003 + token + 1) % (1 << 20)
+                offset = size - 1 - pos % size if chunk.right_to_left else pos % size
+                slot = table[pos // size] * size + offset
+                for layer, (k, v) in enumerate(self.caches):
+                    kf, vf = k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM)
+                    want_k, want_v = self.content_tag(token, digest, layer, False), self.content_tag(token, digest,
+                                                                                                    layer, True)
+                    if pos < chunk.start:
+                        assert torch.equal(kf[slot], want_k), (rid, pos, "K")
+                        assert torch.equal(vf[slot], want_v), (rid, pos, "V")
+                        self.positions_checked += 1
+                    else:
+                        kf[slot], vf[slot] = want_k, want_v
+                if pos < chunk.start:
+                    self.positions_shared += self.written_by.get(slot) != rid
+                else:
+                    self.written_by[slot] = rid
+            if chunk.samples:
+                sampled[rid] = 1 + digest % 97
+        return ExecutorOutput(sampled=sampled)

@@ -28,6 +28,9 @@ KV_MANAGERS: dict[str, str] = {
     "checkpoint": "nanoserve.memory.checkpoint_kv:build",
 }
 NEEDS_HOST_STORE = frozenset({"swap", "exact", "bidirectional", "checkpoint"})
+# The managers that share cached prefix blocks (memory/prefix_cache.py); each of the others
+# refuses `prefix_caching=True` in its builder, saying why.
+PREFIX_CACHING_MANAGERS = frozenset({"paged", "swap"})
 # Every name `EngineArgs.kv_manager` takes: the registry's, and "arena", which the builder makes
 # from the loaded model (its weights move into the arena).
 KV_MANAGER_NAMES = (*KV_MANAGERS, "arena")
@@ -43,6 +46,21 @@ class KVBuildContext:
     # Link time of one block's device-host copy, where it was measured (the simulator's link);
     # None: unknown. A manager that budgets its background copies by time needs it.
     link_block_seconds: float | None = None
+    prefix_caching: bool = False  # share cached prefix blocks (`resolve_prefix_caching`)
+
+
+def resolve_prefix_caching(name: str, requested: bool | None) -> bool:
+    """`EngineArgs.enable_prefix_caching` for manager `name`: None means on wherever the manager
+    supports it (vLLM v1's default is on); True where it does not fails in the manager's builder."""
+    return name in PREFIX_CACHING_MANAGERS if requested is None else requested
+
+
+def refuse_prefix_caching(ctx: KVBuildContext, name: str, why: str) -> None:
+    """For a builder whose manager shares no blocks: fail if `ctx` asks for prefix caching."""
+    if ctx.prefix_caching:
+        raise ValueError(f"the {name} KV manager does not support prefix caching: {why} "
+                         f"(enable_prefix_caching=False; the managers that do: "
+                         f"{', '.join(sorted(PREFIX_CACHING_MANAGERS))})")
 
 
 def make_kv_manager(name: str, ctx: KVBuildContext) -> KVManager:

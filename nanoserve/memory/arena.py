@@ -59,7 +59,7 @@ Invariants (checked by `check_invariants`):
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -372,7 +372,14 @@ class MemoryArena:
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 
-    def can_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
+    @property
+    def caching(self) -> bool:
+        """The arena keeps no prefix cache (`ArenaKV` says why): no block is ever shared."""
+        return False
+
+    def can_allocate(self, seq_id: Hashable, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+        if shared:
+            raise ValueError("the arena shares no blocks")
         return self.blocks_needed(seq_id, num_tokens) <= self.num_free_blocks
 
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -388,8 +395,10 @@ class MemoryArena:
             raise IndexError(f"positions up to {end} exceed the {self._reserved[seq_id]} reserved slots")
         return [table[p // size] * size + p % size for p in range(start, end)]
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+    def allocate(self, seq_id: Hashable, num_tokens: int, shared: Sequence[int] = ()) -> list[int]:
         """Grow `seq_id`'s reservation to `num_tokens` slots; all or nothing."""
+        if shared:
+            raise ValueError("the arena shares no blocks")
         table, new = self._tables.get(seq_id), []
         need = self.blocks_for(num_tokens) - len(table or ())
         if need > 0 or table is None:  # else (most decode steps) no block is needed: skip the free runs

@@ -10,6 +10,14 @@ Drops and restores are started by the runner (`ModelRunner.drop_layers`), which 
 dropped layers' KV to the pipeline peer first (§4.2). The arena records every change in its
 `history`; the counters here are read from it, so they cannot drift from what happened.
 
+No prefix caching (an engine with the arena refuses `enable_prefix_caching=True`). A drop
+re-carves the arena: logical blocks move to new pages, and every layer's K/V of the dropped
+layers leaves for the pipeline peer (§4.2), so a block cached here would have to follow each
+remap and each exchange to stay what its hash names, and a restore retires blocks under it.
+What a block shared between a dropped member's requests means across a merge (which side's
+copy the peer reads) is a question §4 never meets: KunServe's vLLM baseline ran without
+prefix caching. Left for later; the paged pool underneath shares nothing.
+
 Not in the registry of nanoserve/memory/__init__.py: the arena holds the model's weights, so
 `build_engine` builds it with the model (the `kv_manager == "arena"` branch).
 """

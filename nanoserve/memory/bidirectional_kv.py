@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
-from nanoserve.memory import KVBuildContext
+from nanoserve.memory import KVBuildContext, refuse_prefix_caching
 from nanoserve.memory.bidirectional import BidirectionalBlockManager
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.memory.manager import KVManager
@@ -158,6 +158,9 @@ class BidirectionalKV(KVManager):
 
 def build(ctx: KVBuildContext) -> BidirectionalKV:
     """The registry's builder for "bidirectional" (see nanoserve/memory/__init__.py). No options."""
+    refuse_prefix_caching(ctx, "bidirectional", "a best-effort request fills each block from its last slot, and a "
+                          "real-time page may overwrite a best-effort block after a lazy save (BROS §4.1), so a "
+                          "cached block could change under a request that shares it")
     if ctx.host_store is None:
         raise ValueError("the bidirectional KV manager needs a host KV store")
     if ctx.options:

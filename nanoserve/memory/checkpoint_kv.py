@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from nanoserve.memory import KVBuildContext
+from nanoserve.memory import KVBuildContext, refuse_prefix_caching
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
 from nanoserve.memory.host import HostKVStore, KVCopy
@@ -250,6 +250,9 @@ def build(ctx: KVBuildContext) -> CheckpointKV:
     paper) and `max_blocks_per_step` (an optional per-step cap on saves, in blocks). The link
     budget comes from the context's `block_seconds` (the profiled link time of one block).
     """
+    refuse_prefix_caching(ctx, "checkpoint", "ConServe's incremental checkpoints give each request its own host "
+                          "copy of its blocks and drop device blocks whose copy landed (§4.2); a block shared by "
+                          "several requests would need one copy and one owner")
     if ctx.host_store is None:
         raise ValueError("the checkpoint KV manager needs a host KV store")
     unknown = set(ctx.options) - OPTIONS

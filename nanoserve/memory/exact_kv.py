@@ -43,7 +43,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from nanoserve.memory import KVBuildContext
+from nanoserve.memory import KVBuildContext, refuse_prefix_caching
 from nanoserve.memory.blocks import NoFreeBlocksError
 from nanoserve.memory.exact import ExactAllocator, ExactAllocConfig
 from nanoserve.memory.host import KVCopy
@@ -295,6 +295,9 @@ def build(ctx: KVBuildContext) -> ExactKV:
     when batched; False: prompt + RL at admission, for ORCA and policies that do not batch GTs),
     and the `ExactAllocConfig` knobs (padding_ratio, reserved_fraction, pipeline_buffer_ratio,
     min_new_prediction)."""
+    refuse_prefix_caching(ctx, "exact", "EcoServe's allocator reserves each request's prompt plus its predicted "
+                          "length as that request's own (§3.2.1) and counts A_KVC from those reservations; a block "
+                          "shared by several requests belongs to no one reservation")
     options = dict(ctx.options)
     predicted_len = options.pop("predicted_len", None)
     decoupled = options.pop("decoupled", True)

@@ -28,8 +28,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.host import HostKVStore, KVCopy
+from nanoserve.memory.prefix_cache import block_hashes
 from nanoserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:  # nanoserve.memory imports this module
@@ -168,6 +169,29 @@ class KVManager(ABC):
         """Counters of the allocator's mechanisms (preemptions, checkpoints, ...)."""
         return {}
 
+    # -- automatic prefix caching (memory/prefix_cache.py); the defaults: none ---------------
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether this manager shares cached prefix blocks between requests."""
+        return False
+
+    def cached_prefix(self, request: Request) -> int:
+        """Leading tokens of the waiting `request`, which holds no K/V, whose K/V this manager
+        has cached: a whole number of blocks, at most `num_tokens - 1` (the last token is always
+        computed, so that there are logits to sample from). The scheduler sets the request's
+        `num_computed_tokens` to it before its `reserve`, which then shares those blocks; a
+        `reserve` that finds fewer cached by then fails, changing nothing. Changes nothing."""
+        return 0
+
+    def commit_computed(self, request: Request) -> None:
+        """A step wrote `request`'s K/V up to its `num_computed_tokens`: the full blocks among
+        them may be shared from now on. Called for every chunk after every step."""
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`); returns how many blocks were
+        cached. Requests running keep their blocks."""
+        return 0
+
     @abstractmethod
     def check_invariants(self) -> None: ...
 
@@ -198,11 +222,70 @@ class KVManager(ABC):
 
 
 class PagedKV(KVManager):
-    """vLLM's paged KV: blocks on demand from a `BlockPool`-like allocator, recompute on preemption."""
+    """vLLM's paged KV: blocks on demand from a `BlockPool`-like allocator, recompute on
+    preemption, and automatic prefix caching where the pool has it on (vLLM v1's default).
+
+    Prefix caching: a request's full blocks are committed under their chain hashes once a step
+    has written them (`commit_computed`), prompt and generated tokens alike, so a request
+    preempted by recompute finds its own blocks again if nothing evicted them. A waiting request
+    starts from the longest cached run of its blocks (`cached_prefix`)."""
 
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_size = pool.block_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.caching
+
+    def cached_prefix(self, request: Request) -> int:
+        return len(self._hit(request, (request.num_tokens - 1) // self.block_size)) * self.block_size
+
+    def _hit(self, request: Request, max_blocks: int) -> list[int]:
+        """The cached blocks of `request`'s first `max_blocks` blocks, in order from the first."""
+        if not self.pool.caching or max_blocks <= 0 or self.pool.has(request.request_id):
+            return []
+        hashes = block_hashes(request.token_ids, self.block_size, request.block_hashes, max_blocks)
+        return self.pool.cached_blocks(hashes[:max_blocks])
+
+    def _shared_prefix(self, request: Request) -> list[int] | None:
+        """For `reserve`: the blocks a new table starts with, the cached run that the scheduler
+        counted in `request.num_computed_tokens`; None if part of it was evicted since."""
+        computed = request.num_computed_tokens
+        if not computed or not self.pool.caching or self.pool.has(request.request_id):
+            return []
+        if computed % self.block_size:
+            raise ValueError(f"{request.request_id}: {computed} tokens computed, but it holds no K/V")
+        shared = self._hit(request, computed // self.block_size)
+        return shared if len(shared) * self.block_size == computed else None
+
+    def _count_lookup(self, request: Request, new_table: bool) -> None:
+        """vLLM's prefix-cache counters, in tokens: each request that got its first blocks asked
+        for its tokens (queries) and found its computed ones (hits)."""
+        cache = self.pool.cache
+        if new_table and cache is not None:
+            cache.queries += request.num_tokens
+            cache.hits += request.num_computed_tokens
+
+    def commit_computed(self, request: Request) -> None:
+        pool = self.pool
+        if not pool.caching:
+            return
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if full > pool.num_committed(request.request_id) and pool.has(request.request_id):
+            pool.commit(request.request_id,
+                        block_hashes(request.token_ids, self.block_size, request.block_hashes, full)[:full])
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache() if self.pool.caching else 0
+
+    @property
+    def events(self) -> dict[str, int]:
+        cache = self.pool.cache
+        if cache is None:
+            return {}
+        return {"prefix_cache_queries": cache.queries, "prefix_cache_hits": cache.hits,
+                "prefix_cache_evictions": cache.evictions}
 
     @property
     def num_blocks(self) -> int:
@@ -213,14 +296,27 @@ class PagedKV(KVManager):
         return self.pool.num_used_blocks
 
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
-        return self.pool.can_allocate(request.request_id, num_tokens)
+        shared = self._shared_prefix(request) if request.num_computed_tokens else []
+        return shared is not None and self.pool.can_allocate(request.request_id, num_tokens, shared)
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
-        self.pool.allocate(request.request_id, num_tokens)
+        shared = self._shared_prefix(request) if request.num_computed_tokens else []
+        if shared is None:
+            raise NoFreeBlocksError(f"{request.request_id}: its cached prefix was evicted")
+        new_table = not self.pool.has(request.request_id)
+        self.pool.allocate(request.request_id, num_tokens, shared)
+        self._count_lookup(request, new_table)
         return []
 
     def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
-        return None if self.pool.try_allocate(request.request_id, num_tokens) is None else []
+        shared = self._shared_prefix(request) if request.num_computed_tokens else []
+        if shared is None:
+            return None
+        new_table = not self.pool.has(request.request_id)
+        if self.pool.try_allocate(request.request_id, num_tokens, shared) is None:
+            return None
+        self._count_lookup(request, new_table)
+        return []
 
     def block_table(self, request: Request) -> list[int]:
         return self.pool.block_table(request.request_id)
@@ -234,4 +330,4 @@ class PagedKV(KVManager):
 
 def build_paged(ctx: KVBuildContext) -> PagedKV:
     """The registry's builder for "paged" (see nanoserve/memory/__init__.py)."""
-    return PagedKV(BlockPool(ctx.num_blocks, ctx.block_size))
+    return PagedKV(BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=ctx.prefix_caching))

@@ -25,6 +25,14 @@ as `swap_fallbacks`), so a small `host_kv_tokens` degrades to vLLM's recompute.
 Everything else is `PagedKV` over a `BlockPool`: on-demand blocks, nothing copied while a request
 runs. Copies are whole blocks, the partly filled last one included, as vLLM swaps blocks.
 
+With prefix caching (the pool's, as `PagedKV` drives it): a swap-out copies every block of the
+request's table, shared ones included, and drops its references (a shared block stays on the
+device for its other owners; a committed one it held alone waits, cached, in the LRU). A swap-in
+loads into fresh blocks, never into shared ones; they are committed again after its next step,
+and where that content is cached in another block already, that block stays the shared copy. A
+request preempted by recompute (no room on the host) finds its committed blocks in the cache
+again if nothing evicted them meanwhile.
+
 Invariants (checked by `check_invariants`):
   1. The pool and the host store keep their own (conservation, no block in two places).
   2. A swapped-out request holds no device block and exactly ceil(kept / B) host blocks.
@@ -205,4 +213,4 @@ def build(ctx: KVBuildContext) -> SwapKV:
         raise ValueError("the swap KV manager needs a host KV store")
     if ctx.options:
         raise ValueError(f"the swap KV manager takes no options, got {sorted(ctx.options)}")
-    return SwapKV(BlockPool(ctx.num_blocks, ctx.block_size), ctx.host_store)
+    return SwapKV(BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=ctx.prefix_caching), ctx.host_store)

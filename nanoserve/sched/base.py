@@ -113,9 +113,13 @@ class Scheduler(ABC):
         return False
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """The executor has written K/V for every scheduled token."""
+        """The executor has written K/V for every scheduled token: full blocks among them may
+        be shared from now on (`KVManager.commit_computed`)."""
+        commit = self.kv.commit_computed if self.kv.prefix_caching else None
         for chunk in output.chunks:
             chunk.request.num_computed_tokens = chunk.end
+            if commit is not None:
+                commit(chunk.request)
 
     # -- an asynchronous pipeline (Engine's pipelined step) ------------------------------
     def update_after_submit(self, output: SchedulerOutput) -> None:
@@ -138,11 +142,26 @@ class Scheduler(ABC):
             if chunk.samples:
                 chunk.request.num_pending_tokens -= 1
 
-    @staticmethod
-    def tokens_lacking(request: Request) -> int:
+    def tokens_lacking(self, request: Request) -> int:
         """Positions of `request` whose K/V is not computed: its known tokens' and, under
-        asynchronous scheduling, the one a step in flight is sampling."""
-        return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+        asynchronous scheduling, the one a step in flight is sampling. For a waiting request
+        that holds nothing, those past its cached prefix (`cached_prefix`)."""
+        start = request.num_computed_tokens or self.cached_prefix(request)
+        return request.num_tokens + request.num_pending_tokens - start
+
+    # -- automatic prefix caching (memory/prefix_cache.py) ------------------------------------
+    def cached_prefix(self, request: Request) -> int:
+        """Leading tokens of a waiting `request` with nothing computed whose K/V the KV manager
+        has cached (`KVManager.cached_prefix`): its chunk starts after them. 0 for any other.
+
+        vLLM v1's scheduler looks the cache up when it first considers a waiting request
+        (`get_computed_blocks`) and shares the blocks when it allocates the request's slots; so
+        does `try_chunk` here, in one manager call. A policy that sizes a waiting request's chunk
+        by `tokens_lacking` sizes it past the cached prefix; one that counts from
+        `num_computed_tokens` asks for more than it gets (`try_chunk` trims the chunk)."""
+        if request.num_computed_tokens or request.num_pending_tokens or request.status is not RequestStatus.WAITING:
+            return 0
+        return self.kv.cached_prefix(request)
 
     def schedulable(self, request: Request) -> bool:
         """May this step advance `request`? Always, unless a token of it is in flight. Then only
@@ -247,25 +266,60 @@ class Scheduler(ABC):
         self.admit(request)
 
     def can_chunk(self, request: Request, num_tokens: int) -> bool:
-        """Could `num_tokens` more tokens of `request` get KV slots now?"""
-        return self.kv.can_reserve(request, request.num_computed_tokens + num_tokens)
+        """Could `num_tokens` more tokens of `request` get KV slots now (past its cached prefix,
+        for a waiting request: `cached_prefix`)?"""
+        hit = self.cached_prefix(request)
+        if not hit:
+            return self.kv.can_reserve(request, request.num_computed_tokens + num_tokens)
+        request.num_computed_tokens = hit  # what `reserve` would share; undone below
+        try:
+            return self.kv.can_reserve(request, hit + self._trim(request, num_tokens))
+        finally:
+            request.num_computed_tokens = 0
 
     def try_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk | None:
         """`chunk` if the KV slots are there (one manager call instead of `can_chunk` then
         `chunk`), else None, changing nothing."""
+        hit = self.cached_prefix(request)
+        if hit:
+            request.num_computed_tokens = hit  # the manager shares the cached blocks it counts
+            num_tokens = self._trim(request, num_tokens)
         start = request.num_computed_tokens
         copies = self.kv.try_reserve(request, start + num_tokens)
         if copies is None:
+            request.num_computed_tokens -= hit
             return None
+        self._admitted_with(request, hit)
         self._add_copies(copies)
         return ScheduledChunk(request, start, num_tokens, self.kv.block_table(request), self.kv.right_to_left(request))
 
     def chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         """Reserve KV slots for `num_tokens` more tokens of `request` and describe the chunk."""
+        hit = self.cached_prefix(request)
+        if hit:
+            request.num_computed_tokens = hit
+            num_tokens = self._trim(request, num_tokens)
         start = request.num_computed_tokens
-        self._add_copies(self.kv.reserve(request, start + num_tokens))
+        try:
+            self._add_copies(self.kv.reserve(request, start + num_tokens))
+        except BaseException:
+            request.num_computed_tokens -= hit
+            raise
+        self._admitted_with(request, hit)
         return ScheduledChunk(request, start, num_tokens, self.kv.block_table(request),
                               self.kv.right_to_left(request))
+
+    def _trim(self, request: Request, num_tokens: int) -> int:
+        """A chunk a policy sized from the request's first token, cut to what its cached prefix
+        leaves (a policy that sized it by `tokens_lacking` asked for no more than that)."""
+        return min(num_tokens, request.num_tokens + request.num_pending_tokens - request.num_computed_tokens)
+
+    @staticmethod
+    def _admitted_with(request: Request, hit: int) -> None:
+        """Record the prompt tokens a request found cached when it first got K/V (OpenAI's
+        `cached_tokens`); a later resume after a preemption does not change it."""
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = min(hit, request.num_prompt_tokens)
 
     @property
     def num_waiting(self) -> int:

@@ -80,6 +80,10 @@ class SimConfig:
     tp: int = 1
     kv_manager: str | None = None  # default: the policy's (sched.POLICY_MEMORY)
     kv_manager_options: Mapping[str, Any] | None = None
+    # Automatic prefix caching (EngineArgs.enable_prefix_caching). Off here, unlike the engine's
+    # default: every paper's vLLM baseline (vLLM 0.2-0.5) ran without it, and the experiments
+    # reproduce those runs. On: the managers that support it share prefixes, as the engine's do.
+    enable_prefix_caching: bool = False
     policy_options: Mapping[str, Any] | None = None  # the policy's knobs (Scheduler.OPTIONS)
     kv_bytes: float | None = None  # KV memory per GPU; default: what the weights leave
     host_kv_tokens: int | None = None  # default: as many as the device holds
@@ -205,7 +209,8 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
                            pin_memory=False)
     kv = make_kv_manager(name, KVBuildContext(num_blocks, config.block_size, roofline.model, host,
                                               config.kv_manager_options or {},
-                                              link_block_seconds=roofline.kv_copy_seconds(config.block_size, "pcie")))
+                                              link_block_seconds=roofline.kv_copy_seconds(config.block_size, "pcie"),
+                                              prefix_caching=config.enable_prefix_caching))
     max_len = min(config.max_model_len or roofline.model.max_position_embeddings, kv.max_request_tokens)
     sched_config = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=max_len, policy=config.policy,
