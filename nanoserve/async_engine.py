@@ -36,6 +36,7 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +47,7 @@ from nanoserve.slo import SLO, RequestClass
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.engine")
+T = TypeVar("T")
 
 
 class EngineError(RuntimeError):
@@ -73,6 +75,17 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps; its result or error goes to `future`."""
+    fn: Callable[[Engine], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+Message = _Add | _Abort | _Call
+
+
 class AsyncEngine:
     @classmethod
     def build(cls, make_engine: Callable[[], Engine]) -> AsyncEngine:
@@ -85,7 +98,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -96,7 +109,7 @@ class AsyncEngine:
         # Called from the engine thread with each step's wall-clock seconds (the server's metrics).
         self.step_observers: list[Callable[[float], None]] = []
         self.last_error: str | None = None
-        self._deferred: list[_Abort | None] = []  # inbox messages that must wait for the step's end
+        self._deferred: list[_Abort | _Call | None] = []  # inbox messages that must wait for the step's end
         # ConServe's Alg. 2 runs when an online request arrives, which may be in the middle of a
         # forward pass; the runner's safe points let this loop take arrivals in then. Only for
         # a policy that can ask to stop the forward: others see the arrival one step later.
@@ -177,6 +190,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """`fn(engine)`, run on the engine thread between two steps (the engine's state is that
+        thread's alone); raises what it raises."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._inbox.put(_Call(fn, future, loop))
+        return await future
+
+    async def reset_prefix_cache(self) -> int:
+        """`Engine.reset_prefix_cache` between steps; returns the blocks forgotten."""
+        return await self.call(lambda engine: engine.reset_prefix_cache())
+
     # -- the engine thread ---------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         sink = self._sinks.get(request_id)
@@ -190,7 +215,15 @@ class AsyncEngine:
         except RuntimeError:  # the handler's event loop has closed
             pass
 
-    def _handle(self, message: _Add | _Abort) -> None:
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, _Call):
+            try:
+                result = message.fn(self.engine)
+            except Exception as exc:
+                self._settle(message, exc)
+            else:
+                self._settle(message, result)
+            return
         if isinstance(message, _Abort):
             out = self.engine.abort_request(message.request_id)
             if out is not None:
@@ -203,9 +236,23 @@ class AsyncEngine:
         except Exception as exc:  # e.g. a duplicate id: the request's own problem
             self._deliver(message.request_id, exc)
 
+    @staticmethod
+    def _settle(call: _Call, outcome: Any) -> None:
+        def settle() -> None:
+            if call.future.done():  # the handler gave up waiting
+                return
+            if isinstance(outcome, BaseException):
+                call.future.set_exception(outcome)
+            else:
+                call.future.set_result(outcome)
+        try:
+            call.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the handler's event loop has closed
+            pass
+
     def _admit_arrivals(self) -> None:
         """At a safe point of a forward in flight: add the requests that arrived since the step
-        began, so the policy can decide (Alg. 2) whether this forward should stop. Aborts and
+        began, so the policy can decide (Alg. 2) whether this forward should stop. Aborts, calls and
         shutdown wait for the step's end: the forward still reads the aborted requests' KV."""
         while True:
             try:
@@ -217,7 +264,7 @@ class AsyncEngine:
             else:
                 self._deferred.append(message)
 
-    def _next_message(self, block: bool) -> _Add | _Abort | None:
+    def _next_message(self, block: bool) -> Message | None:
         if self._deferred:
             return self._deferred.pop(0)
         return self._inbox.get(block=block, timeout=0.5 if block else None)

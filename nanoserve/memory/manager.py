@@ -262,8 +262,10 @@ class PagedKV(KVManager):
     def _count_lookup(self, request: Request, new_table: bool) -> None:
         """vLLM's prefix-cache counters, in tokens: each request that got its first blocks asked
         for its tokens (queries) and found its computed ones (hits)."""
+        if not new_table or not self.pool.caching:
+            return
         cache = self.pool.cache
-        if new_table and cache is not None:
+        if cache is not None:
             cache.queries += request.num_tokens
             cache.hits += request.num_computed_tokens
 

@@ -141,9 +141,9 @@ class OpenAIServer:
         if req.stream:
             return self.stream(self.launch(choices), partial(
                 R.completion_events, head=head, n=len(choices), tokenizer=self.tokenizer, logprobs=req.logprobs,
-                include_usage=req.include_usage, prompt_tokens=prompt_tokens))
+                include_usage=req.include_usage, prompt_tokens=prompt_tokens, per_prompt=req.n or 1))
         finals = await self.finals(self.launch(choices), raw)
-        return R.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens)
+        return R.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens, req.n or 1)
 
     # -- /v1/chat/completions ----------------------------------------------------------------
     async def chat(self, req: P.ChatCompletionRequest, raw: Request | None) -> Any:
@@ -249,6 +249,12 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         if model != server.model_name:
             raise model_not_found(model)
         return server.model_card()
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """Forget every cached prefix (vLLM's endpoint of the same name): after the model's
+        weights changed behind the server, or to measure cold. Requests running keep their blocks."""
+        return {"blocks_forgotten": await engine.reset_prefix_cache()}
 
     @app.get("/health")
     async def health() -> Any:

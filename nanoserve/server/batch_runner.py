@@ -228,7 +228,8 @@ class BatchRunner:
                 rec[f"{kind}_file_id"] = file_id
         usage = [json.loads(v)["response"]["body"].get("usage") or {} for v in ok]
         tokens_in, tokens_out = (sum(u.get(k, 0) for u in usage) for k in ("prompt_tokens", "completion_tokens"))
-        rec["usage"] = {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": 0},
+        cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage)
+        rec["usage"] = {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": cached},
                         "output_tokens": tokens_out, "output_tokens_details": {"reasoning_tokens": 0},
                         "total_tokens": tokens_in + tokens_out}
         rec["request_counts"] = {"total": len(job.lines), "completed": len(ok), "failed": len(done) - len(ok)}

@@ -150,6 +150,7 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
         return _metric(name, kind, help_text, [f"{name}{_labels(model)} {_number(value)}"])
 
     usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+    queries, hits = stats.kv_events.get("prefix_cache_queries", 0), stats.kv_events.get("prefix_cache_hits", 0)
     lines = [
         *simple("nanoserve_engine_alive", "gauge", "1 while the engine thread runs, else 0.", int(engine_alive)),
         *simple("nanoserve_requests_running", "gauge", "Requests scheduled in the running batch.", stats.num_running),
@@ -172,10 +173,17 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
                 stats.requests_finished_total),
         *simple("nanoserve_preemptions_total", "counter", "Times a running request was preempted.",
                 stats.num_preemptions),
+        *simple("nanoserve_prefix_cache_queries_total", "counter",
+                "Prompt tokens of requests that looked the prefix cache up when they got their first KV blocks.",
+                queries),
+        *simple("nanoserve_prefix_cache_hits_total", "counter",
+                "Of those, the tokens whose K/V the prefix cache supplied.", hits),
+        *simple("nanoserve_prefix_cache_hit_ratio", "gauge",
+                "Prefix-cache hits over queries since start (0 before any query).", hits / queries if queries else 0.0),
         *_metric("nanoserve_kv_events_total", "counter",
                  "Mechanisms of the KV memory manager (checkpoints, overwrites, restores, ...), by event.",
                  [f"nanoserve_kv_events_total{_labels({**model, 'event': e})} {n}"
-                  for e, n in sorted(stats.kv_events.items())]),
+                  for e, n in sorted(stats.kv_events.items()) if not e.startswith("prefix_cache_")]),
         *_metric("nanoserve_slo_attainment_ratio", "gauge",
                  "Share of finished requests of a class that met their TTFT and TPOT targets.",
                  [f"nanoserve_slo_attainment_ratio{_labels({**model, 'priority': c})} {_number(s['slo_attainment'])}"

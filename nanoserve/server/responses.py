@@ -32,9 +32,16 @@ def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens the prefix cache supplied."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_tokens(finals: list[RequestOutput], per_prompt: int) -> int:
+    """The prompt tokens found cached, counted once per prompt as its tokens are (its first choice's)."""
+    return sum(out.num_cached_tokens for out in finals[::per_prompt])
 
 
 class IdTokenizer:
@@ -81,12 +88,13 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], rows: list[dict[int, flo
 
 
 def completion_response(head: dict, finals: list[RequestOutput], tokenizer: Any, logprobs: int | None,
-                        prompt_tokens: int) -> dict[str, Any]:
+                        prompt_tokens: int, per_prompt: int) -> dict[str, Any]:
     return {**head, "choices": [{
         "index": i, "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
         "logprobs": None if logprobs is None else completion_logprobs(
             tokenizer, out.token_ids, _logprob_rows(out, 0), 0),
-    } for i, out in enumerate(finals)], "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in finals))}
+    } for i, out in enumerate(finals)], "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in finals),
+                                                       cached_tokens(finals, per_prompt))}
 
 
 def chat_response(head: dict, finals: list[RequestOutput], tokenizer: Any, top_n: int | None,
@@ -96,16 +104,17 @@ def chat_response(head: dict, finals: list[RequestOutput], tokenizer: Any, top_n
         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
         "logprobs": None if top_n is None else {"content": chat_logprobs(
             tokenizer, out.token_ids, _logprob_rows(out, 0), top_n)},
-    } for i, out in enumerate(finals)], "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in finals))}
+    } for i, out in enumerate(finals)], "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in finals),
+                                                       cached_tokens(finals, len(finals)))}
 
 
 async def completion_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, logprobs: int | None,
-                            include_usage: bool, prompt_tokens: int) -> AsyncGenerator[str, None]:
+                            include_usage: bool, prompt_tokens: int, per_prompt: int) -> AsyncGenerator[str, None]:
     """Stream chunks for /v1/completions: text deltas, the finish reason on a choice's last one."""
     extra = {"usage": None} if include_usage else {}
     sent = [0] * n  # tokens already reported, per choice
     offset = [0] * n  # text_offset of the next token, per choice
-    completion_tokens = 0
+    completion_tokens = cached = 0
     async for i, out in outputs:
         new_ids = out.token_ids[sent[i]:]
         if not out.new_text and not out.finished and (logprobs is None or not new_ids):
@@ -117,11 +126,12 @@ async def completion_events(outputs: Outputs, *, head: dict, n: int, tokenizer: 
         sent[i] = len(out.token_ids)
         if out.finished:
             completion_tokens += len(out.token_ids)
+            cached += out.num_cached_tokens if i % per_prompt == 0 else 0
         yield sse({**head, "choices": [{"index": i, "text": out.new_text, "logprobs": lp,
                                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}],
                    **extra})
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
 
 
 async def chat_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, top_n: int | None,
@@ -137,7 +147,7 @@ async def chat_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, t
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
     sent = [0] * n
-    completion_tokens = 0
+    completion_tokens = cached = 0
     async for i, out in outputs:
         new_ids = out.token_ids[sent[i]:]
         lp = None
@@ -148,6 +158,7 @@ async def chat_events(outputs: Outputs, *, head: dict, n: int, tokenizer: Any, t
             yield chunk(i, {"content": out.new_text}, logprobs=lp)
         if out.finished:
             completion_tokens += len(out.token_ids)
+            cached += out.num_cached_tokens if i == 0 else 0
             yield chunk(i, {}, out.finish_reason, stop_reason=out.stop_reason)
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
