@@ -35,7 +35,7 @@ from nanoserve.model.runner import ModelRunner
 from nanoserve.model.stages import partition_layers
 from nanoserve.sched import POLICY_MEMORY, make_scheduler, scheduler_class
 from nanoserve.sched.base import Scheduler
-from nanoserve.sched.cost_model import CostModel
+from nanoserve.sched.cost_model import DEFAULT_COST_MODEL, CostModel
 from nanoserve.slo import DEFAULT_SLOS, RequestClass
 from nanoserve.tokenizer import Tokenizer
 
@@ -128,10 +128,23 @@ def graph_memory_bytes(runner: ModelRunner, cfg: ModelConfig, args: EngineArgs, 
     return taken
 
 
-def host_kv_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device_blocks: int) -> int:
-    """The host store's blocks: the user's tokens or bytes, else `host_kv_tokens_default`;
-    refused up front when the host's RAM cannot hold them (the bytes are pinned)."""
+def host_kv_blocks(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device_blocks: int,
+                   kv_manager: str) -> int | None:
+    """The host store's blocks: the user's tokens or bytes, else `host_kv_tokens_default`, for a
+    manager that copies to the host; for the paged manager, its prefix cache's host tier
+    (`prefix_cache_host_tokens`), or none. Refused up front when the host's RAM cannot hold
+    them (the bytes are pinned)."""
     token_bytes = kv_block_bytes(args, cfg, dtype) // args.block_size
+    if kv_manager not in NEEDS_HOST_STORE:
+        if not args.prefix_cache_host_tokens:
+            return None
+        if kv_manager != "paged":
+            raise ValueError(f"a host tier for the prefix cache runs over the paged KV manager, not {kv_manager!r}")
+        blocks = args.prefix_cache_host_tokens // args.block_size
+        check_host_kv_fits(blocks * args.block_size * token_bytes)
+        return blocks
+    if args.prefix_cache_host_tokens:
+        raise ValueError(f"a host tier for the prefix cache runs over the paged KV manager, not {kv_manager!r}")
     if args.host_kv_tokens is not None:
         tokens = args.host_kv_tokens
     elif args.host_kv_bytes is not None:
@@ -192,7 +205,7 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
         graphs = GraphSizes((), ()) if kv_manager == "arena" else graph_sizes(args, device, world_size=1)
         num_blocks = (kv_cache_blocks(args, cfg, device, dtype) if probe is None
                       else profiled_kv_blocks(model, cfg, args, device, dtype, probe, graphs))
-        host_blocks = host_kv_blocks(args, cfg, dtype, num_blocks) if kv_manager in NEEDS_HOST_STORE else None
+        host_blocks = host_kv_blocks(args, cfg, dtype, num_blocks, kv_manager)
         plan = RankPlan(args, str(path), num_blocks, host_blocks, topology)
         if kv_manager == "arena":
             # KunServe (§4.1): weights and KV in one arena, so it is built from the loaded model.
@@ -213,13 +226,16 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
             raise ValueError("the arena KV manager (KunServe's drop) runs on one device per instance; "
                              "use tensor_parallel_size=1 and pipeline_parallel_size=1")
         num_blocks = kv_cache_blocks(args, cfg, device, dtype, checkpoint_bytes(path, dtype) // topology.world_size)
-        host_blocks = host_kv_blocks(args, cfg, dtype, num_blocks) if kv_manager in NEEDS_HOST_STORE else None
+        host_blocks = host_kv_blocks(args, cfg, dtype, num_blocks, kv_manager)
         plan = RankPlan(args, str(path), num_blocks, host_blocks, topology)
         runner, executor = _start_parallel(plan, device)
+    cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     if kv_manager != "arena":
         kv = make_kv_manager(kv_manager, KVBuildContext(
             num_blocks, args.block_size, cfg, runner.host_store, args.kv_manager_options or {},
-            prefix_caching=resolve_prefix_caching(kv_manager, args.enable_prefix_caching)))
+            prefix_caching=resolve_prefix_caching(kv_manager, args.enable_prefix_caching),
+            prefix_host_blocks=host_blocks if kv_manager == "paged" and host_blocks else 0,
+            recompute_seconds=(cost_model or DEFAULT_COST_MODEL).chunk_cost))
     microbatches = 1 if args.async_pipeline else pipeline_microbatches(args)
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                         kv.max_request_tokens)
@@ -233,7 +249,6 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
         policy_options=dict(args.policy_options or {}),
     )
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
-    cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     engine = Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
                     model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model,
                     # Both executors built here, a ModelRunner and a DriverExecutor, are pipelines.
@@ -251,9 +266,9 @@ def check_async_scheduling(args: EngineArgs, policy: type[Scheduler], kv_manager
         raise ValueError(f"policy {args.policy!r} cannot schedule asynchronously (fcfs can)")
     if topology.world_size > 1 or args.async_pipeline:
         raise ValueError("async_scheduling runs on one device; under pipeline parallelism use async_pipeline")
-    if kv_manager in NEEDS_HOST_STORE or kv_manager == "arena":
+    if kv_manager in NEEDS_HOST_STORE or kv_manager == "arena" or args.prefix_cache_host_tokens:
         raise ValueError(f"async_scheduling needs a KV manager without host copies or layer changes; "
-                         f"{kv_manager!r} has them")
+                         f"{kv_manager!r}{' with a host tier' if args.prefix_cache_host_tokens else ''} has them")
 
 
 def shared_device_args(args: EngineArgs, sharing: int) -> EngineArgs:

@@ -41,6 +41,10 @@ class EngineArgs:
     # K/V of a prompt prefix another request computed. None: on wherever the KV manager supports
     # it (paged and swap; memory.PREFIX_CACHING_MANAGERS), as vLLM v1 turns it on by default.
     enable_prefix_caching: bool | None = None
+    # The prefix cache's second tier in host memory (ours; memory/prefix_host_tier.py): cached
+    # blocks evicted from the device are kept in this many tokens of host RAM and loaded back on
+    # a later hit. 0: off. The paged KV manager only.
+    prefix_cache_host_tokens: int = 0
     policy_options: dict | None = None  # knobs of the chosen policy (its Scheduler.OPTIONS)
     host_kv_tokens: int | None = None  # host KV store size; default: kv_sizing.host_kv_tokens_default
     host_kv_bytes: int | None = None  # ...or in bytes (the server's --host-kv-gb); tokens win

@@ -26,6 +26,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, Callable[[str], Any] | str, str, tuple[
     (("--enable-prefix-caching",), "enable_prefix_caching", "on-off",
      "share the cached K/V of prompt prefixes between requests (default: on where the KV manager supports it: "
      "paged, swap); --no-enable-prefix-caching turns it off", None),
+    (("--prefix-cache-host-tokens",), "prefix_cache_host_tokens", int,
+     "keep cached prefix blocks evicted from the device in this many tokens of host RAM, loaded back on a hit "
+     "(paged KV manager; 0: off)", None),
     (("--cost-model",), "cost_model", str, "iteration cost model JSON from `nanoserve profile`", None),
     (("--dtype",), "dtype", str, "float32 | float16 | bfloat16 (default: per device)", None),
     (("--device",), "device", str, "cpu | cuda | cuda:N (default: cuda if available)", None),

@@ -191,10 +191,10 @@ def test_host_store_defaults_to_the_device_tokens_capped_by_ram():
 def test_host_store_in_bytes_or_tokens(tiny_llama_dir):
     cfg = load_config(tiny_llama_dir)
     token_bytes = kv_block_bytes(EngineArgs(), cfg, torch.float32) // 16
-    assert host_kv_blocks(EngineArgs(host_kv_bytes=64 * token_bytes), cfg, torch.float32, 1000) == 4
-    assert host_kv_blocks(EngineArgs(host_kv_tokens=32, host_kv_bytes=GiB), cfg, torch.float32, 1000) == 2
+    assert host_kv_blocks(EngineArgs(host_kv_bytes=64 * token_bytes), cfg, torch.float32, 1000, "swap") == 4
+    assert host_kv_blocks(EngineArgs(host_kv_tokens=32, host_kv_bytes=GiB), cfg, torch.float32, 1000, "swap") == 2
     with pytest.raises(ValueError, match="host KV store needs"):
-        host_kv_blocks(EngineArgs(host_kv_bytes=1 << 50), cfg, torch.float32, 1000)
+        host_kv_blocks(EngineArgs(host_kv_bytes=1 << 50), cfg, torch.float32, 1000, "swap")
 
 
 @pytest.mark.cuda

@@ -56,7 +56,7 @@ def admit(kv: PagedKV, r: Request) -> int:
     """What `Scheduler.try_chunk` does for a waiting request: look up, then share and grow."""
     hit = kv.cached_prefix(r)
     r.num_computed_tokens = hit
-    assert kv.try_reserve(r, r.num_tokens) is not None
+    assert kv.try_reserve_cached(r, r.num_tokens, hit) is not None
     return hit
 
 
@@ -114,7 +114,7 @@ def test_a_hit_takes_a_free_cached_block_back():
     commit_all(kv, a)
     kv.release(a)
     b = request("b", list(range(8)) + [1, 2, 3, 4])
-    assert kv.can_reserve(b, 12) is True  # 3 blocks: 2 evictable hits (taken back) + 1 new
+    assert kv.can_reserve_cached(b, 12, 8) is True  # 3 blocks: 2 evictable hits (taken back) + 1 new
     assert admit(kv, b) == 8 and pool.num_free_blocks == 0
     assert pool.cache is not None and pool.cache.num_evictable == 0
     kv.check_invariants()
@@ -132,7 +132,7 @@ def test_a_hit_evicted_before_reserve_fails_without_change():
     assert hit == 8
     admit(kv, request("x", [40, 41, 42, 43, 44]))  # evicts both cached blocks
     b.num_computed_tokens = hit
-    assert kv.try_reserve(b, 9) is None and not kv.can_reserve(b, 9)
+    assert kv.try_reserve_cached(b, 9, hit) is None and not kv.can_reserve_cached(b, 9, hit)
     assert not pool.has("b")
     kv.check_invariants()
 
@@ -221,7 +221,7 @@ class CachingPoolMachine(RuleBasedStateMachine):
         assert hit % B == 0 and hit < r.num_tokens
         r.num_computed_tokens = hit
         end = data.draw(st.integers(hit + 1, r.num_tokens))
-        if self.kv.try_reserve(r, end) is None:
+        if self.kv.try_reserve_cached(r, end, hit) is None:
             r.num_computed_tokens = 0
             return
         self.waiting.remove(r)
@@ -425,3 +425,198 @@ def test_hits_never_exceed_queries(seed):
             kv.release(r)
     events = kv.events
     assert 0 <= events["prefix_cache_hits"] <= events["prefix_cache_queries"]
+
+
+# -- the simulator runs the same managers ------------------------------------------------------------
+def test_the_simulator_caches_shared_system_prompts_and_conversations():
+    from nanoserve.sim.simulation import SimConfig, simulate
+    from nanoserve.sim.workloads import LengthDist, multi_turn_chat, poisson_arrivals, shared_system_prompt
+
+    own = LengthDist("turn", mean_prompt=64, mean_output=64, min_prompt=8, max_prompt=256, min_output=8,
+                     max_output=256)
+    traces = {"system": shared_system_prompt(poisson_arrivals(8.0, n=120, seed=1), 2048, own, groups=2, seed=1),
+              "chat": multi_turn_chat(poisson_arrivals(1.0, n=12, seed=2), 4, 20.0, own, system_len=512, seed=2)}
+    for name, trace in traces.items():
+        runs = {apc: simulate(SimConfig(policy="fcfs", enable_prefix_caching=apc), trace) for apc in (False, True)}
+        off, on = runs[False], runs[True]
+        assert off.unfinished == on.unfinished == 0 and len(on.records) == len(trace)
+        assert "prefix_cache_hits" not in off.events
+        hit_rate = on.events["prefix_cache_hits"] / on.events["prefix_cache_queries"]
+        assert hit_rate > 0.5, (name, hit_rate)
+        ttft = {apc: sum(r.ttft for r in run.records if r.ttft is not None) for apc, run in runs.items()}
+        assert ttft[True] < ttft[False], name
+
+
+def test_workload_prompts_share_exactly_their_group_prefix():
+    from nanoserve.sim.workloads import TraceRequest, prompt_token_ids
+
+    a = TraceRequest(0.0, 40, 4, prefix_group=3, prefix_len=32)
+    b = TraceRequest(0.0, 50, 4, prefix_group=3, prefix_len=32)
+    other = TraceRequest(0.0, 40, 4, prefix_group=4, prefix_len=32)
+    ta, tb, to = (prompt_token_ids(r, i, r.prompt_len, 7) for i, r in enumerate((a, b, other)))
+    assert ta[:32] == tb[:32] and ta[32:34] != tb[32:34] and ta[:2] != to[:2]
+    assert prompt_token_ids(TraceRequest(0.0, 5, 1), 1, 5, 7) != prompt_token_ids(TraceRequest(0.0, 5, 1), 2, 5, 7)
+    with pytest.raises(ValueError, match="prefix needs a group"):
+        TraceRequest(0.0, 5, 1, prefix_len=3)
+
+
+# -- cache-aware ordering (SGLang's longest prefix match) --------------------------------------------
+def test_lpm_admits_the_longest_cached_prefix_first():
+    store = HostKVStore(0, B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
+    orders = {}
+    for order in ("fcfs", "lpm"):
+        kv = make_kv_manager("paged", KVBuildContext(64, B, None, store, prefix_caching=True))  # type: ignore[arg-type]
+        config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=kv.max_request_tokens,
+                                 policy="fcfs", policy_options={"waiting_order": order})
+        engine = Engine(make_scheduler(config, kv), ContentTaggingExecutor(store, 64, B), tokenizer=None)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        engine.add_request(list(range(1, 21)), params, "warm")
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.add_request([50 + i for i in range(20)], params, "cold")  # arrives first, nothing cached
+        engine.add_request(list(range(1, 21)) + [7], params, "hot")  # 20 tokens cached
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o.request_id for o in engine.step() if o.finished]
+        orders[order] = finished
+    assert orders == {"fcfs": ["cold", "hot"], "lpm": ["hot", "cold"]}
+    with pytest.raises(ValueError, match="waiting_order must be one of fcfs, lpm"):
+        make_scheduler(SchedulerConfig(max_model_len=64, policy="fcfs", policy_options={"waiting_order": "x"}),
+                       BlockPool(8, B))
+
+
+# -- prefix-aware dispatch -------------------------------------------------------------------------------
+def test_the_dispatcher_routes_by_prefix_only_when_loads_are_close():
+    from nanoserve.cluster.cluster import Dispatcher
+    from nanoserve.cluster.load import InstanceLoad
+
+    def loads(used0: int, used1: int) -> list[InstanceLoad]:
+        return [InstanceLoad(0, 100, used0, 0, 0, 0, 0), InstanceLoad(1, 100, used1, 0, 0, 0, 0)]
+
+    hashes = block_hashes(list(range(64)), 16, [], 3)
+    other = block_hashes(list(range(100, 164)), 16, [], 3)
+    d = Dispatcher(prefix_slack=0.1)
+    assert d.pick(loads(10, 0), 4, hashes) == 1  # nothing cached anywhere: least loaded
+    d.reported(1)
+    assert d.pick(loads(0, 5), 4, hashes) == 1  # 1 holds the prefix and is within 10 points
+    d.reported(1)
+    assert d.pick(loads(0, 50), 4, hashes) == 0  # too far behind: load wins
+    d.reported(0)
+    assert d.pick(loads(0, 5), 4, other) == 0  # another prefix: load decides
+    assert d.prefix_routed == 1
+    assert Dispatcher().pick(loads(0, 5), 4) == 0  # no hashes: load alone
+
+
+def test_prefix_routing_raises_a_clusters_hit_rate():
+    from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
+    from nanoserve.sim.simulation import SimConfig
+    from nanoserve.sim.workloads import LengthDist, multi_turn_chat, poisson_arrivals
+
+    own = LengthDist("turn", mean_prompt=200, mean_output=100, min_prompt=16, max_prompt=512, min_output=16,
+                     max_output=512)
+    trace = multi_turn_chat(poisson_arrivals(2.0, n=24, seed=3), 4, 15.0, own, system_len=512, seed=3)
+    rates = {}
+    for slack in (None, 0.1):
+        result = simulate_cluster(ClusterConfig(SimConfig(policy="fcfs", enable_prefix_caching=True),
+                                                num_instances=4, prefix_slack=slack), trace)
+        assert result.unfinished == 0
+        rates[slack] = result.events["prefix_cache_hits"] / result.events["prefix_cache_queries"]
+    assert rates[0.1] > rates[None] + 0.2, rates
+    with pytest.raises(ValueError, match="prefix caching runs on replicas"):
+        ClusterConfig(SimConfig(policy="kunserve", enable_prefix_caching=True), drop=True)
+
+
+# -- the host tier -----------------------------------------------------------------------------------
+def tiered_engine(device_blocks: int, host_blocks: int, policy: str = "fcfs"):
+    store = HostKVStore(host_blocks, B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
+    kv = make_kv_manager("paged", KVBuildContext(device_blocks, B, None, store, prefix_caching=True,  # type: ignore[arg-type]
+                                                 prefix_host_blocks=host_blocks))
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2, max_model_len=kv.max_request_tokens,
+                             policy=policy)
+    executor = ContentTaggingExecutor(store, device_blocks, B)
+    return Engine(make_scheduler(config, kv), executor, tokenizer=None), kv, executor
+
+
+def run_all(engine) -> dict[str, list[int]]:
+    outputs = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        outputs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return outputs
+
+
+def test_a_block_evicted_to_the_host_is_loaded_back_and_reads_back_exactly():
+    engine, kv, executor = tiered_engine(device_blocks=6, host_blocks=16)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    prefix = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # 3 blocks
+    engine.add_request(prefix + [1], params, "a")
+    run_all(engine)
+    for i in range(3):  # unrelated work that needs the whole pool: a's cached blocks are evicted
+        engine.add_request([40 + 10 * i + j for j in range(20)], params, f"x{i}")
+        run_all(engine)
+    assert kv.cached_prefix(Request("probe", prefix + [2], params)) == 12  # all three from the host
+    checked = executor.positions_checked
+    engine.add_request(prefix + [2], params, "b")
+    run_all(engine)
+    events = kv.events
+    assert events["prefix_cache_host_saves"] >= 3 and events["prefix_cache_host_loads"] == 3
+    assert events["prefix_cache_host_hits"] == 12
+    assert executor.positions_checked > checked  # b read the loaded positions, and they held a's K/V
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_host_tier_leaves_outputs_unchanged(seed):
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 90) for _ in range(9)] for _ in range(3)]
+    work = [(rng.choice(systems) + [rng.randrange(1, 90) for _ in range(rng.randint(1, 5))], rng.randint(1, 8))
+            for _ in range(16)]
+    results = {}
+    for host_blocks in (0, 32):
+        store = HostKVStore(max(host_blocks, 1), B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
+        kv = make_kv_manager("paged", KVBuildContext(10, B, None, store, prefix_caching=True,  # type: ignore[arg-type]
+                                                     prefix_host_blocks=host_blocks))
+        config = SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=3, max_model_len=kv.max_request_tokens)
+        engine = Engine(make_scheduler(config, kv), ContentTaggingExecutor(store, 10, B), tokenizer=None)
+        outputs = {}
+        for i, (prompt, n) in enumerate(work):
+            engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")
+            if i % 4 == 3:
+                outputs.update(run_all(engine))
+        outputs.update(run_all(engine))
+        results[host_blocks] = (outputs, kv.events)
+    assert results[32][0] == results[0][0]
+    assert results[32][1]["prefix_cache_hits"] >= results[0][1]["prefix_cache_hits"]
+
+
+def test_the_host_tier_needs_the_paged_manager_with_caching():
+    store = HostKVStore(8, B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
+    with pytest.raises(ValueError, match="host tier"):
+        make_kv_manager("paged", KVBuildContext(8, B, None, store, prefix_host_blocks=4))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="host tier .* paged"):
+        LLM(device="cpu", kv_manager="swap", prefix_cache_host_tokens=256, kv_cache_tokens=256)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(device="cpu", async_scheduling=True, prefix_cache_host_tokens=256, kv_cache_tokens=256)
+
+
+def test_real_model_host_tier_loads_what_the_device_evicted(tiny_model):
+    arch, _, directory = tiny_model
+    if arch != "llama":
+        pytest.skip("one architecture")
+    rng = random.Random(1)
+    system = [rng.randrange(1, 500) for _ in range(48)]
+    others = [[rng.randrange(1, 500) for _ in range(100)] for _ in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    results = {}
+    for tier in (0, 2048):
+        llm = LLM(str(directory), device="cpu", dtype="float32", kv_cache_tokens=128, block_size=16,
+                  max_num_batched_tokens=64, enable_prefix_caching=tier > 0, prefix_cache_host_tokens=tier)
+        outs = [llm.generate([system + [1]], params, use_tqdm=False)[0]]
+        outs += llm.generate(others, params, use_tqdm=False)  # 2 x 7 blocks through an 8-block pool
+        outs += llm.generate([system + [2, 3]], params, use_tqdm=False)
+        results[tier] = [o.token_ids for o in outs]
+        if tier:
+            events = llm.engine.stats().kv_events
+            assert events["prefix_cache_host_hits"] == 48 and outs[-1].num_cached_tokens == 48, events
+    assert results[2048] == results[0]

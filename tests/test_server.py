@@ -301,6 +301,37 @@ def test_metrics_format(server: LiveServer):
     assert m["nanoserve_step_seconds_total"] > 0 and m["nanoserve_predicted_step_seconds_total"] > 0
 
 
+def test_prefix_cache_usage_metrics_and_reset(server: LiveServer, client: OpenAI):
+    """A prompt that repeats an earlier one's first 80 tokens (5 blocks of 16) finds them cached,
+    says so in OpenAI's usage (streamed too), counts them in /metrics, and after
+    POST /reset_prefix_cache finds nothing."""
+    server.wait_idle()
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+    before = server.metrics()
+    shared = list(range(1000, 1080))
+    first = client.completions.create(model=server.model, prompt=shared + [7], max_tokens=2, temperature=0)
+    second = client.completions.create(model=server.model, prompt=shared + [8, 9], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 80
+    stream = client.completions.create(model=server.model, prompt=shared + [10], max_tokens=2, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens == 80
+    after = server.metrics()
+    assert after["nanoserve_prefix_cache_queries_total"] - before["nanoserve_prefix_cache_queries_total"] == 81 + 82 + 81
+    assert after["nanoserve_prefix_cache_hits_total"] - before["nanoserve_prefix_cache_hits_total"] == 160
+    assert 0 < after["nanoserve_prefix_cache_hit_ratio"] <= 1
+    reset = httpx.post(server.url + "/reset_prefix_cache").json()
+    assert reset["blocks_forgotten"] >= 5
+    again = client.completions.create(model=server.model, prompt=shared + [8, 9], max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].text == second.choices[0].text
+    chats = [client.chat.completions.create(model=server.model, messages=CAPITAL, max_tokens=2, temperature=0)
+             for _ in range(2)]
+    assert chats[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert chats[1].usage.prompt_tokens_details.cached_tokens == (chats[1].usage.prompt_tokens - 1) // 16 * 16
+
+
 def test_zz_no_leaks_at_end(server: LiveServer, client: OpenAI):
     assert server.wait_idle()["nanoserve_kv_blocks_used"] == 0
     assert httpx.get(server.url + "/health").status_code == 200

@@ -10,7 +10,9 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
   every request in its queue needs (Llumnix's virtual usage: its dispatch load is used blocks
   plus `num_blocks_all_waiting_requests`, over the total), and the new request itself; ties go
   to the lowest id. Counting only the queue's head would let an instance whose queue waits for
-  compute, not KV, look free while its queue grows.
+  compute, not KV, look free while its queue grows. Where the instances cache prefixes (not under
+  drops: the arena does not), it prefers, among instances whose load is close to the least,
+  the one it sent the longest prefix of the request to lately (ours; cluster/prefix_routing.py).
 - `ThrottleMonitor` (§3, "memory throttling"): an instance is throttled when the KV its running
   requests hold plus what its head-of-line request needs exceeds its capacity: the head cannot
   run without a preemption. The monitor reports how many blocks each throttled instance is
@@ -38,10 +40,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanoserve.cluster.load import InstanceLoad, PeerLost
+from nanoserve.cluster.prefix_routing import RoutedPrefixes
 from nanoserve.cluster.regroup import Regrouper
 from nanoserve.cluster.restore import BackgroundRestore
+from nanoserve.memory import resolve_prefix_caching
+from nanoserve.memory.prefix_cache import BlockHash, block_hashes
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
+from nanoserve.sched import POLICY_MEMORY
 from nanoserve.slo import RequestClass
 
 if TYPE_CHECKING:
@@ -49,18 +55,41 @@ if TYPE_CHECKING:
     from nanoserve.config import EngineArgs
 
 
+PREFIX_SLACK = 0.1  # assumption: "loads are close" is within 10 points of KV usage of the least loaded
+
+
 class Dispatcher:
     """Least-loaded routing by KV demand; `pick` also books the request against the chosen
-    instance until its next load report, so a burst does not all land on one instance."""
+    instance until its next load report, so a burst does not all land on one instance.
 
-    def __init__(self) -> None:
+    Prefix-aware (ours; SGLang's router and llm-d do the same): given the request's prompt block
+    hashes, among the instances whose usage with the request is within `prefix_slack` of the
+    least loaded one's, `pick` takes the one most likely to hold the longest prefix of it cached
+    (`RoutedPrefixes`), ties to the least loaded. A request no instance holds any of, or one
+    sent without hashes (instances that do not cache), is routed by load alone, as before."""
+
+    def __init__(self, prefix_slack: float = PREFIX_SLACK) -> None:
         self._booked: dict[int, int] = {}
+        self.prefix_slack = prefix_slack
+        self.prefixes = RoutedPrefixes()
+        self.prefix_routed = 0  # requests sent to a less loaded instance's rival for its cached prefix
 
-    def pick(self, loads: Sequence[InstanceLoad], request_blocks: int) -> int:
+    def pick(self, loads: Sequence[InstanceLoad], request_blocks: int, hashes: Sequence[BlockHash] = ()) -> int:
         if not loads:
             raise ValueError("no instance to dispatch to")
-        best = min(loads, key=lambda load: (load.usage_with(request_blocks + self._booked.get(load.instance, 0)),
-                                             load.instance))
+
+        def usage(load: InstanceLoad) -> float:
+            return load.usage_with(request_blocks + self._booked.get(load.instance, 0))
+
+        best = min(loads, key=lambda load: (usage(load), load.instance))
+        if hashes:
+            close = [load for load in loads if usage(load) <= usage(best) + self.prefix_slack]
+            cached = max(close, key=lambda load: (self.prefixes.match(load.instance, hashes), -usage(load),
+                                                  -load.instance))
+            if self.prefixes.match(cached.instance, hashes) > self.prefixes.match(best.instance, hashes):
+                best = cached
+                self.prefix_routed += 1
+            self.prefixes.record(best.instance, hashes, best.total_blocks)
         self._booked[best.instance] = self._booked.get(best.instance, 0) + request_blocks
         return best.instance
 
@@ -107,6 +136,9 @@ class Cluster:
         if drop and args.kv_manager not in (None, "arena"):
             raise ValueError("dropping layers needs the arena KV manager (kv_manager='arena')")
         self.args = replace(args, kv_manager="arena" if drop else args.kv_manager, kv_manager_options=None)
+        # Whether the instances cache prefixes: then the dispatcher routes by prefix too.
+        self.prefix_caching = not drop and resolve_prefix_caching(self.args.kv_manager or POLICY_MEMORY[args.policy],
+                                                                  args.enable_prefix_caching)
         self.drop_enabled = drop
         authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
@@ -172,7 +204,10 @@ class Cluster:
                     priority: RequestClass | str = RequestClass.ONLINE) -> int:
         """Route the request; returns the instance it went to."""
         blocks = -(-len(token_ids) // self.args.block_size)
-        instance = self.dispatcher.pick(list(self.loads.values()), blocks)
+        # The blocks an instance's cache could supply (the last token is always computed).
+        hashes = block_hashes(token_ids, self.args.block_size, [], (len(token_ids) - 1) // self.args.block_size) \
+            if self.prefix_caching else []
+        instance = self.dispatcher.pick(list(self.loads.values()), blocks, hashes)
         self._call(instance, "add", request_id, token_ids, params, priority)
         self.placement[request_id] = instance
         self._submitted[request_id] = (token_ids, params, priority)
@@ -259,6 +294,7 @@ class Cluster:
             self._end_pull(list(self.pending_restore.groups), [], skip=gone)
         for instance in gone:
             self.loads.pop(instance, None)
+            self.dispatcher.prefixes.forget(instance)
             self.processes[instance].kill()
         if not self.loads:
             raise RuntimeError(f"every instance of the cluster is gone (last: {sorted(gone)})")

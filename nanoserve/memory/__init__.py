@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,12 @@ class KVBuildContext:
     # None: unknown. A manager that budgets its background copies by time needs it.
     link_block_seconds: float | None = None
     prefix_caching: bool = False  # share cached prefix blocks (`resolve_prefix_caching`)
+    # The prefix cache's second tier: host blocks of `host_store` that keep evicted cached
+    # blocks (paged only; memory/prefix_host_tier.py); 0: none.
+    prefix_host_blocks: int = 0
+    # Seconds to recompute n tokens after a prefix of p (the policy's cost model's `chunk_cost(p,
+    # n)`), where known: the host tier loads a block only where that is dearer than its link time.
+    recompute_seconds: Callable[[int, int], float] | None = None
 
 
 def resolve_prefix_caching(name: str, requested: bool | None) -> bool:

@@ -49,7 +49,8 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 record_evictions: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -66,6 +67,8 @@ class BlockPool:
         # leading blocks of each table are committed (cached or found cached).
         self.cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
         self._committed: dict[Hashable, int] = {}
+        # Blocks evicted from the cache and not yet taken (`take_evicted`); None: not recorded.
+        self.evicted: list[tuple[int, BlockHash]] | None = [] if record_evictions and enable_prefix_caching else None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -183,7 +186,17 @@ class BlockPool:
         if self._free:
             return self._free.pop()
         assert self.cache is not None
-        return self.cache.evict()  # the least recently freed cached block
+        block, block_hash = self.cache.evict()  # the least recently freed cached block
+        if self.evicted is not None:
+            self.evicted.append((block, block_hash))
+        return block
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """The (block, hash) pairs evicted since the last call, where `record_evictions` asked
+        for them: the new owner writes each block in this step, so a second tier that keeps the
+        content must copy it out first (PagedKV's host tier)."""
+        evicted, self.evicted = self.evicted or [], [] if self.evicted is not None else None
+        return evicted
 
     def allocate(self, seq_id: Hashable, num_tokens: int, shared: Sequence[int] = ()) -> list[int]:
         """Grow `seq_id`'s reservation to `num_tokens` slots; returns the blocks added.

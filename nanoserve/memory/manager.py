@@ -25,16 +25,28 @@ interface, such as `MemoryArena`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
+from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.memory.prefix_cache import block_hashes
+from nanoserve.memory.prefix_host_tier import PrefixHostTier, always_load
 from nanoserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:  # nanoserve.memory imports this module
     from nanoserve.memory import KVBuildContext
+
+
+def load_rule(link_block_seconds: float | None, recompute_seconds: Callable[[int, int], float] | None,
+              block_size: int) -> Callable[[int, int], bool]:
+    """The host tier's choice (memory/prefix_host_tier.py): load `blocks` after a prefix of
+    `prefix_tokens` when their link time is at most recomputing their tokens; always load where
+    either cost is unknown (the tier's assumption)."""
+    if link_block_seconds is None or recompute_seconds is None:
+        return always_load
+    link, recompute = link_block_seconds, recompute_seconds
+    return lambda blocks, prefix_tokens: blocks * link <= recompute(prefix_tokens, blocks * block_size)
 
 
 class KVManager(ABC):
@@ -178,10 +190,24 @@ class KVManager(ABC):
     def cached_prefix(self, request: Request) -> int:
         """Leading tokens of the waiting `request`, which holds no K/V, whose K/V this manager
         has cached: a whole number of blocks, at most `num_tokens - 1` (the last token is always
-        computed, so that there are logits to sample from). The scheduler sets the request's
-        `num_computed_tokens` to it before its `reserve`, which then shares those blocks; a
-        `reserve` that finds fewer cached by then fails, changing nothing. Changes nothing."""
+        computed, so that there are logits to sample from). Changes nothing. The scheduler then
+        sets the request's `num_computed_tokens` to it and calls `try_reserve_cached`."""
         return 0
+
+    def try_reserve_cached(self, request: Request, num_tokens: int, cached: int) -> list[KVCopy] | None:
+        """`try_reserve` for a waiting request that holds nothing and starts with `cached` tokens
+        (what `cached_prefix` said) whose blocks it shares instead of computing; None, changing
+        nothing, if it cannot (some of those blocks were evicted since, or no room). Default: a
+        manager without a cache, whose `cached_prefix` is always 0."""
+        if cached:
+            raise ValueError(f"{type(self).__name__} keeps no prefix cache")
+        return self.try_reserve(request, num_tokens)
+
+    def can_reserve_cached(self, request: Request, num_tokens: int, cached: int) -> bool:
+        """Could `try_reserve_cached(request, num_tokens, cached)` succeed now? Changes nothing."""
+        if cached:
+            raise ValueError(f"{type(self).__name__} keeps no prefix cache")
+        return self.can_reserve(request, num_tokens)
 
     def commit_computed(self, request: Request) -> None:
         """A step wrote `request`'s K/V up to its `num_computed_tokens`: the full blocks among
@@ -230,16 +256,38 @@ class PagedKV(KVManager):
     preempted by recompute finds its own blocks again if nothing evicted them. A waiting request
     starts from the longest cached run of its blocks (`cached_prefix`)."""
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, host_tier: PrefixHostTier | None = None):
+        if host_tier is not None and pool.evicted is None:
+            raise ValueError("a host tier needs a pool with prefix caching that records its evictions")
         self.pool = pool
         self.block_size = pool.block_size
+        self.host_tier = host_tier  # the second tier in host memory (memory/prefix_host_tier.py)
+        if host_tier is not None:
+            self.host_store = host_tier.store
+        self.host_hits = 0  # tokens of cache hits loaded from the host tier
 
     @property
     def prefix_caching(self) -> bool:
         return self.pool.caching
 
     def cached_prefix(self, request: Request) -> int:
-        return len(self._hit(request, (request.num_tokens - 1) // self.block_size)) * self.block_size
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        device = len(self._hit(request, max_blocks))
+        return (device + self._host_run(request, device, max_blocks)) * self.block_size
+
+    def _host_run(self, request: Request, device: int, max_blocks: int) -> int:
+        """Blocks past the `device` cached ones, up to `max_blocks`, that the host tier holds and
+        would load rather than recompute; 0 without a tier."""
+        tier = self.host_tier
+        if tier is None or device >= max_blocks or not len(tier):
+            return 0
+        hashes = block_hashes(request.token_ids, self.block_size, request.block_hashes, max_blocks)
+        run = tier.run(hashes[device:max_blocks])
+        return run if tier.worth_loading(run, device * self.block_size) else 0
+
+    def _offload(self) -> list[KVCopy]:
+        """The saves of what the last allocation evicted, where a host tier keeps it."""
+        return self.host_tier.offload(self.pool.take_evicted()) if self.host_tier is not None else []
 
     def _hit(self, request: Request, max_blocks: int) -> list[int]:
         """The cached blocks of `request`'s first `max_blocks` blocks, in order from the first."""
@@ -248,26 +296,31 @@ class PagedKV(KVManager):
         hashes = block_hashes(request.token_ids, self.block_size, request.block_hashes, max_blocks)
         return self.pool.cached_blocks(hashes[:max_blocks])
 
-    def _shared_prefix(self, request: Request) -> list[int] | None:
-        """For `reserve`: the blocks a new table starts with, the cached run that the scheduler
-        counted in `request.num_computed_tokens`; None if part of it was evicted since."""
-        computed = request.num_computed_tokens
-        if not computed or not self.pool.caching or self.pool.has(request.request_id):
+    def _shared_prefix(self, request: Request, cached: int) -> list[int] | None:
+        """The device blocks a new table starts with: the cached run of `request`'s first
+        `cached` tokens on the device, the rest of which the host tier holds (to be loaded);
+        None if part of it was evicted since `cached_prefix` counted it."""
+        if not cached:
             return []
-        if computed % self.block_size:
-            raise ValueError(f"{request.request_id}: {computed} tokens computed, but it holds no K/V")
-        shared = self._hit(request, computed // self.block_size)
-        return shared if len(shared) * self.block_size == computed else None
+        if not self.pool.caching or cached % self.block_size or self.pool.has(request.request_id):
+            raise ValueError(f"{request.request_id}: cannot share {cached} cached tokens")
+        blocks = cached // self.block_size
+        shared = self._hit(request, blocks)
+        rest = blocks - len(shared)
+        if rest and (self.host_tier is None
+                     or self.host_tier.run(request.block_hashes[len(shared):blocks]) < rest):
+            return None
+        return shared
 
-    def _count_lookup(self, request: Request, new_table: bool) -> None:
+    def _count_lookup(self, request: Request, new_table: bool, cached: int) -> None:
         """vLLM's prefix-cache counters, in tokens: each request that got its first blocks asked
-        for its tokens (queries) and found its computed ones (hits)."""
+        for its tokens (queries) and found `cached` of them (hits)."""
         if not new_table or not self.pool.caching:
             return
         cache = self.pool.cache
         if cache is not None:
             cache.queries += request.num_tokens
-            cache.hits += request.num_computed_tokens
+            cache.hits += cached
 
     def commit_computed(self, request: Request) -> None:
         pool = self.pool
@@ -279,6 +332,8 @@ class PagedKV(KVManager):
                         block_hashes(request.token_ids, self.block_size, request.block_hashes, full)[:full])
 
     def reset_prefix_cache(self) -> int:
+        if self.host_tier is not None:
+            self.host_tier.reset()
         return self.pool.reset_prefix_cache() if self.pool.caching else 0
 
     @property
@@ -286,8 +341,12 @@ class PagedKV(KVManager):
         cache = self.pool.cache
         if cache is None:
             return {}
-        return {"prefix_cache_queries": cache.queries, "prefix_cache_hits": cache.hits,
-                "prefix_cache_evictions": cache.evictions}
+        events = {"prefix_cache_queries": cache.queries, "prefix_cache_hits": cache.hits,
+                  "prefix_cache_evictions": cache.evictions}
+        if self.host_tier is not None:
+            events.update(prefix_cache_host_hits=self.host_hits, prefix_cache_host_saves=self.host_tier.saves,
+                          prefix_cache_host_loads=self.host_tier.loads)
+        return events
 
     @property
     def num_blocks(self) -> int:
@@ -298,27 +357,40 @@ class PagedKV(KVManager):
         return self.pool.num_used_blocks
 
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
-        shared = self._shared_prefix(request) if request.num_computed_tokens else []
-        return shared is not None and self.pool.can_allocate(request.request_id, num_tokens, shared)
+        return self.pool.can_allocate(request.request_id, num_tokens)
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
-        shared = self._shared_prefix(request) if request.num_computed_tokens else []
-        if shared is None:
-            raise NoFreeBlocksError(f"{request.request_id}: its cached prefix was evicted")
         new_table = not self.pool.has(request.request_id)
-        self.pool.allocate(request.request_id, num_tokens, shared)
-        self._count_lookup(request, new_table)
-        return []
+        self.pool.allocate(request.request_id, num_tokens)
+        self._count_lookup(request, new_table, 0)
+        return self._offload()
 
     def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
-        shared = self._shared_prefix(request) if request.num_computed_tokens else []
-        if shared is None:
-            return None
         new_table = not self.pool.has(request.request_id)
-        if self.pool.try_allocate(request.request_id, num_tokens, shared) is None:
+        if self.pool.try_allocate(request.request_id, num_tokens) is None:
             return None
-        self._count_lookup(request, new_table)
-        return []
+        self._count_lookup(request, new_table, 0)
+        return self._offload()
+
+    def can_reserve_cached(self, request: Request, num_tokens: int, cached: int) -> bool:
+        shared = self._shared_prefix(request, cached)
+        return shared is not None and self.pool.can_allocate(request.request_id, num_tokens, shared)
+
+    def try_reserve_cached(self, request: Request, num_tokens: int, cached: int) -> list[KVCopy] | None:
+        shared = self._shared_prefix(request, cached)
+        if shared is None or self.pool.try_allocate(request.request_id, num_tokens, shared) is None:
+            return None
+        self._count_lookup(request, True, cached)
+        copies = self._offload()  # saves first (a group's issue order), then the loads into blocks just taken
+        blocks = cached // self.block_size
+        if len(shared) < blocks:
+            assert self.host_tier is not None
+            rid = request.request_id
+            copies.append(self.host_tier.load(rid, request.block_hashes[len(shared):blocks],
+                                              self.pool.block_table(rid)[len(shared):blocks]))
+            self.pool.commit(rid, request.block_hashes[:blocks])  # loaded: shareable on the device again
+            self.host_hits += cached - len(shared) * self.block_size
+        return copies
 
     def block_table(self, request: Request) -> list[int]:
         return self.pool.block_table(request.request_id)
@@ -328,8 +400,17 @@ class PagedKV(KVManager):
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
 
 
 def build_paged(ctx: KVBuildContext) -> PagedKV:
-    """The registry's builder for "paged" (see nanoserve/memory/__init__.py)."""
-    return PagedKV(BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=ctx.prefix_caching))
+    """The registry's builder for "paged" (see nanoserve/memory/__init__.py): prefix caching as
+    the context says, with a host tier of `ctx.prefix_host_blocks` blocks of its host store."""
+    if not ctx.prefix_host_blocks:
+        return PagedKV(BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=ctx.prefix_caching))
+    if not ctx.prefix_caching or ctx.host_store is None:
+        raise ValueError("a host tier for the prefix cache needs prefix caching on and a host KV store")
+    pool = BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=True, record_evictions=True)
+    return PagedKV(pool, PrefixHostTier(ctx.host_store, ctx.prefix_host_blocks,
+                                        load_rule(ctx.link_block_seconds, ctx.recompute_seconds, ctx.block_size)))

@@ -121,12 +121,14 @@ class PrefixCache:
         """A hit takes the free cached `block` back into a table."""
         del self._evictable[block]
 
-    def evict(self) -> int:
-        """The least recently freed evictable block, uncached, for a new owner."""
+    def evict(self) -> tuple[int, BlockHash]:
+        """The least recently freed evictable block, uncached, for a new owner, and the hash it
+        had (a second tier may keep its content under that name)."""
         block, _ = self._evictable.popitem(last=False)
+        block_hash = self._hash_of[block]
         self.forget(block)
         self.evictions += 1
-        return block
+        return block, block_hash
 
     def take_evictable(self, blocks: Iterable[int]) -> list[int]:
         """Uncache those of `blocks` that are evictable and return them (the pool retires them)."""

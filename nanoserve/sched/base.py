@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 
 from nanoserve.config import SchedulerConfig
-from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.host import KVCopy
 from nanoserve.memory.manager import KVManager, PagedKV
 from nanoserve.request import Request, RequestStatus
@@ -271,9 +271,9 @@ class Scheduler(ABC):
         hit = self.cached_prefix(request)
         if not hit:
             return self.kv.can_reserve(request, request.num_computed_tokens + num_tokens)
-        request.num_computed_tokens = hit  # what `reserve` would share; undone below
+        request.num_computed_tokens = hit  # as `try_chunk` would set it; undone below
         try:
-            return self.kv.can_reserve(request, hit + self._trim(request, num_tokens))
+            return self.kv.can_reserve_cached(request, hit + self._trim(request, num_tokens), hit)
         finally:
             request.num_computed_tokens = 0
 
@@ -282,30 +282,30 @@ class Scheduler(ABC):
         `chunk`), else None, changing nothing."""
         hit = self.cached_prefix(request)
         if hit:
-            request.num_computed_tokens = hit  # the manager shares the cached blocks it counts
+            request.num_computed_tokens = hit  # the cached blocks count as computed
             num_tokens = self._trim(request, num_tokens)
-        start = request.num_computed_tokens
-        copies = self.kv.try_reserve(request, start + num_tokens)
+            copies = self.kv.try_reserve_cached(request, hit + num_tokens, hit)
+        else:
+            copies = self.kv.try_reserve(request, request.num_computed_tokens + num_tokens)
         if copies is None:
             request.num_computed_tokens -= hit
             return None
         self._admitted_with(request, hit)
         self._add_copies(copies)
-        return ScheduledChunk(request, start, num_tokens, self.kv.block_table(request), self.kv.right_to_left(request))
+        return ScheduledChunk(request, request.num_computed_tokens, num_tokens, self.kv.block_table(request),
+                              self.kv.right_to_left(request))
 
     def chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
-        """Reserve KV slots for `num_tokens` more tokens of `request` and describe the chunk."""
-        hit = self.cached_prefix(request)
-        if hit:
-            request.num_computed_tokens = hit
-            num_tokens = self._trim(request, num_tokens)
+        """Reserve KV slots for `num_tokens` more tokens of `request` and describe the chunk.
+        Raises NoFreeBlocksError, changing nothing, if they are not there."""
+        if self.cached_prefix(request):
+            chunk = self.try_chunk(request, num_tokens)
+            if chunk is None:
+                raise NoFreeBlocksError(f"{request.request_id}: no room for {num_tokens} tokens past its cached prefix")
+            return chunk
         start = request.num_computed_tokens
-        try:
-            self._add_copies(self.kv.reserve(request, start + num_tokens))
-        except BaseException:
-            request.num_computed_tokens -= hit
-            raise
-        self._admitted_with(request, hit)
+        self._add_copies(self.kv.reserve(request, start + num_tokens))
+        self._admitted_with(request, 0)
         return ScheduledChunk(request, start, num_tokens, self.kv.block_table(request),
                               self.kv.right_to_left(request))
 

@@ -19,17 +19,55 @@ micro-batch of the pipeline: requests whose sampled token is still in flight are
 step advances at most its share of the running requests (`Scheduler.running_share`). Under
 asynchronous scheduling (`SchedulerConfig.async_scheduling`) a running request's token in flight
 does not hold it back (`Scheduler.schedulable`): the executor feeds it from the device.
+
+With prefix caching, a waiting request's chunk starts after its cached prefix
+(`Scheduler.tokens_lacking`), so admitting it costs only its uncached tokens of the budget. The
+option `waiting_order="lpm"` (SGLang's longest-prefix-match policy; ours here, off by default)
+admits, among the first `LPM_WINDOW` waiting requests, those with the longest cached prefix
+first, so that requests sharing what is cached now run while it is still cached. Beyond the
+window, and on ties, arrival order: SGLang turns LPM off for a long queue altogether
+(`_determine_active_policy`), as sorting it every step would cost more than it saves. A request
+with nothing cached can wait behind later ones while they keep hitting; the window bounds how
+many.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
+from nanoserve.config import SchedulerConfig
+from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.manager import KVManager
 from nanoserve.request import Request
 from nanoserve.sched.base import Scheduler
+from nanoserve.sched.cost_model import CostModel
 from nanoserve.sched.output import SchedulerOutput
+
+LPM_WINDOW = 128  # waiting requests `waiting_order="lpm"` reorders; assumption: a round number, not swept
+WAITING_ORDERS = ("fcfs", "lpm")
 
 
 class FCFSScheduler(Scheduler):
     ASYNC_PIPELINE = True
     ASYNC_SCHEDULING = True
+    OPTIONS = {"waiting_order": "fcfs (default): arrival order; lpm: longest cached prefix first among the first "
+                                f"{LPM_WINDOW} waiting requests (SGLang's)"}
+
+    def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__(config, kv, cost_model, clock)
+        self.waiting_order: str = config.policy_options.get("waiting_order", "fcfs")
+        if self.waiting_order not in WAITING_ORDERS:
+            raise ValueError(f"waiting_order must be one of {', '.join(WAITING_ORDERS)}, got {self.waiting_order!r}")
+
+    def order_waiting(self) -> None:
+        """`waiting_order="lpm"`: the first `LPM_WINDOW` waiting requests, longest cached prefix
+        first (stable: arrival order on ties)."""
+        if self.waiting_order != "lpm" or len(self.waiting) < 2:
+            return
+        head = [self.waiting.popleft() for _ in range(min(LPM_WINDOW, len(self.waiting)))]
+        head.sort(key=lambda r: -self.cached_prefix(r))
+        self.waiting.extendleft(reversed(head))
 
     def tokens_wanted(self, request: Request) -> int:
         """How many tokens `request` would advance by with no budget limit: all it lacks.
@@ -67,6 +105,8 @@ class FCFSScheduler(Scheduler):
             i += 1
 
         # Admitting new work in a step that had to preempt would only thrash.
+        if not out.preempted:
+            self.order_waiting()
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]

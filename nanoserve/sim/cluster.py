@@ -41,10 +41,11 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from nanoserve.cluster.cluster import Dispatcher, ThrottleMonitor
+from nanoserve.cluster.cluster import PREFIX_SLACK, Dispatcher, ThrottleMonitor
 from nanoserve.cluster.instance import load_of
 from nanoserve.cluster.load import InstanceLoad
 from nanoserve.cluster.regroup import LayoutChange, Regrouper
+from nanoserve.memory.prefix_cache import block_hashes
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sim.cluster_layout import PipelineExecutor, SimMember, StagePipeline
@@ -53,7 +54,7 @@ from nanoserve.sim.metrics import downsample
 from nanoserve.sim.migration import LlumnixMigrator, MigrationConfig
 from nanoserve.sim.models import ModelCost
 from nanoserve.sim.simulation import MAX_IDLE_STEPS, RequestRecord, SimConfig, SimResult, build
-from nanoserve.sim.workloads import TraceRequest
+from nanoserve.sim.workloads import TraceRequest, prompt_token_ids
 
 DEMAND_POINTS = 5000  # kv_demand_series samples kept per run
 
@@ -79,10 +80,18 @@ class ClusterConfig:
     # as token-count micro-batches (KunServe's Fig. 17 (a) baseline, `PipelineExecutor`), not
     # as one micro-batch.
     token_count_cut: bool = False
+    # Where the instances cache prefixes (`instance.enable_prefix_caching`): the dispatcher also
+    # routes by prefix, within this slack of the least load (cluster.Dispatcher; ours). None:
+    # by load alone.
+    prefix_slack: float | None = PREFIX_SLACK
 
     def __post_init__(self) -> None:
         if self.instance.tp != 1:
             raise ValueError("each simulated instance is one GPU (tp = 1)")
+        if self.instance.enable_prefix_caching and (self.drop or self.static_pipeline_stages > 1
+                                                    or self.migration is not None):
+            raise ValueError("prefix caching runs on replicas without drops, static pipelines or migration "
+                             "(a layout change re-carves the pool; a migration reserves blocks it then copies)")
         stages = self.static_pipeline_stages
         if self.num_instances < 1 or stages < 1 or stages & (stages - 1) or self.num_instances % stages:
             raise ValueError("static pipelines need a power-of-two depth that divides the instances")
@@ -103,6 +112,7 @@ class SimCluster:
         start = min((r.arrival for r in trace), default=0.0)
         self.ids = [f"sim-{i}" for i in range(len(trace))]
         self.trace = dict(zip(self.ids, trace))
+        self.index = {request_id: i for i, request_id in enumerate(self.ids)}  # prompt_token_ids' index
         output_lens = {i: r.output_len for i, r in self.trace.items()}
         self.members: dict[int, SimMember] = {}
         self.pipelines: list[StagePipeline] = []  # every one built, for the GPUs' busy seconds
@@ -122,7 +132,8 @@ class SimCluster:
         self.block_bytes = cost.kv_bytes_per_token * config.instance.block_size  # a replica's block
         self.regrouper = Regrouper(config.num_instances, [cost.layer_bytes] * roofline.model.num_layers,
                                    self.block_bytes, restore_fraction=config.restore_fraction)
-        self.dispatcher, self.monitor = Dispatcher(), ThrottleMonitor()
+        self.dispatcher = Dispatcher(config.prefix_slack if config.prefix_slack is not None else PREFIX_SLACK)
+        self.monitor = ThrottleMonitor()
         self.changes: list[tuple[float, LayoutChange]] = []
         self.events = {"throttled_steps": 0, "drops": 0, "restores": 0, "requeued": 0, "restores_cancelled": 0}
         # A restore whose weights are being pulled in the background: (groups, when they are in).
@@ -174,16 +185,21 @@ class SimCluster:
     # -- requests ---------------------------------------------------------------------------
     def dispatch(self, request_id: str, now: float) -> int:
         spec = self.trace[request_id]
-        blocks = -(-spec.prompt_len // self.config.instance.block_size)
-        member = self.members[self.dispatcher.pick(list(self.reported.values()), blocks)]
+        size = self.config.instance.block_size
+        blocks = -(-spec.prompt_len // size)
+        prompt = prompt_token_ids(spec, self.index[request_id], spec.prompt_len, FILLER_TOKEN)
+        # As cluster.Cluster routes: by prefix too where the instances cache prefixes.
+        hashes = block_hashes(prompt, size, [], (len(prompt) - 1) // size) \
+            if self.config.instance.enable_prefix_caching and self.config.prefix_slack is not None else []
+        member = self.members[self.dispatcher.pick(list(self.reported.values()), blocks, hashes)]
         engine = member.engine
+        prompt = prompt[:engine.config.max_model_len - 1]
         if not engine.has_unfinished_requests():
             member.clock.advance_to(now)  # it idled (or only waited for K/V) until this request came
         # max_tokens only bounds the context; the workload's EOS ends the request.
         prompt_len = min(spec.prompt_len, engine.config.max_model_len - 1)
         params = SamplingParams(temperature=0, max_tokens=max(1, engine.config.max_model_len - prompt_len))
-        engine.add_request([FILLER_TOKEN] * prompt_len, params, request_id, arrival_time=spec.arrival,
-                           priority=spec.priority)
+        engine.add_request(prompt, params, request_id, arrival_time=spec.arrival, priority=spec.priority)
         self.placement[request_id] = member.id
         return member.id
 
@@ -345,6 +361,10 @@ class SimCluster:
         members = self.members.values()
         events = dict(self.events, preemptions=sum(m.engine.scheduler.num_preemptions for m in members),
                       **(self.migrator.events if self.migrator is not None else {}))
+        if self.config.instance.enable_prefix_caching:
+            for key in ("prefix_cache_queries", "prefix_cache_hits"):
+                events[key] = sum(m.engine.kv.events.get(key, 0) for m in members)
+            events["prefix_routed"] = self.dispatcher.prefix_routed
         start = min((r.arrival for r in records), default=0.0)
         last_arrival = max((r.arrival for r in records), default=0.0)
         end = max((r.arrival + r.e2e for r in records if r.e2e is not None), default=start)

@@ -99,6 +99,13 @@ class Roofline:
         return (self.num_layers * self.layer_seconds(batch) + self.head_seconds(rows)
                 + efficiency.iteration_overhead_s)
 
+    def chunk_seconds(self, prefix_len: int, num_new: int) -> float:
+        """The layers' time for one chunk of `num_new` tokens after `prefix_len` (no head, no
+        per-step overhead): what recomputing those tokens adds to a step (the prefix cache's
+        host tier weighs it against loading their K/V)."""
+        chunk = [(prefix_len, num_new)]
+        return self.num_layers * (self.layer_seconds(chunk) - self.layer_overhead(chunk))
+
     def kv_copy_seconds(self, num_tokens: int, link: str = "pcie") -> float:
         """Moving `num_tokens` tokens' K/V of this model's layers (on this GPU's share) over
         "pcie", "nvlink", "network", or within the device ("hbm": read and write)."""

@@ -60,7 +60,7 @@ from nanoserve.sim.executor import EOS_TOKEN, FILLER_TOKEN, SimExecutor, Virtual
 from nanoserve.sim.hardware import Efficiency, gpu
 from nanoserve.sim.models import ModelCost, model
 from nanoserve.sim.roofline import Roofline, fitted_cost_model
-from nanoserve.sim.workloads import ClosedLoopBatches, TraceRequest
+from nanoserve.sim.workloads import ClosedLoopBatches, TraceRequest, prompt_token_ids
 from nanoserve.slo import DEFAULT_SLOS, SLO, RequestClass
 
 ACTIVATION_RESERVE = 2e9  # bytes kept free for activations, as the real builder keeps 1 GiB
@@ -84,6 +84,7 @@ class SimConfig:
     # default: every paper's vLLM baseline (vLLM 0.2-0.5) ran without it, and the experiments
     # reproduce those runs. On: the managers that support it share prefixes, as the engine's do.
     enable_prefix_caching: bool = False
+    prefix_cache_host_tokens: int = 0  # EngineArgs': the prefix cache's host tier (paged only)
     policy_options: Mapping[str, Any] | None = None  # the policy's knobs (Scheduler.OPTIONS)
     kv_bytes: float | None = None  # KV memory per GPU; default: what the weights leave
     host_kv_tokens: int | None = None  # default: as many as the device holds
@@ -202,15 +203,21 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
         raise ValueError(f"host_overlap models asynchronous scheduling, which {config.policy!r} with the "
                          f"{name!r} KV manager cannot do")
     host = None
-    if name in NEEDS_HOST_STORE:
-        host_tokens = config.host_kv_tokens if config.host_kv_tokens is not None else num_blocks * config.block_size
+    tier_blocks = config.prefix_cache_host_tokens // config.block_size
+    if tier_blocks and (name != "paged" or not config.enable_prefix_caching):
+        raise ValueError("a host tier for the prefix cache needs the paged KV manager with prefix caching")
+    if name in NEEDS_HOST_STORE or tier_blocks:
+        host_tokens = (tier_blocks * config.block_size if tier_blocks else
+                       config.host_kv_tokens if config.host_kv_tokens is not None else num_blocks * config.block_size)
         # Bookkeeping only: no layers, and nothing to page-lock (which would open a CUDA context).
         host = HostKVStore(host_tokens // config.block_size, config.block_size, 0, 1, 1, torch.float16,
                            pin_memory=False)
     kv = make_kv_manager(name, KVBuildContext(num_blocks, config.block_size, roofline.model, host,
                                               config.kv_manager_options or {},
                                               link_block_seconds=roofline.kv_copy_seconds(config.block_size, "pcie"),
-                                              prefix_caching=config.enable_prefix_caching))
+                                              prefix_caching=config.enable_prefix_caching,
+                                              prefix_host_blocks=tier_blocks,
+                                              recompute_seconds=roofline.chunk_seconds))
     max_len = min(config.max_model_len or roofline.model.max_position_embeddings, kv.max_request_tokens)
     sched_config = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=max_len, policy=config.policy,
@@ -238,6 +245,7 @@ def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofli
     specs = list(trace) + [r for batch in (closed_loop.batches if closed_loop else ()) for r in batch]
     ids = [f"sim-{i}" for i in range(len(specs))]
     output_lens = {i: r.output_len for i, r in zip(ids, specs)}
+    index_of = {request_id: i for i, request_id in enumerate(ids)}
     engine, executor, _ = build(config, output_lens, clock, executor_cost)
     pending = deque(sorted(zip(ids, trace), key=lambda item: item[1].arrival))
     arrivals = {request_id: spec.arrival for request_id, spec in zip(ids, trace)}  # as submitted
@@ -248,7 +256,8 @@ def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofli
     def add(request_id: str, spec: TraceRequest, arrival: float) -> None:
         # max_tokens only bounds the context; the workload's EOS ends the request.
         params = SamplingParams(temperature=0, max_tokens=max(1, engine.config.max_model_len - spec.prompt_len))
-        prompt = [FILLER_TOKEN] * min(spec.prompt_len, engine.config.max_model_len - 1)
+        prompt = prompt_token_ids(spec, index_of[request_id], min(spec.prompt_len, engine.config.max_model_len - 1),
+                                  FILLER_TOKEN)
         engine.add_request(prompt, params, request_id, arrival_time=arrival, priority=spec.priority)
 
     def admit_arrivals() -> None:

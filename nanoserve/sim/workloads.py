@@ -34,12 +34,67 @@ class TraceRequest:
     prompt_len: int
     output_len: int
     priority: RequestClass = RequestClass.ONLINE  # "online"/"offline" are coerced to the member
+    # Shared prefixes, for automatic prefix caching: the first `prefix_len` prompt tokens are the
+    # start of one token stream per `prefix_group` (a system prompt; a conversation's history,
+    # which each turn extends); the rest are this request's own. None: all its own.
+    prefix_group: int | None = None
+    prefix_len: int = 0
 
     def __post_init__(self) -> None:
         # Checked before the coercion, so that the message shows the value as given.
         if self.prompt_len < 1 or self.output_len < 1 or self.priority not in PRIORITIES:
             raise ValueError(f"need positive lengths and a priority in {_NAMES}: {self}")
+        if not 0 <= self.prefix_len <= self.prompt_len or (self.prefix_len and self.prefix_group is None):
+            raise ValueError(f"a prefix needs a group and at most the prompt's length: {self}")
         object.__setattr__(self, "priority", RequestClass(self.priority))
+
+
+_ID_BASE, _ID_SPAN = 100, 10_000  # the ids that name a stream: clear of the simulator's filler and EOS
+
+
+def prompt_token_ids(spec: TraceRequest, index: int, length: int, filler: int) -> list[int]:
+    """The first `length` prompt tokens of `spec`, the `index`-th request of its trace: its group's
+    stream for the first `spec.prefix_len`, then its own. A stream is two tokens that name it and
+    filler after them, so two requests' tokens agree exactly as far as they share a stream (what a
+    prefix cache hashes), at the cost of a list of filler."""
+    def stream(name: int, offset: int, n: int) -> list[int]:
+        head = [_ID_BASE + offset + name % _ID_SPAN, _ID_BASE + offset + name // _ID_SPAN % _ID_SPAN]
+        return (head + [filler] * max(0, n - 2))[:n]
+
+    shared = min(spec.prefix_len, length)
+    group = stream(spec.prefix_group, 0, shared) if spec.prefix_group is not None and shared else []
+    return group + stream(index, _ID_SPAN, length - shared)
+
+
+def shared_system_prompt(arrivals: list[float], system_len: int, own: LengthDist, *, groups: int = 1,
+                         seed: int = 0) -> list[TraceRequest]:
+    """Chat traffic behind one system prompt (or `groups` of them, requests spread evenly): each
+    request is a `system_len`-token system prompt followed by its own prompt and output drawn
+    from `own`. Ours: a prefix-caching workload, not a paper's."""
+    rng = random.Random(seed)
+    pairs = own.sample(len(arrivals), seed)
+    return [TraceRequest(t, system_len + p, o, prefix_group=rng.randrange(groups), prefix_len=system_len)
+            for t, (p, o) in zip(arrivals, pairs)]
+
+
+def multi_turn_chat(starts: list[float], turns: int, think_seconds: float, turn: LengthDist, *,
+                    system_len: int = 0, seed: int = 0) -> list[TraceRequest]:
+    """Conversations that resend their history: one per start time, `turns` turns each, turn k
+    arriving `think_seconds` after turn k-1 (open loop: a fixed gap, not after the reply). A
+    turn's prompt is the whole conversation so far (a `system_len` opening, the earlier messages
+    and replies, lengths from `turn`) and its new message. The whole prompt is the
+    conversation's stream (its group), and the simulator's replies are filler, as the stream is
+    past its head: so each turn's prompt begins with the previous turn's prompt and reply, token
+    for token, as a real client resends what the engine said. Ours: a prefix-caching workload."""
+    trace = []
+    for c, start in enumerate(starts):
+        pairs = turn.sample(turns, seed * 1_000_003 + c)
+        history = system_len
+        for k, (message, reply) in enumerate(pairs):
+            prompt = history + message
+            trace.append(TraceRequest(start + k * think_seconds, prompt, reply, prefix_group=c, prefix_len=prompt))
+            history = prompt + reply
+    return sorted(trace, key=lambda r: r.arrival)
 
 
 @dataclass(frozen=True)
