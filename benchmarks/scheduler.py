@@ -5,8 +5,11 @@ Each policy runs in the real Engine over its own default KV manager, with a mock
 "samples" instantly, so only the engine's own work is left: the policy's `schedule()` (its
 queues, the memory manager's bookkeeping, the cost model) and the engine's bookkeeping around
 it. The pool holds the 1,000 running requests' whole lengths, so nothing is preempted by lack of
-memory in the timed window. Requests: prompts of 64-256 tokens, outputs of 256-1024 tokens,
-every third one offline; 1,000 running after the warm-up, 10,000 waiting. The online SLO is set
+memory in the timed window. Requests: prompts of 64-256 tokens (request i repeats token
+1 + i mod 1000, so each shares its leading blocks with about ten others), outputs of
+256-1024 tokens, every third one offline; 1,000 running after the warm-up, 10,000 waiting.
+Prefix caching is as the engine sets it by default (on where the policy's KV manager has it;
+`--prefix-caching on|off` to choose), so its lookups and commits are in the time. The online SLO is set
 far beyond what the cost model predicts for any batch (an hour to the first token, a minute per
 token), so the policies that pace admission by an SLO (EcoServe's target forward size, BROS's
 batch size, which still grows one request per step from 8) also reach 1,000 running: the
@@ -40,7 +43,7 @@ import torch
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine import Engine
 from nanoserve.executor import Executor, ExecutorOutput
-from nanoserve.memory import KVBuildContext, make_kv_manager
+from nanoserve.memory import KVBuildContext, make_kv_manager, resolve_prefix_caching
 from nanoserve.memory.copies import LANDED_NOW
 from nanoserve.memory.host import HostKVStore
 from nanoserve.sampling import SamplingParams
@@ -74,12 +77,15 @@ class InstantExecutor(Executor):
         return ExecutorOutput(sampled={c.request.request_id: c.end % 100 for c in batch.chunks if c.samples})
 
 
-def build(policy: str, running: int, waiting: int, seed: int) -> tuple[Engine, list[float]]:
+def build(policy: str, running: int, waiting: int, seed: int, prefix_caching: bool | None = None
+          ) -> tuple[Engine, list[float]]:
     rng = random.Random(seed)
     lengths = [(rng.randint(64, 256), rng.randint(256, 1024)) for _ in range(running + waiting)]
     num_blocks = sum(-(-(p + o) // BLOCK) for p, o in lengths[:running]) * 5 // 4 + 64
     store = HostKVStore(64, BLOCK, 1, 1, 1, torch.float16, pin_memory=False)  # bookkeeping only: no data moves
-    kv = make_kv_manager(POLICY_MEMORY[policy], KVBuildContext(num_blocks, BLOCK, None, store))  # type: ignore[arg-type]
+    name = POLICY_MEMORY[policy]
+    kv = make_kv_manager(name, KVBuildContext(num_blocks, BLOCK, None, store,  # type: ignore[arg-type]
+                                              prefix_caching=resolve_prefix_caching(name, prefix_caching)))
     config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=running, max_model_len=4096, policy=policy,
                              online_slo=LOOSE_SLO)
     scheduler = make_scheduler(config, kv)
@@ -100,8 +106,9 @@ def build(policy: str, running: int, waiting: int, seed: int) -> tuple[Engine, l
     return engine, times
 
 
-def measure(policies: list[str], running: int, waiting: int, steps: int, seed: int) -> list[dict]:
-    engines = {p: build(p, running, waiting, seed) for p in policies}
+def measure(policies: list[str], running: int, waiting: int, steps: int, seed: int,
+            prefix_caching: bool | None = None) -> list[dict]:
+    engines = {p: build(p, running, waiting, seed, prefix_caching) for p in policies}
     warmups = {}
     for policy, (engine, times) in engines.items():
         warmup = 0
@@ -126,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="50 running, 200 waiting, 5 steps")
+    parser.add_argument("--prefix-caching", choices=("on", "off"), default=None,
+                        help="default: the engine's (on where the policy's KV manager supports it)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -136,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if "fcfs" in policies:  # the baseline first
         policies.remove("fcfs")
     policies.insert(0, "fcfs")
-    results = measure(policies, args.running, args.waiting, args.steps, args.seed)
+    caching = None if args.prefix_caching is None else args.prefix_caching == "on"
+    results = measure(policies, args.running, args.waiting, args.steps, args.seed, caching)
     base, iteration = results[0]["median_ms"], h100_iteration_ms()
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {args.running} running, "
           f"{args.waiting} waiting; median of {args.steps} steps; H100 7B iteration estimate {iteration:.1f} ms")

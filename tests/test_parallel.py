@@ -345,3 +345,29 @@ def test_layer_wise_preemption_stops_every_tensor_parallel_rank_at_the_same_laye
     expected = reference.generate(offline_prompts + [online_prompt], PARAMS, use_tqdm=False)
     for ref, rid in zip(expected, ["off0", "off1", "off2", "on"]):
         assert_close_greedy(ref, outputs[rid], f"tp=2 after layer-wise preemption: {rid}", max_tokens=8)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                      dict(pipeline_parallel_size=2, async_pipeline=True),
+                                      dict(tensor_parallel_size=2, prefix_cache_host_tokens=512)])
+def test_prefix_caching_shares_the_same_blocks_on_every_rank(tiny_dirs, parallel):
+    """Rank 0 decides the hashes and the tables; every rank reads the shared blocks (and runs the
+    host tier's copies) as told: outputs match one process without caching, and prompts hit."""
+    directory = str(tiny_dirs["llama"])
+    prefix = [(7 * i) % 500 + 1 for i in range(40)]
+    first, rest = [prefix + [1]], [prefix + [2, 3], prefix + [4], prefix[:33]]
+    kv_tokens = 128 if "prefix_cache_host_tokens" in parallel else 1024  # a small pool: the tier is used
+    expected = LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=16,
+                   enable_prefix_caching=False)
+    want = expected.generate(first, PARAMS, use_tqdm=False) + expected.generate(rest, PARAMS, use_tqdm=False)
+    with LLM(directory, device="cpu", dtype="float32", kv_cache_tokens=kv_tokens, max_num_batched_tokens=16,
+             enable_prefix_caching=True, **parallel) as llm:
+        got = llm.generate(first, PARAMS, use_tqdm=False)
+        if "prefix_cache_host_tokens" in parallel:  # evict the prefix to the host tier
+            llm.generate([[400 + i for i in range(90)]], PARAMS, use_tqdm=False)
+        got += llm.generate(rest, PARAMS, use_tqdm=False)
+        if "prefix_cache_host_tokens" in parallel:
+            assert llm.engine.stats().kv_events["prefix_cache_host_hits"] > 0
+    for ref, out in zip(want, got):
+        assert_close_greedy(ref, out, f"prefix caching {parallel}", max_tokens=PARAMS.max_tokens)
+    assert [o.num_cached_tokens for o in got[-3:]] == [32, 32, 32]

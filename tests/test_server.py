@@ -318,8 +318,8 @@ def test_prefix_cache_usage_metrics_and_reset(server: LiveServer, client: OpenAI
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert usage[-1].prompt_tokens_details.cached_tokens == 80
     after = server.metrics()
-    assert after["nanoserve_prefix_cache_queries_total"] - before["nanoserve_prefix_cache_queries_total"] == 81 + 82 + 81
-    assert after["nanoserve_prefix_cache_hits_total"] - before["nanoserve_prefix_cache_hits_total"] == 160
+    queries, hits = "nanoserve_prefix_cache_queries_total", "nanoserve_prefix_cache_hits_total"
+    assert after[queries] - before[queries] == 81 + 82 + 81 and after[hits] - before[hits] == 160
     assert 0 < after["nanoserve_prefix_cache_hit_ratio"] <= 1
     reset = httpx.post(server.url + "/reset_prefix_cache").json()
     assert reset["blocks_forgotten"] >= 5

@@ -19,6 +19,11 @@ Preemption is not always recompute. `preempt` returns how many leading tokens ke
 off the device (on the host); the request resumes from there and the next `reserve` brings them
 back. Zero means recompute everything, as vLLM does.
 
+Automatic prefix caching (memory/prefix_cache.py) is a capability a manager declares
+(`prefix_caching`): `cached_prefix` says how many leading tokens of a waiting request it holds
+cached, `try_reserve_cached` starts the request's table with those blocks, and
+`commit_computed` makes each block a step wrote shareable. The defaults share nothing.
+
 `PagedKV` is the plain vLLM manager over a `BlockPool` (or any allocator with the same
 interface, such as `MemoryArena`).
 """

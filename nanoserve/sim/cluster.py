@@ -187,7 +187,8 @@ class SimCluster:
         spec = self.trace[request_id]
         size = self.config.instance.block_size
         blocks = -(-spec.prompt_len // size)
-        prompt = prompt_token_ids(spec, self.index[request_id], spec.prompt_len, FILLER_TOKEN)
+        prompt = prompt_token_ids(spec, self.index.setdefault(request_id, len(self.index)), spec.prompt_len,
+                                  FILLER_TOKEN)
         # As cluster.Cluster routes: by prefix too where the instances cache prefixes.
         hashes = block_hashes(prompt, size, [], (len(prompt) - 1) // size) \
             if self.config.instance.enable_prefix_caching and self.config.prefix_slack is not None else []
