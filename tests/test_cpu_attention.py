@@ -126,3 +126,91 @@ def test_c_kernel_built_without_openmp_computes_the_same(monkeypatch, tmp_path):
     assert library is not None and list(tmp_path.glob("*.so"))
     monkeypatch.setattr(cpu_decode_attention, "_library", lambda: library)
     test_c_kernel_computes_only_the_rows_it_is_given()
+
+
+@needs_c_kernel
+@settings(max_examples=60, deadline=None)
+@given(num_rows=st.integers(8, 20), shared=st.integers(1, 6), own=st.lists(st.integers(1, 30), min_size=20,
+                                                                            max_size=20),
+       group=st.sampled_from([1, 3]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_cascade_decode_matches_the_reference(num_rows, shared, own, group, dtype, seed):
+    """Decode rows whose tables begin with the same blocks (a cached prefix): the shared part by
+    flash attention, each row's rest by the C kernel, merged by log-sum-exp, equal the reference."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, D = 4, 2, 8
+    H = Hkv * group
+    lens = [shared * B + own[i] for i in range(num_rows)]
+    blocks = [-(-n // B) for n in lens]
+    num_blocks = shared + sum(b - shared for b in blocks) + 1
+    k_cache = torch.randn(num_blocks, B, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, B, Hkv, D, generator=g).to(dtype)
+    tables = torch.zeros(num_rows, max(blocks), dtype=torch.int32)
+    free = iter(range(shared, num_blocks))
+    for i, b in enumerate(blocks):
+        tables[i, :shared] = torch.arange(shared)
+        tables[i, shared:b] = torch.tensor([next(free) for _ in range(b - shared)], dtype=torch.int32)
+    q = torch.randn(num_rows, H, D, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    starts = torch.arange(num_rows + 1, dtype=torch.int32)
+    assert cpu_attention.common_prefix_blocks(tables, list(range(num_rows)), lens, B) >= shared
+    saved = cpu_attention.CASCADE_MIN_ROWS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_decode
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[7])  # the shared blocks
+        return saved[2](*args, **kwargs)
+
+    cpu_attention.CASCADE_MIN_ROWS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_decode = 8, 1, counted
+    try:
+        out = cpu_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, None, D ** -0.5)
+    finally:
+        cpu_attention.CASCADE_MIN_ROWS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_decode = saved
+    assert calls and calls[0] >= shared
+    expected = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, None, D ** -0.5)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_chunks=st.integers(4, 8), shared=st.integers(1, 5), earlier=st.lists(st.integers(0, 9), min_size=8,
+                                                                                max_size=8),
+       q_lens=st.lists(st.integers(2, 9), min_size=8, max_size=8), group=st.sampled_from([1, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
+def test_cascade_prefill_matches_the_reference(num_chunks, shared, earlier, q_lens, group, dtype, seed):
+    """Prompt chunks past a shared cached prefix (some after earlier chunks of their own): the
+    shared keys in one call for every chunk, each chunk's own keys causally, merged, equal the
+    reference; a decode row in the same batch is untouched by it."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, D = 4, 2, 8
+    H = Hkv * group
+    lens = [shared * B + earlier[i] + q_lens[i] for i in range(num_chunks)] + [shared * B + 3]
+    chunk = q_lens[:num_chunks] + [1]
+    blocks = [-(-n // B) for n in lens]
+    num_blocks = shared + sum(b - shared for b in blocks) + 1
+    k_cache = torch.randn(num_blocks, B, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, B, Hkv, D, generator=g).to(dtype)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    free = iter(range(shared, num_blocks))
+    for i, b in enumerate(blocks):
+        tables[i, :shared] = torch.arange(shared)
+        tables[i, shared:b] = torch.tensor([next(free) for _ in range(b - shared)], dtype=torch.int32)
+    starts = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), H, D, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    saved = cpu_attention.CASCADE_MIN_CHUNKS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_prefill
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[7])  # the shared blocks
+        return saved[2](*args, **kwargs)
+
+    cpu_attention.CASCADE_MIN_CHUNKS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_prefill = 4, 1, counted
+    try:
+        out = cpu_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, None, D ** -0.5)
+    finally:
+        cpu_attention.CASCADE_MIN_CHUNKS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_prefill = saved
+    assert calls == [shared]
+    expected = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, None, D ** -0.5)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)

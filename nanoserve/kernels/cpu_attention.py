@@ -29,6 +29,22 @@ computing exactly what the reference computes:
    decode rows skip 1 and 2 altogether: one call per layer reads their K/V in place, no gather.
    Measured inside the engine on a 2-core EPYC (SmolLM2, bf16, contexts 64-128): 37 against 80
    us a layer at batch 1, 103 against 163 at batch 8, 344 against 437 at batch 32.
+
+5. Cascade attention for decode rows that share a prefix (FlashInfer's cascade, vLLM's
+   `use_cascade_attention` on GPUs; ours on the CPU): with prefix caching, many decode rows'
+   block tables begin with the same blocks (a system prompt). Their attention over those
+   blocks is one flash-attention call for all rows at once (PyTorch's CPU kernel, which
+   returns the log-sum-exp: the shared keys are read once, as a matrix product), the C kernel
+   does each row's own rest with its log-sum-exp, and the two are merged exactly:
+
+       out = (e^(lse1 - m) out1 + e^(lse2 - m) out2) / (e^(lse1 - m) + e^(lse2 - m)),  m = max(lse1, lse2)
+
+   Used for the largest group of decode rows whose tables begin with the same block, where it
+   has at least `CASCADE_MIN_ROWS` rows sharing at least `CASCADE_MIN_TOKENS` tokens
+   (assumption: vLLM's GPU thresholds are of the same order); the other rows go the usual way.
+   Prompt chunks that share a cached prefix (47 requests admitted together after a system
+   prompt) do the same (`cascade_prefill`, at least `CASCADE_MIN_CHUNKS` chunks): the shared
+   part is one call for all their rows, each chunk's own part a causal call of its own.
 """
 from __future__ import annotations
 
@@ -40,6 +56,50 @@ from nanoserve.kernels.reference import gather_kv
 
 # ours: a decode group's longest row may hold this many times its shortest row's blocks.
 GROUP_RATIO = 1.5
+# ours (5. above): cascade attention where this many decode rows share this many leading tokens.
+CASCADE_MIN_ROWS = 8
+CASCADE_MIN_CHUNKS = 4  # prompt chunks: each is a handful of rows already
+CASCADE_MIN_TOKENS = 256
+
+
+def sharing_group(block_tables: torch.Tensor, seqs: list[int]) -> list[int]:
+    """The largest set of `seqs` whose tables begin with the same block (those that may share a
+    cached prefix; the others, say a request that computed the same prompt before it was
+    cached, go the usual way)."""
+    firsts = block_tables[seqs, 0].tolist()
+    mode = max(set(firsts), key=firsts.count)
+    return [seq for seq, first in zip(seqs, firsts) if first == mode]
+
+
+def common_prefix_blocks(block_tables: torch.Tensor, seqs: list[int], lens: list[int], block_size: int) -> int:
+    """Leading blocks that every one of `seqs` has in its table, the same block ids (a shared
+    cached prefix), each sequence keeping at least its last position outside them."""
+    limit = min((lens[i] - 1) // block_size for i in seqs)
+    if limit <= 0:
+        return 0
+    tables = block_tables[seqs, :limit]
+    same = (tables == tables[:1]).all(dim=0)
+    differ = (~same).nonzero()
+    return int(differ[0, 0]) if differ.numel() else limit
+
+
+def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, rows: list[int], seqs: list[int], shared: int, scale: float,
+                   out: torch.Tensor) -> bool:
+    """5. above: `out[rows]` for decode rows whose tables share their first `shared` blocks.
+    False, writing nothing, where the C kernel cannot do the rest."""
+    block_size, (num_heads, head_dim) = k_cache.shape[1], q.shape[1:]
+    rest = torch.empty(len(rows), num_heads, head_dim, dtype=q.dtype)
+    rest_lse = torch.empty(len(rows), num_heads, dtype=torch.float32)
+    queries = q[rows]  # [N, H, D]
+    if not cpu_decode_attention.decode_attention(queries, k_cache, v_cache, block_tables, seq_lens,
+                                                 list(range(len(rows))), seqs, None, scale, rest,
+                                                 start=shared * block_size, lse=rest_lse):
+        return False
+    blocks = block_tables[seqs[0], :shared]
+    prefix, prefix_lse = _attend_shared(queries, _shared_keys(k_cache, blocks), _shared_keys(v_cache, blocks), scale)
+    out[rows] = _merge(prefix, prefix_lse, rest, rest_lse).to(out.dtype)
+    return True
 
 
 def decode_groups(num_blocks: dict[int, int], ratio: float = GROUP_RATIO) -> list[list[int]]:
@@ -51,6 +111,71 @@ def decode_groups(num_blocks: dict[int, int], ratio: float = GROUP_RATIO) -> lis
             groups.append([])
         groups[-1].append(row)
     return groups
+
+
+def _merge(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets, from each one's output [N, H, D] and log-sum-exp
+    [N, H]: exact, in fp32."""
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - top).unsqueeze(-1), torch.exp(lse2 - top).unsqueeze(-1)
+    return (w1 * out1.float() + w2 * out2.float()) / (w1 + w2)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CPU flash attention, which also returns the log-sum-exp: [1, heads, rows, D] each."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                          scale=scale)[:2]
+    return out, lse
+
+
+def _shared_keys(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[1, Hkv, len(blocks) * B, D]: the keys (or values) of `blocks`, in position order."""
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    return cache.index_select(0, blocks).reshape(1, len(blocks) * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _attend_shared(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries [N, H, D] (any positions after the shared keys: no mask) against shared keys
+    [1, Hkv, P, D]: each KV head's G query heads of every row attend as one batch of rows."""
+    n, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    folded = queries.view(n, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv_heads, n * group,
+                                                                                        head_dim)
+    out, lse = _flash(folded, keys, values, scale)
+    out = out.view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3).reshape(n, num_heads, head_dim)
+    return out, lse.view(num_kv_heads, n, group).permute(1, 0, 2).reshape(n, num_heads)
+
+
+def cascade_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    starts: list[int], lens: list[int], seqs: list[int], shared: int, scale: float,
+                    out: torch.Tensor) -> None:
+    """5. above, for prompt chunks whose tables share their first `shared` blocks and whose
+    queries all lie past them: every chunk's rows attend to the shared keys in one call, each
+    chunk to its own later keys (causally) in another, and the two merge exactly."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    blocks = block_tables[seqs[0], :shared]
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+    shared_out, shared_lse = _attend_shared(q[rows], _shared_keys(k_cache, blocks), _shared_keys(v_cache, blocks),
+                                            scale)
+    offset = 0
+    for i in seqs:
+        first, end, context = starts[i], starts[i + 1], lens[i]
+        q_len, begin = end - first, shared * block_size
+        table = block_tables[i, shared:-(-context // block_size)]
+        own = context - begin
+        keys = _shared_keys(k_cache, table)[:, :, :own].repeat_interleave(group, dim=1)
+        values = _shared_keys(v_cache, table)[:, :, :own].repeat_interleave(group, dim=1)
+        positions = context - q_len + torch.arange(q_len)
+        visible = begin + torch.arange(own) <= positions.unsqueeze(1)
+        mask = torch.zeros(q_len, own, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        own_out, own_lse = _flash(q[first:end].unsqueeze(0).transpose(1, 2), keys, values, scale, mask)
+        out[first:end] = _merge(shared_out[offset:offset + q_len], shared_lse[offset:offset + q_len],
+                                own_out[0].transpose(0, 1), own_lse[0].transpose(0, 1)).to(out.dtype)
+        offset += q_len
 
 
 def paged_attention(
@@ -77,6 +202,13 @@ def paged_attention(
         return (gather_kv(k_cache, table, dirs).transpose(1, 2), gather_kv(v_cache, table, dirs).transpose(1, 2))
 
     decode_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if len(decode_seqs) >= CASCADE_MIN_ROWS and directions is None and q.dtype in (torch.float32, torch.bfloat16):
+        group = sharing_group(block_tables, decode_seqs)
+        shared = common_prefix_blocks(block_tables, group, lens, block_size) if len(group) >= CASCADE_MIN_ROWS else 0
+        if shared * block_size >= CASCADE_MIN_TOKENS and cascade_decode(
+                q, k_cache, v_cache, block_tables, seq_lens, [starts[i] for i in group], group, shared, scale, out):
+            cascaded = set(group)
+            decode_seqs = [i for i in decode_seqs if i not in cascaded]
     # Where the C kernel is built (nanoserve/kernels/cpu_decode_attention.py), it reads the decode rows' K/V
     # in place, all rows in one call; otherwise they are gathered by length group for SDPA.
     if cpu_decode_attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
@@ -93,10 +225,21 @@ def paged_attention(
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
         out[rows] = attn.reshape(len(seqs), num_heads, head_dim)
 
+    prefill_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] > 1]
+    done: set[int] = set()
+    if (len(prefill_seqs) >= CASCADE_MIN_CHUNKS and directions is None
+            and q.dtype in (torch.float32, torch.bfloat16)):
+        group = sharing_group(block_tables, prefill_seqs)
+        shared = common_prefix_blocks(block_tables, group, lens, block_size) if len(group) >= CASCADE_MIN_CHUNKS else 0
+        # Only chunks whose queries all come after the shared keys (none of them is masked).
+        shared = min([shared] + [(lens[i] - (starts[i + 1] - starts[i])) // block_size for i in group])
+        if shared * block_size >= CASCADE_MIN_TOKENS:
+            cascade_prefill(q, k_cache, v_cache, block_tables, starts, lens, group, shared, scale, out)
+            done = set(group)
     for i in range(len(lens)):
         first, end = starts[i], starts[i + 1]
         q_len, context = end - first, lens[i]
-        if q_len <= 1:
+        if q_len <= 1 or i in done:
             continue
         keys, values = gathered(slice(i, i + 1), -(-context // block_size))
         keys, values = keys[:, :, :context], values[:, :, :context]

@@ -10,6 +10,10 @@
  * Scores, softmax and sums are fp32 whatever the cache holds (fp32 or bf16); a bf16 output is
  * rounded to nearest even, as PyTorch rounds. Two passes over the context: scores (K read once),
  * then the weighted sum of V (V read once).
+ *
+ * With `start` > 0 only positions [start, seq_len) are attended (the rest, a prefix several rows
+ * share, is attended once for all of them elsewhere: cascade attention), and with `lse` set each
+ * (row, query head)'s log-sum-exp of its scores is written there, so the two parts can be merged.
  */
 #include "cpu_common.h"
 #include <math.h>
@@ -44,6 +48,8 @@ typedef struct {
     int64_t q_stride_tok, q_stride_head, out_stride_tok, out_stride_head; /* in elements */
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int64_t start; /* the first position attended (0: all of them) */
+    float *lse;    /* [num_rows, num_heads] log-sum-exp of each row's scores, or NULL */
 } decode_args;
 
 /* A task is a decode row and a range of its KV heads: all of them when there are at least as
@@ -60,7 +66,8 @@ typedef struct {
         _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
         for (int64_t task = 0; task < tasks; task++) {                                               \
             const int64_t r = task / split, h0 = (task % split) * per_task, h1 = h0 + per_task;      \
-            const int64_t seq = a->seqs[r], len = a->seq_lens[seq], heads = (h1 - h0) * G;          \
+            const int64_t seq = a->seqs[r], first = a->start, heads = (h1 - h0) * G;                \
+            const int64_t len = a->seq_lens[seq] - first; /* attended positions: first + [0, len) */ \
             const int32_t *table = a->tables + seq * a->table_stride;                                \
             const int flip = a->right_to_left != NULL && a->right_to_left[seq];                      \
             float *scores = malloc(sizeof(float) * (size_t)(heads * len + 2 * heads * D + D));       \
@@ -72,7 +79,7 @@ typedef struct {
                 for (int64_t d = 0; d < D; d++) acc[j * D + d] = 0.0f;                               \
             }                                                                                        \
             for (int64_t p = 0; p < len; p++) {                                                      \
-                const T *kp = k + token_row(k, table, p, len, B, flip, Hkv * D, sizeof(T));          \
+                const T *kp = k + token_row(k, table, first + p, first + len, B, flip, Hkv * D, sizeof(T)); \
                 for (int64_t h = h0; h < h1; h++) { /* one K row, converted once, for G heads */     \
                     for (int64_t d = 0; d < D; d++) row[d] = LOAD(kp[h * D + d]);                    \
                     for (int64_t g = 0; g < G; g++) {                                                \
@@ -91,9 +98,10 @@ typedef struct {
                 for (int64_t p = 0; p < len; p++) { sj[p] = fast_expf(sj[p] - top); total += sj[p]; }     \
                 const float inv = 1.0f / total;                                                      \
                 for (int64_t p = 0; p < len; p++) sj[p] *= inv;                                      \
+                if (a->lse != NULL) a->lse[r * a->num_heads + h0 * G + j] = top + logf(total);       \
             }                                                                                        \
             for (int64_t p = 0; p < len; p++) {                                                      \
-                const T *vp = v + token_row(v, table, p, len, B, flip, Hkv * D, sizeof(T));          \
+                const T *vp = v + token_row(v, table, first + p, first + len, B, flip, Hkv * D, sizeof(T)); \
                 for (int64_t h = h0; h < h1; h++) { /* one V row, converted once, for G heads */     \
                     for (int64_t d = 0; d < D; d++) row[d] = LOAD(vp[h * D + d]);                    \
                     for (int64_t g = 0; g < G; g++) {                                                \

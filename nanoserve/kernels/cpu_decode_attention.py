@@ -39,6 +39,7 @@ class _DecodeArgs(ctypes.Structure):
         ("out_stride_tok", ctypes.c_int64), ("out_stride_head", ctypes.c_int64),
         ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
         ("block_size", ctypes.c_int64), ("scale", ctypes.c_float),
+        ("start", ctypes.c_int64), ("lse", ctypes.c_void_p),
     ]
 
 
@@ -64,10 +65,14 @@ def decode_attention(
     directions: torch.Tensor | None,  # bool [num_seqs] or None
     scale: float,
     out: torch.Tensor,  # like q: the rows are written
+    start: int = 0,
+    lse: torch.Tensor | None = None,  # float32 [len(rows), num_heads], contiguous
 ) -> bool:
-    """Write `out[rows]`: each row's attention over its sequence's cached context. Returns False,
-    writing nothing, where the kernels are unavailable or the tensors are not what they read
-    (another dtype or device, a non-contiguous cache); the caller then computes the rows itself."""
+    """Write `out[rows]`: each row's attention over its sequence's cached context, from position
+    `start` on (cascade attention computes the shared positions before it apart), and, given
+    `lse`, each row's and query head's log-sum-exp of scores. Returns False, writing nothing,
+    where the kernels are unavailable or the tensors are not what they read (another dtype or
+    device, a non-contiguous cache); the caller then computes the rows itself."""
     library = _library()
     if (library is None or not rows or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
             or not all(t.dtype == q.dtype for t in (k_cache, v_cache, out))
@@ -86,6 +91,7 @@ def decode_attention(
         block_tables.stride(0), None if flags is None else flags.data_ptr(),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+        start, None if lse is None else lse.data_ptr(),
     )
     fn = library.decode_attention_f32 if q.dtype == torch.float32 else library.decode_attention_bf16
     if fn(ctypes.byref(args), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()):

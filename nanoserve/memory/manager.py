@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore, KVCopy
-from nanoserve.memory.prefix_cache import block_hashes
+from nanoserve.memory.prefix_cache import BlockHash, block_hashes
 from nanoserve.memory.prefix_host_tier import PrefixHostTier, always_load
 from nanoserve.request import Request, RequestStatus
 
@@ -218,6 +218,12 @@ class KVManager(ABC):
         """A step wrote `request`'s K/V up to its `num_computed_tokens`: the full blocks among
         them may be shared from now on. Called for every chunk after every step."""
 
+    def prefix_in_flight(self, request: Request) -> bool:
+        """Whether the block right after the waiting `request`'s cached prefix is being computed
+        now by another request (reserved for this step, committed after it): admitted one step
+        later, `request` would find it cached. Default: never."""
+        return False
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`); returns how many blocks were
         cached. Requests running keep their blocks."""
@@ -270,6 +276,10 @@ class PagedKV(KVManager):
         if host_tier is not None:
             self.host_store = host_tier.store
         self.host_hits = 0  # tokens of cache hits loaded from the host tier
+        # Blocks reserved to be completed by a chunk not yet committed: hash -> request id, and
+        # each request's (`prefix_in_flight`).
+        self._in_flight: dict[BlockHash, str] = {}
+        self._in_flight_of: dict[str, list[BlockHash]] = {}
 
     @property
     def prefix_caching(self) -> bool:
@@ -289,6 +299,39 @@ class PagedKV(KVManager):
         hashes = block_hashes(request.token_ids, self.block_size, request.block_hashes, max_blocks)
         run = tier.run(hashes[device:max_blocks])
         return run if tier.worth_loading(run, device * self.block_size) else 0
+
+    def prefix_in_flight(self, request: Request) -> bool:
+        if not self._in_flight or self.pool.has(request.request_id):
+            return False
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        cached = self.cached_prefix(request) // self.block_size
+        if cached >= max_blocks:
+            return False
+        hashes = block_hashes(request.token_ids, self.block_size, request.block_hashes, cached + 1)
+        owner = self._in_flight.get(hashes[cached])
+        # An owner that no longer holds blocks (released by a manager that keeps its own
+        # bookkeeping, such as a swap-out) left a stale mark: it computes nothing now.
+        return owner is not None and owner != request.request_id and self.pool.has(owner)
+
+    def _mark_in_flight(self, request: Request, num_tokens: int) -> None:
+        """The full blocks `request`'s reservation up to `num_tokens` lets this step complete."""
+        if not self.pool.caching:
+            return
+        rid = request.request_id
+        full = min(num_tokens, request.num_tokens) // self.block_size
+        done = self.pool.num_committed(rid) + len(self._in_flight_of.get(rid, ()))
+        if full <= done:
+            return
+        hashes = block_hashes(request.token_ids, self.block_size, request.block_hashes, full)
+        marked = self._in_flight_of.setdefault(rid, [])
+        for h in hashes[done:full]:
+            self._in_flight.setdefault(h, rid)
+            marked.append(h)
+
+    def _clear_in_flight(self, rid: str) -> None:
+        for h in self._in_flight_of.pop(rid, ()):
+            if self._in_flight.get(h) == rid:
+                del self._in_flight[h]
 
     def _offload(self) -> list[KVCopy]:
         """The saves of what the last allocation evicted, where a host tier keeps it."""
@@ -335,6 +378,8 @@ class PagedKV(KVManager):
         if full > pool.num_committed(request.request_id) and pool.has(request.request_id):
             pool.commit(request.request_id,
                         block_hashes(request.token_ids, self.block_size, request.block_hashes, full)[:full])
+        if self._in_flight:
+            self._clear_in_flight(request.request_id)
 
     def reset_prefix_cache(self) -> int:
         if self.host_tier is not None:
@@ -368,6 +413,7 @@ class PagedKV(KVManager):
         new_table = not self.pool.has(request.request_id)
         self.pool.allocate(request.request_id, num_tokens)
         self._count_lookup(request, new_table, 0)
+        self._mark_in_flight(request, num_tokens)
         return self._offload()
 
     def try_reserve(self, request: Request, num_tokens: int) -> list[KVCopy] | None:
@@ -375,6 +421,7 @@ class PagedKV(KVManager):
         if self.pool.try_allocate(request.request_id, num_tokens) is None:
             return None
         self._count_lookup(request, new_table, 0)
+        self._mark_in_flight(request, num_tokens)
         return self._offload()
 
     def can_reserve_cached(self, request: Request, num_tokens: int, cached: int) -> bool:
@@ -386,6 +433,7 @@ class PagedKV(KVManager):
         if shared is None or self.pool.try_allocate(request.request_id, num_tokens, shared) is None:
             return None
         self._count_lookup(request, True, cached)
+        self._mark_in_flight(request, num_tokens)
         copies = self._offload()  # saves first (a group's issue order), then the loads into blocks just taken
         blocks = cached // self.block_size
         if len(shared) < blocks:
@@ -402,6 +450,8 @@ class PagedKV(KVManager):
 
     def release(self, request: Request) -> None:
         self.pool.free(request.request_id)
+        if self._in_flight_of:
+            self._clear_in_flight(request.request_id)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

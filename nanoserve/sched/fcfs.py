@@ -21,7 +21,12 @@ asynchronous scheduling (`SchedulerConfig.async_scheduling`) a running request's
 does not hold it back (`Scheduler.schedulable`): the executor feeds it from the device.
 
 With prefix caching, a waiting request's chunk starts after its cached prefix
-(`Scheduler.tokens_lacking`), so admitting it costs only its uncached tokens of the budget. The
+(`Scheduler.tokens_lacking`), so admitting it costs only its uncached tokens of the budget. A
+waiting request whose next block another request is computing in this very step waits one step
+(`KVManager.prefix_in_flight`; ours): admitted now it would compute that block again, a step
+later it finds it cached. (vLLM v1 caches blocks when it allocates them, so a request admitted
+in the same step shares them at once; here a block is shared only once a step has written it,
+which keeps a discarded step, ConServe's, from leaving unwritten blocks cached.) The
 option `waiting_order="lpm"` (SGLang's longest-prefix-match policy; ours here, off by default)
 admits, among the first `LPM_WINDOW` waiting requests, those with the longest cached prefix
 first, so that requests sharing what is cached now run while it is still cached. Beyond the
@@ -111,6 +116,8 @@ class FCFSScheduler(Scheduler):
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted with a token in flight
+                break
+            if self.kv.prefix_in_flight(request):  # its next block is being computed: cached next step
                 break
             num_new = min(self.tokens_wanted(request), budget)
             chunk = self.try_chunk(request, num_new) if num_new else None
