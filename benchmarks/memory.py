@@ -185,8 +185,9 @@ class PagedKVAlloc(Allocator):
         request.token_ids.append(num_tokens % 30000)
         if self.kv.try_reserve(request, num_tokens) is None:
             return False
-        request.num_computed_tokens = num_tokens
-        self.kv.commit_computed(request)
+        start, request.num_computed_tokens = request.num_computed_tokens, num_tokens
+        if self.kv.prefix_caching and num_tokens // self.kv.block_size > start // self.kv.block_size:
+            self.kv.commit_computed(request)  # as Scheduler.update_after_step: a chunk that fills a block
         return True
 
     def finish(self, spec: SeqSpec) -> None:

@@ -321,6 +321,7 @@ def test_prefix_cache_usage_metrics_and_reset(server: LiveServer, client: OpenAI
     queries, hits = "nanoserve_prefix_cache_queries_total", "nanoserve_prefix_cache_hits_total"
     assert after[queries] - before[queries] == 81 + 82 + 81 and after[hits] - before[hits] == 160
     assert 0 < after["nanoserve_prefix_cache_hit_ratio"] <= 1
+    assert after["nanoserve_prefix_cache_host_hits_total"] == 0  # no host tier here
     reset = httpx.post(server.url + "/reset_prefix_cache").json()
     assert reset["blocks_forgotten"] >= 5
     again = client.completions.create(model=server.model, prompt=shared + [8, 9], max_tokens=2, temperature=0)

@@ -315,8 +315,9 @@ class PagedKV(KVManager):
 
     def _mark_in_flight(self, request: Request, num_tokens: int) -> None:
         """The full blocks `request`'s reservation up to `num_tokens` lets this step complete."""
-        if not self.pool.caching:
-            return
+        size = self.block_size
+        if not self.pool.caching or num_tokens // size <= request.num_computed_tokens // size:
+            return  # the chunk completes no block (most decodes): nothing to mark
         rid = request.request_id
         full = min(num_tokens, request.num_tokens) // self.block_size
         done = self.pool.num_committed(rid) + len(self._in_flight_of.get(rid, ()))
@@ -378,7 +379,7 @@ class PagedKV(KVManager):
         if full > pool.num_committed(request.request_id) and pool.has(request.request_id):
             pool.commit(request.request_id,
                         block_hashes(request.token_ids, self.block_size, request.block_hashes, full)[:full])
-        if self._in_flight:
+        if self._in_flight_of:
             self._clear_in_flight(request.request_id)
 
     def reset_prefix_cache(self) -> int:

@@ -116,9 +116,13 @@ class Scheduler(ABC):
         """The executor has written K/V for every scheduled token: full blocks among them may
         be shared from now on (`KVManager.commit_computed`)."""
         commit = self.kv.commit_computed if self.kv.prefix_caching else None
+        size = self.kv.block_size
         for chunk in output.chunks:
             chunk.request.num_computed_tokens = chunk.end
-            if commit is not None:
+            # Only a chunk that fills a block has something to commit (most decodes do not); a
+            # block whose last token was not known yet (asynchronous scheduling) is committed
+            # with the next one the request fills.
+            if commit is not None and chunk.end // size > chunk.start // size:
                 commit(chunk.request)
 
     # -- an asynchronous pipeline (Engine's pipelined step) ------------------------------
