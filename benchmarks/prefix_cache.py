@@ -19,6 +19,7 @@ output tok/s, and the hit rate, the share of prompt tokens each engine took from
 
     python benchmarks/prefix_cache.py [--dtype bfloat16] [--workloads shared-prefix multi-turn]
                                       [--engines nanoserve-off nanoserve-on vllm-off vllm-on] [--json F]
+    python benchmarks/prefix_cache.py sim [--json F]   # the simulator's workloads, an A100, a cluster
 """
 from __future__ import annotations
 
@@ -132,10 +133,64 @@ def report(path: str, run, rounds: list[Round]) -> None:
                                       "cached_tokens": cached, "prompt_tokens": prompt}))
 
 
+# -- the simulator: the same managers at paper scale ----------------------------------------------------
+def simulated(seed: int = 0) -> dict:
+    """`--sim`: the simulator's two shared-prefix workloads (sim/workloads.py) on an A100 serving
+    Llama-2-7B (fcfs): caching off, on, on with the longest-prefix-first waiting order, and on
+    with a host tier; then a 4-instance cluster on the multi-turn chat, routing by load alone
+    against prefix-aware routing at three slacks."""
+    import statistics
+
+    from nanoserve.sim.cluster import ClusterConfig, simulate_cluster
+    from nanoserve.sim.simulation import SimConfig, simulate
+    from nanoserve.sim.workloads import LengthDist, multi_turn_chat, poisson_arrivals, shared_system_prompt
+
+    own = LengthDist("chat turn", mean_prompt=200, mean_output=200, min_prompt=16, max_prompt=1024, min_output=16,
+                     max_output=1024)
+    traces = {"system prompt (2,048 tokens, 4 of them; 8 req/s)":
+              shared_system_prompt(poisson_arrivals(8.0, n=1000, seed=seed), 2048, own, groups=4, seed=seed),
+              "multi-turn chat (60 conversations x 6 turns, 512-token opening)":
+              multi_turn_chat(poisson_arrivals(1.0, n=60, seed=seed), 6, 20.0, own, system_len=512, seed=seed)}
+    configs = {"off": SimConfig(policy="fcfs"), "on": SimConfig(policy="fcfs", enable_prefix_caching=True),
+               "on, lpm order": SimConfig(policy="fcfs", enable_prefix_caching=True,
+                                          policy_options={"waiting_order": "lpm"}),
+               "on, host tier 200k tokens": SimConfig(policy="fcfs", enable_prefix_caching=True,
+                                                      prefix_cache_host_tokens=200_000)}
+    result: dict = {}
+
+    def row(run) -> dict:
+        ttft = sorted(r.ttft for r in run.records if r.ttft is not None)
+        events = run.events
+        return {"ttft_mean_s": statistics.mean(ttft), "ttft_p99_s": ttft[int(0.99 * (len(ttft) - 1))],
+                "duration_s": run.duration,
+                "hit_rate": events.get("prefix_cache_hits", 0) / max(1, events.get("prefix_cache_queries", 0)),
+                "host_hits": events.get("prefix_cache_host_hits", 0)}
+
+    for name, trace in traces.items():
+        rows = result[name] = {label: row(simulate(config, trace)) for label, config in configs.items()}
+        print(f"\n{name}: A100-80G, Llama-2-7B, fcfs\n| caching | TTFT mean s | TTFT p99 s | hit rate | host hits "
+              f"(tokens) |\n|---|---|---|---|---|")
+        for label, r in rows.items():
+            print(f"| {label} | {r['ttft_mean_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['hit_rate']:.0%} | "
+                  f"{r['host_hits']} |")
+    chat = multi_turn_chat(poisson_arrivals(4.0, n=200, seed=seed), 5, 15.0, own, system_len=1024, seed=seed)
+    cluster = result["cluster"] = {}
+    print("\nmulti-turn chat on 4 instances (200 conversations x 5 turns), caching on\n| routing | TTFT mean s | "
+          "TTFT p99 s | hit rate | routed by prefix |\n|---|---|---|---|---|")
+    for slack in (None, 0.05, 0.1, 0.2):
+        run = simulate_cluster(ClusterConfig(SimConfig(policy="fcfs", enable_prefix_caching=True), num_instances=4,
+                                             prefix_slack=slack), chat)
+        r = cluster["load alone" if slack is None else f"prefix, slack {slack}"] = {
+            **row(run), "prefix_routed": run.events["prefix_routed"]}
+        print(f"| {'load alone' if slack is None else f'prefix-aware, slack {slack}'} | {r['ttft_mean_s']:.3f} | "
+              f"{r['ttft_p99_s']:.3f} | {r['hit_rate']:.0%} | {r['prefix_routed']} |")
+    return result
+
+
 # -- the driver ----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="run", choices=("run", "worker-nanoserve", "worker-vllm"))
+    parser.add_argument("mode", nargs="?", default="run", choices=("run", "sim", "worker-nanoserve", "worker-vllm"))
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -154,6 +209,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mode == "worker-vllm":
         vllm_worker(args)
         return {}
+    if args.mode == "sim":
+        sim_result = simulated(args.seed)
+        if args.json:
+            Path(args.json).write_text(json.dumps(sim_result, indent=2))
+        return sim_result
 
     from nanoserve import default_model
     from nanoserve.tokenizer import Tokenizer
