@@ -547,7 +547,7 @@ def run_all(engine) -> dict[str, list[int]]:
 
 
 def test_a_block_evicted_to_the_host_is_loaded_back_and_reads_back_exactly():
-    engine, kv, executor = tiered_engine(device_blocks=6, host_blocks=16)
+    engine, kv, executor = tiered_engine(device_blocks=6, host_blocks=32)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     prefix = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # 3 blocks
     engine.add_request(prefix + [1], params, "a")

@@ -50,7 +50,7 @@ class NoFreeBlocksError(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 record_evictions: bool = False):
+                 record_moves: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -67,8 +67,11 @@ class BlockPool:
         # leading blocks of each table are committed (cached or found cached).
         self.cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
         self._committed: dict[Hashable, int] = {}
-        # Blocks evicted from the cache and not yet taken (`take_evicted`); None: not recorded.
-        self.evicted: list[tuple[int, BlockHash]] | None = [] if record_evictions and enable_prefix_caching else None
+        # Blocks evicted from the cache, and cached blocks freed by their last owner, not yet
+        # taken (`take_evicted`, `take_parked`): what a second tier copies. None: not recorded.
+        recorded = record_moves and enable_prefix_caching
+        self.evicted: list[tuple[int, BlockHash]] | None = [] if recorded else None
+        self.parked: list[tuple[int, BlockHash]] | None = [] if recorded else None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -192,11 +195,21 @@ class BlockPool:
         return block
 
     def take_evicted(self) -> list[tuple[int, BlockHash]]:
-        """The (block, hash) pairs evicted since the last call, where `record_evictions` asked
+        """The (block, hash) pairs evicted since the last call, where `record_moves` asked
         for them: the new owner writes each block in this step, so a second tier that keeps the
         content must copy it out first (PagedKV's host tier)."""
         evicted, self.evicted = self.evicted or [], [] if self.evicted is not None else None
         return evicted
+
+    def take_parked(self) -> list[tuple[int, BlockHash]]:
+        """The (block, hash) pairs of cached blocks freed by their last owner since the last call
+        (where recorded) that are still free and cached under that hash: a second tier may copy
+        them out in the background, before an allocation needs them."""
+        parked, self.parked = self.parked or [], [] if self.parked is not None else None
+        cache = self.cache
+        if cache is None:
+            return []
+        return [(b, h) for b, h in parked if cache.is_evictable(b) and cache.hash_of(b) == h]
 
     def allocate(self, seq_id: Hashable, num_tokens: int, shared: Sequence[int] = ()) -> list[int]:
         """Grow `seq_id`'s reservation to `num_tokens` slots; returns the blocks added.
@@ -247,6 +260,10 @@ class BlockPool:
                 (self._held if b in held else self._retired).add(b)
             elif cache is not None and cache.is_cached(b):
                 cache.park(b)
+                if self.parked is not None:
+                    block_hash = cache.hash_of(b)
+                    assert block_hash is not None
+                    self.parked.append((b, block_hash))
             else:
                 self._free.append(b)
         return len(table)

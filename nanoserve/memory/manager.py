@@ -269,7 +269,7 @@ class PagedKV(KVManager):
 
     def __init__(self, pool: BlockPool, host_tier: PrefixHostTier | None = None):
         if host_tier is not None and pool.evicted is None:
-            raise ValueError("a host tier needs a pool with prefix caching that records its evictions")
+            raise ValueError("a host tier needs a pool with prefix caching that records its moves")
         self.pool = pool
         self.block_size = pool.block_size
         self.host_tier = host_tier  # the second tier in host memory (memory/prefix_host_tier.py)
@@ -337,6 +337,10 @@ class PagedKV(KVManager):
     def _offload(self) -> list[KVCopy]:
         """The saves of what the last allocation evicted, where a host tier keeps it."""
         return self.host_tier.offload(self.pool.take_evicted()) if self.host_tier is not None else []
+
+    def step_copies(self, running: list[Request], window: float | None = None) -> list[KVCopy]:
+        """With a host tier: the background saves of the cached blocks freed since the last step."""
+        return self.host_tier.save_parked(self.pool.take_parked()) if self.host_tier is not None else []
 
     def _hit(self, request: Request, max_blocks: int) -> list[int]:
         """The cached blocks of `request`'s first `max_blocks` blocks, in order from the first."""
@@ -467,6 +471,6 @@ def build_paged(ctx: KVBuildContext) -> PagedKV:
         return PagedKV(BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=ctx.prefix_caching))
     if not ctx.prefix_caching or ctx.host_store is None:
         raise ValueError("a host tier for the prefix cache needs prefix caching on and a host KV store")
-    pool = BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=True, record_evictions=True)
+    pool = BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=True, record_moves=True)
     return PagedKV(pool, PrefixHostTier(ctx.host_store, ctx.prefix_host_blocks,
                                         load_rule(ctx.link_block_seconds, ctx.recompute_seconds, ctx.block_size)))

@@ -4,14 +4,19 @@ is copied to a host block first, under the same chain hash, and a later request 
 runs on past the device's cached blocks into the host's loads those blocks back instead of
 recomputing them, when the load is the cheaper of the two.
 
-    device pool: evict a cached block ──save (blocking)──► host tier, by hash, LRU
+    device pool: a cached block's last owner frees it ──save (background)──► host tier, by hash, LRU
+                 evicted before that save landed ──save again (blocking)──► the same host block
     admission:   device hit, then host hit ──load (its reader waits)──► fresh device blocks
 
-The save blocks its step: the evicted block's new owner writes into it in this very step's
-forward, so the copy must read it first (memory/copies.py's rule for a save whose source the
-step overwrites). A host block is read only once its save has landed. A load names its request
-as reader: the forward that runs the request's chunk waits for it; the loaded device blocks are
-committed under their hashes at once, so later requests share them on the device again.
+A block is saved when it becomes evictable (the pool's `take_parked`, at the start of the next
+step: `save_parked`), on the copy stream under later forwards, as ConServe's checkpoints run;
+nobody waits for it. If an allocation evicts the block before that save is known to have landed
+(or before it was issued), the block is saved again by a blocking copy: the step's forward
+overwrites it, so it waits for that copy, which the copy stream runs after the background one
+(memory/copies.py's rule for a save whose source the step overwrites). A host block is read
+only once its save has landed. A load names its request as reader: the forward that runs
+the request's chunk waits for it; the loaded device blocks are committed under their hashes at
+once, so later requests share them on the device again.
 
 The tier owns a fixed share of the host store (`num_blocks`, allocated up front under one
 owner) and evicts its least recently used entry when full. Whether to load or recompute is
@@ -57,24 +62,42 @@ class PrefixHostTier:
         return len(self._host_of)
 
     def offload(self, evicted: Sequence[tuple[int, BlockHash]]) -> list[KVCopy]:
-        """Save the device blocks the pool just evicted (block, hash), each to a host block, in
-        one blocking copy; content the tier holds already is only marked recently used."""
+        """The device blocks the pool just evicted (block, hash): an entry whose save has landed
+        is kept (marked recently used), one whose save is in flight is dropped, and a block never
+        saved is saved now, in one blocking copy."""
+        unsaved = []
+        for block, block_hash in evicted:
+            if block_hash in self._readable:
+                self._host_of.move_to_end(block_hash)
+            else:  # never saved, or its save may not have read the block before the new owner writes it
+                unsaved.append((block, block_hash))
+        return self._save(unsaved, blocking=True)
+
+    def save_parked(self, parked: Sequence[tuple[int, BlockHash]]) -> list[KVCopy]:
+        """Save cached blocks that just became evictable (block, hash), in one background copy;
+        content the tier holds already is only marked recently used."""
+        return self._save(parked, blocking=False)
+
+    def _save(self, blocks: Sequence[tuple[int, BlockHash]], blocking: bool) -> list[KVCopy]:
         src: list[int] = []
         dst: list[int] = []
         saved: list[tuple[BlockHash, int]] = []
         size = self.block_size
-        for block, block_hash in evicted:
-            if block_hash in self._host_of:
-                self._host_of.move_to_end(block_hash)
+        for block, block_hash in blocks:
+            host = self._host_of.get(block_hash)
+            if host is not None and (not blocking or block_hash in self._readable):
+                self._host_of.move_to_end(block_hash)  # saved already, or being saved in the background
                 continue
-            host = self._take_host_block()
+            if host is None:
+                host = self._take_host_block()
             self._host_of[block_hash] = host
+            self._host_of.move_to_end(block_hash)
             src += range(block * size, (block + 1) * size)
             dst += self.store.slots(host)
             saved.append((block_hash, host))
         if not saved:
             return []
-        save = KVCopy("save", tuple(src), tuple(dst), blocking=True)
+        save = KVCopy("save", tuple(src), tuple(dst), blocking=blocking)
         self.store.inflight.when_landed(save, lambda: self._landed(saved))
         self.saves += len(saved)
         return [save]
