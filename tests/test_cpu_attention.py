@@ -5,7 +5,9 @@ nothing but the memory traffic. Each case runs on both decode paths: the C kerne
 builds) and the gathered SDPA's it replaces."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,42 @@ def test_c_kernel_built_without_openmp_computes_the_same(monkeypatch, tmp_path):
     test_c_kernel_computes_only_the_rows_it_is_given()
 
 
+def shared_prefix_cache(lens: list[int], shared: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches and block tables where every sequence's table starts with the same
+    `shared` blocks (a cached prefix), its other blocks its own."""
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = shared + sum(b - shared for b in blocks) + 1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    free = iter(range(shared, num_blocks))
+    for i, b in enumerate(blocks):
+        tables[i, :shared] = torch.arange(shared)
+        tables[i, shared:b] = torch.tensor([next(free) for _ in range(b - shared)], dtype=torch.int32)
+    return k_cache, v_cache, tables
+
+
+@contextlib.contextmanager
+def counting_cascade(name: str, **thresholds: int) -> Iterator[list[int]]:
+    """Lower the cascade thresholds (`CASCADE_*` of cpu_attention) and record the shared blocks
+    of every call to `cpu_attention.<name>` (cascade_decode or cascade_prefill)."""
+    saved = {key: getattr(cpu_attention, key) for key in [*thresholds, name]}
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[7])  # the shared blocks
+        return saved[name](*args, **kwargs)
+
+    for key, value in {**thresholds, name: counted}.items():
+        setattr(cpu_attention, key, value)
+    try:
+        yield calls
+    finally:
+        for key, value in saved.items():
+            setattr(cpu_attention, key, value)
+
+
 @needs_c_kernel
 @settings(max_examples=60, deadline=None)
 @given(num_rows=st.integers(8, 20), shared=st.integers(1, 6), own=st.lists(st.integers(1, 30), min_size=20,
@@ -141,31 +179,13 @@ def test_cascade_decode_matches_the_reference(num_rows, shared, own, group, dtyp
     B, Hkv, D = 4, 2, 8
     H = Hkv * group
     lens = [shared * B + own[i] for i in range(num_rows)]
-    blocks = [-(-n // B) for n in lens]
-    num_blocks = shared + sum(b - shared for b in blocks) + 1
-    k_cache = torch.randn(num_blocks, B, Hkv, D, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, B, Hkv, D, generator=g).to(dtype)
-    tables = torch.zeros(num_rows, max(blocks), dtype=torch.int32)
-    free = iter(range(shared, num_blocks))
-    for i, b in enumerate(blocks):
-        tables[i, :shared] = torch.arange(shared)
-        tables[i, shared:b] = torch.tensor([next(free) for _ in range(b - shared)], dtype=torch.int32)
+    k_cache, v_cache, tables = shared_prefix_cache(lens, shared, B, Hkv, D, dtype, g)
     q = torch.randn(num_rows, H, D, generator=g).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     starts = torch.arange(num_rows + 1, dtype=torch.int32)
     assert cpu_attention.common_prefix_blocks(tables, list(range(num_rows)), lens, B) >= shared
-    saved = cpu_attention.CASCADE_MIN_ROWS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_decode
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(args[7])  # the shared blocks
-        return saved[2](*args, **kwargs)
-
-    cpu_attention.CASCADE_MIN_ROWS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_decode = 8, 1, counted
-    try:
+    with counting_cascade("cascade_decode", CASCADE_MIN_ROWS=8, CASCADE_MIN_TOKENS=1) as calls:
         out = cpu_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, None, D ** -0.5)
-    finally:
-        cpu_attention.CASCADE_MIN_ROWS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_decode = saved
     assert calls and calls[0] >= shared
     expected = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, None, D ** -0.5)
     tol = TOLERANCE[dtype]
@@ -186,30 +206,12 @@ def test_cascade_prefill_matches_the_reference(num_chunks, shared, earlier, q_le
     H = Hkv * group
     lens = [shared * B + earlier[i] + q_lens[i] for i in range(num_chunks)] + [shared * B + 3]
     chunk = q_lens[:num_chunks] + [1]
-    blocks = [-(-n // B) for n in lens]
-    num_blocks = shared + sum(b - shared for b in blocks) + 1
-    k_cache = torch.randn(num_blocks, B, Hkv, D, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, B, Hkv, D, generator=g).to(dtype)
-    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    free = iter(range(shared, num_blocks))
-    for i, b in enumerate(blocks):
-        tables[i, :shared] = torch.arange(shared)
-        tables[i, shared:b] = torch.tensor([next(free) for _ in range(b - shared)], dtype=torch.int32)
+    k_cache, v_cache, tables = shared_prefix_cache(lens, shared, B, Hkv, D, dtype, g)
     starts = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32)
     q = torch.randn(int(starts[-1]), H, D, generator=g).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    saved = cpu_attention.CASCADE_MIN_CHUNKS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_prefill
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(args[7])  # the shared blocks
-        return saved[2](*args, **kwargs)
-
-    cpu_attention.CASCADE_MIN_CHUNKS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_prefill = 4, 1, counted
-    try:
+    with counting_cascade("cascade_prefill", CASCADE_MIN_CHUNKS=4, CASCADE_MIN_TOKENS=1) as calls:
         out = cpu_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, None, D ** -0.5)
-    finally:
-        cpu_attention.CASCADE_MIN_CHUNKS, cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.cascade_prefill = saved
     assert calls == [shared]
     expected = reference.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, None, D ** -0.5)
     tol = TOLERANCE[dtype]

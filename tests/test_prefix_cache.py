@@ -106,13 +106,25 @@ def test_freed_cached_blocks_wait_in_lru_order_and_eviction_forgets_them():
     kv.check_invariants()
 
 
-def test_a_hit_takes_a_free_cached_block_back():
-    pool = BlockPool(3, B, enable_prefix_caching=True)
+def computed(num_blocks: int, tokens: list[int]) -> tuple[BlockPool, PagedKV, Request]:
+    """A caching pool where request "a" of `tokens` computed them all and committed its full blocks."""
+    pool = BlockPool(num_blocks, B, enable_prefix_caching=True)
     kv = PagedKV(pool)
-    a = request("a", list(range(8)))
+    a = request("a", tokens)
     admit(kv, a)
     commit_all(kv, a)
+    return pool, kv, a
+
+
+def cached_and_freed(num_blocks: int, tokens: list[int]) -> tuple[BlockPool, PagedKV]:
+    """As `computed`, then "a" freed: its full blocks wait in the LRU, evictable."""
+    pool, kv, a = computed(num_blocks, tokens)
     kv.release(a)
+    return pool, kv
+
+
+def test_a_hit_takes_a_free_cached_block_back():
+    pool, kv = cached_and_freed(3, list(range(8)))
     b = request("b", list(range(8)) + [1, 2, 3, 4])
     assert kv.can_reserve_cached(b, 12, 8) is True  # 3 blocks: 2 evictable hits (taken back) + 1 new
     assert admit(kv, b) == 8 and pool.num_free_blocks == 0
@@ -121,12 +133,7 @@ def test_a_hit_takes_a_free_cached_block_back():
 
 
 def test_a_hit_evicted_before_reserve_fails_without_change():
-    pool = BlockPool(2, B, enable_prefix_caching=True)
-    kv = PagedKV(pool)
-    a = request("a", list(range(8)))
-    admit(kv, a)
-    commit_all(kv, a)
-    kv.release(a)
+    pool, kv = cached_and_freed(2, list(range(8)))
     b = request("b", list(range(8)) + [5])
     hit = kv.cached_prefix(b)
     assert hit == 8
@@ -138,11 +145,7 @@ def test_a_hit_evicted_before_reserve_fails_without_change():
 
 
 def test_retiring_blocks_and_held_blocks_are_shared_no_further():
-    pool = BlockPool(8, B, enable_prefix_caching=True)
-    kv = PagedKV(pool)
-    a = request("a", list(range(9)))
-    admit(kv, a)
-    commit_all(kv, a)
+    pool, kv, a = computed(8, list(range(9)))
     first = kv.block_table(a)[0]
     pool.retire([first])
     assert kv.cached_prefix(request("b", list(range(9)))) == 0
@@ -159,11 +162,7 @@ def test_retiring_blocks_and_held_blocks_are_shared_no_further():
 
 
 def test_reset_forgets_everything_and_frees_the_evictable_blocks():
-    pool = BlockPool(8, B, enable_prefix_caching=True)
-    kv = PagedKV(pool)
-    a = request("a", list(range(9)))
-    admit(kv, a)
-    commit_all(kv, a)
+    pool, kv, a = computed(8, list(range(9)))
     assert kv.reset_prefix_cache() == 2
     assert kv.cached_prefix(request("b", list(range(9)))) == 0
     kv.release(a)
