@@ -39,7 +39,7 @@ class EngineArgs:
     kv_manager_options: dict | None = None  # knobs of the chosen manager
     # Automatic prefix caching (memory/prefix_cache.py; vLLM's flag): requests share the cached
     # K/V of a prompt prefix another request computed. None: on wherever the KV manager supports
-    # it (paged and swap; memory.PREFIX_CACHING_MANAGERS), as vLLM v1 turns it on by default.
+    # it (paged, swap, checkpoint; memory.PREFIX_CACHING_MANAGERS), as vLLM v1 turns it on by default.
     enable_prefix_caching: bool | None = None
     # The prefix cache's second tier in host memory (ours; memory/prefix_host_tier.py): cached
     # blocks evicted from the device are kept in this many tokens of host RAM and loaded back on

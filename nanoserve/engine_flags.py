@@ -25,7 +25,7 @@ _FLAGS: list[tuple[tuple[str, ...], str, Callable[[str], Any] | str, str, tuple[
                                            "nanoserve/memory/__init__.py)", tuple(sorted(KV_MANAGER_NAMES))),
     (("--enable-prefix-caching",), "enable_prefix_caching", "on-off",
      "share the cached K/V of prompt prefixes between requests (default: on where the KV manager supports it: "
-     "paged, swap); --no-enable-prefix-caching turns it off", None),
+     "paged, swap, checkpoint); --no-enable-prefix-caching turns it off", None),
     (("--prefix-cache-host-tokens",), "prefix_cache_host_tokens", int,
      "keep cached prefix blocks evicted from the device in this many tokens of host RAM, loaded back on a hit "
      "(paged KV manager; 0: off)", None),

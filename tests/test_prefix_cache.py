@@ -372,7 +372,8 @@ def test_managers_without_caching_refuse_it_and_say_why(name):
 def test_the_default_is_on_where_supported():
     assert EngineArgs().enable_prefix_caching is None
     assert resolve_prefix_caching("paged", None) and resolve_prefix_caching("swap", None)
-    assert not resolve_prefix_caching("checkpoint", None) and not resolve_prefix_caching("paged", False)
+    assert resolve_prefix_caching("checkpoint", None) and not resolve_prefix_caching("exact", None)
+    assert not resolve_prefix_caching("paged", False)
 
 
 def test_the_arena_refuses_prefix_caching(tiny_model):
@@ -619,3 +620,24 @@ def test_real_model_host_tier_loads_what_the_device_evicted(tiny_model):
             events = llm.engine.stats().kv_events
             assert events["prefix_cache_host_hits"] == 48 and outs[-1].num_cached_tokens == 48, events
     assert results[2048] == results[0]
+
+
+def test_a_copy_marks_a_shared_block_until_it_lands():
+    """A checkpoint's save still reads a shared block when its request is preempted: the block
+    stays its other owner's, and if that owner frees it before the save lands it is held, not
+    reused (nor cached), until `unhold`."""
+    pool, kv, a = computed(6, list(range(9)))
+    b = request("b", list(range(8)) + [5])
+    assert admit(kv, b) == 8
+    shared = kv.block_table(a)[0]
+    pool.free("a", hold=[shared])
+    assert pool.num_held_blocks == 0 and pool.num_hold_marks == 1 and shared in kv.block_table(b)
+    kv.check_invariants()
+    kv.release(b)
+    assert pool.num_held_blocks == 1 and pool.cache is not None and not pool.cache.is_cached(shared)
+    kv.check_invariants()
+    pool.unhold([shared])
+    assert pool.num_held_blocks == pool.num_hold_marks == 0 and pool.num_used_blocks == 0
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="not held"):
+        pool.unhold([shared])

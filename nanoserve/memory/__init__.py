@@ -30,7 +30,7 @@ KV_MANAGERS: dict[str, str] = {
 NEEDS_HOST_STORE = frozenset({"swap", "exact", "bidirectional", "checkpoint"})
 # The managers that share cached prefix blocks (memory/prefix_cache.py); each of the others
 # refuses `prefix_caching=True` in its builder, saying why.
-PREFIX_CACHING_MANAGERS = frozenset({"paged", "swap"})
+PREFIX_CACHING_MANAGERS = frozenset({"paged", "swap", "checkpoint"})
 # Every name `EngineArgs.kv_manager` takes: the registry's, and "arena", which the builder makes
 # from the loaded model (its weights move into the arena).
 KV_MANAGER_NAMES = (*KV_MANAGERS, "arena")

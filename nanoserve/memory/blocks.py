@@ -17,9 +17,11 @@ only when it has no never-cached free block left. A shared block is always full 
 written again: a sequence's writes go to positions past its shared prefix, in its own blocks.
 
 A block a sequence gave up while an in-flight copy still reads or writes it (a checkpoint's
-save, memory/copies.py) is *held*: out of every table and off the free list, until `unhold`
-returns it once the copy has landed. It loses its hash: what the copy writes into it is not
-what the hash names.
+save, memory/copies.py) is *marked* by that copy until `unhold`, once the copy has landed. A
+marked block that no table holds any more is *held*: off the free list, out of the cache (it
+loses its hash: what the copy writes into it is not what the hash names). A block another table
+still shares stays in use meanwhile (the copy only reads what nobody writes: a shared block is
+full and final), and becomes held if its last owner frees it before the copy lands.
 
 A *retired* block leaves circulation: `retire` takes the free ones off the free list at once
 and each owned or held one when its last owner frees it; `unretire` puts them back. KunServe's
@@ -60,7 +62,8 @@ class BlockPool:
         self._refs: list[int] = [0] * num_blocks  # tables each block is in
         self._tables: dict[Hashable, list[int]] = {}
         self._reserved: dict[Hashable, int] = {}  # token slots each sequence has reserved
-        self._held: set[int] = set()  # freed by their sequence, waiting for a copy to land
+        self._held: set[int] = set()  # in no table, waiting for a copy to land
+        self._holds: dict[int, int] = {}  # block -> in-flight copies that marked it (`free(..., hold=...)`)
         self._retiring: set[int] = set()  # out of circulation once free (`retire`)
         self._retired: set[int] = set()  # retiring and free: neither owned nor on the free list
         # Prefix caching: the hash index and the evictable blocks (None: off), and how many
@@ -101,6 +104,11 @@ class BlockPool:
     @property
     def num_held_blocks(self) -> int:
         return len(self._held)
+
+    @property
+    def num_hold_marks(self) -> int:
+        """Marks of in-flight copies on blocks (`free(..., hold=...)`) not yet lifted by `unhold`."""
+        return sum(self._holds.values())
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -241,23 +249,26 @@ class BlockPool:
 
     def free(self, seq_id: Hashable, hold: Collection[int] = ()) -> int:
         """Drop `seq_id`'s table. Each block its last owner drops returns to the pool, except
-        those in `hold`, which an in-flight copy still uses: they stay out of reach until
-        `unhold`. A block other tables still share stays theirs. Freeing an unknown id is a no-op.
-        Returns how many blocks left the table."""
+        those an in-flight copy still uses: `hold` (of this table's blocks) marks them for one
+        copy each, and a marked block stays out of reach until `unhold`. A block other tables
+        still share stays theirs. Freeing an unknown id is a no-op. Returns how many blocks left
+        the table."""
         table = self._tables.pop(seq_id, [])
         self._reserved.pop(seq_id, None)
         self._committed.pop(seq_id, None)
-        refs, cache = self._refs, self.cache
-        held = set(hold) if hold else ()
+        refs, cache, holds = self._refs, self.cache, self._holds
+        if hold:
+            for b in set(hold) & set(table):
+                holds[b] = holds.get(b, 0) + 1
         # Tail first: the cache's LRU then evicts the ends of prefixes before their heads.
         for b in reversed(table):
             refs[b] -= 1
             if refs[b]:
                 continue  # another table shares it
-            if b in held or b in self._retiring:
+            if b in holds or b in self._retiring:
                 if cache is not None:
                     cache.forget(b)
-                (self._held if b in held else self._retired).add(b)
+                (self._held if b in holds else self._retired).add(b)
             elif cache is not None and cache.is_cached(b):
                 cache.park(b)
                 if self.parked is not None:
@@ -269,13 +280,22 @@ class BlockPool:
         return len(table)
 
     def unhold(self, blocks: Iterable[int]) -> None:
-        """The copy that held `blocks` landed: they are free again."""
+        """The copy that marked `blocks` landed: lift its mark; a held block no other copy marks
+        is free again."""
         blocks = list(blocks)
-        if not set(blocks) <= self._held:
-            raise ValueError(f"blocks {sorted(set(blocks) - self._held)} are not held")
-        self._held -= set(blocks)
-        self._retired.update(b for b in blocks if b in self._retiring)
-        self._free.extend(reversed([b for b in blocks if b not in self._retiring]))
+        unmarked = [b for b in blocks if not self._holds.get(b)]
+        if unmarked:
+            raise ValueError(f"blocks {sorted(unmarked)} are not held")
+        released = []
+        for b in blocks:
+            self._holds[b] -= 1
+            if not self._holds[b]:
+                del self._holds[b]
+                if b in self._held:
+                    self._held.discard(b)
+                    released.append(b)
+        self._retired.update(b for b in released if b in self._retiring)
+        self._free.extend(reversed([b for b in released if b not in self._retiring]))
 
     def retire(self, blocks: Iterable[int]) -> None:
         """Take `blocks` out of circulation: the free ones now, the others when freed."""
@@ -319,6 +339,8 @@ class BlockPool:
         assert not owned & free, "a block is both owned and free"
         assert not owned & evictable and not free & evictable, "an evictable block is owned or on the free list"
         assert not self._held & (owned | free | evictable), "a held block is also owned or free"
+        assert self._held <= self._holds.keys(), "a held block is marked by no copy"
+        assert self._holds.keys() <= owned | self._held, "a marked block is free"
         assert not self._retired & (owned | free | evictable | self._held), "a retired block is in use or free"
         assert self._retired <= self._retiring, "a block is retired without being retiring"
         assert not (self._retiring - self._retired) & (free | evictable), "a retiring block went back to the free list"

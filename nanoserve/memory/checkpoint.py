@@ -339,7 +339,7 @@ class IncrementalCheckpointer:
         if not self._tracked:
             assert self.store.num_free_blocks == self.store.num_blocks, "host blocks leaked"
         held = [b for ticket in self._holding for b in self._touching.get(ticket, ())]
-        assert len(held) == len(set(held)) == self.pool.num_held_blocks, "held blocks disagree with in-flight copies"
+        assert len(held) == len(set(held)) == self.pool.num_hold_marks, "held blocks disagree with in-flight copies"
         assert self._holding <= set(self._touching), "a block is held for a copy that landed"
         for seq_id, entry in self._tracked.items():
             assert entry.in_flight <= set(self._touching), f"{seq_id!r}: an in-flight copy is unknown"

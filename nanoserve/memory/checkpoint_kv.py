@@ -40,13 +40,24 @@ landed. A preempted request whose checkpoint is still being written cannot be re
 runs it waits for them, whenever they were issued.
 
 The scheduler decides whom to pause, drop, prefetch and resume; this adapter only keeps K/V.
+
+Prefix caching (the pool's, as `PagedKV` drives it; §4.4 says nothing of it, so these are ours):
+- A request's table may begin with blocks it shares with others. Its checkpoint still saves
+  every block of its table, shared ones included: each request owns its host copy, so a
+  preempted request resumes from it whatever became of the shared blocks.
+- Preempting drops the request's references. A shared block stays on the device for its other
+  owners; one a save in flight still reads is marked until the save lands (the pool's hold
+  marks), so if its last owner frees it meanwhile it is held, not reused.
+- A prefetch or resume loads into fresh blocks, never shared ones; they are committed again
+  after the step that runs the request. A request preempted with nothing saved waits with
+  nothing computed, and finds its committed blocks in the cache if nothing evicted them.
 """
 from __future__ import annotations
 
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from nanoserve.memory import KVBuildContext, refuse_prefix_caching
+from nanoserve.memory import KVBuildContext
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
 from nanoserve.memory.checkpoint import CheckpointConfig, IncrementalCheckpointer
 from nanoserve.memory.host import HostKVStore, KVCopy
@@ -250,13 +261,10 @@ def build(ctx: KVBuildContext) -> CheckpointKV:
     paper) and `max_blocks_per_step` (an optional per-step cap on saves, in blocks). The link
     budget comes from the context's `block_seconds` (the profiled link time of one block).
     """
-    refuse_prefix_caching(ctx, "checkpoint", "ConServe's incremental checkpoints give each request its own host "
-                          "copy of its blocks and drop device blocks whose copy landed (§4.2); a block shared by "
-                          "several requests would need one copy and one owner")
     if ctx.host_store is None:
         raise ValueError("the checkpoint KV manager needs a host KV store")
     unknown = set(ctx.options) - OPTIONS
     if unknown:
         raise ValueError(f"unknown checkpoint option(s) {sorted(unknown)}; known: {sorted(OPTIONS)}")
-    return CheckpointKV(BlockPool(ctx.num_blocks, ctx.block_size), ctx.host_store, CheckpointConfig(**ctx.options),
-                        block_seconds=ctx.link_block_seconds)
+    return CheckpointKV(BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=ctx.prefix_caching),
+                        ctx.host_store, CheckpointConfig(**ctx.options), block_seconds=ctx.link_block_seconds)

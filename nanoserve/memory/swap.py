@@ -199,7 +199,7 @@ class SwapKV(PagedKV):
                 assert table[:len(loading.device_blocks)] == loading.device_blocks, \
                     f"{loading.rid}: swap-in blocks moved"
         assert all(self._loads[t].rid == rid for rid, t in self._loading.items())
-        assert held == self.pool.num_held_blocks, "held blocks disagree with the swap-ins in flight"
+        assert held == self.pool.num_hold_marks, "held blocks disagree with the swap-ins in flight"
         owned = self.host_store.num_blocks - self.host_store.num_free_blocks
         assert owned == sum(map(len, expected.values())), "host blocks held by someone the swap manager does not track"
         for rid, blocks in expected.items():
