@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "gpu_models"
 # The order a short lease should run them in: the decode-step goal first, then whether the new
 # paths (asynchronous scheduling, mixed-step graphs, graph memory in the KV sizing) hold on CUDA.
-STEPS = ["env", "decode", "gemm", "tests", "serve7b", "throughput", "attention", "sweep", "fidelity",
+STEPS = ["env", "decode", "gemm", "tests", "serve7b", "throughput", "prefix_cache", "attention", "sweep", "fidelity",
          "kernel_tests"]
 
 
@@ -169,6 +169,15 @@ def step_throughput(out: Path, options: Options) -> dict:
          "--mixed-graphs", "--async-scheduling", "--skip-hf", "--json", str(path)],
         90, out / f"throughput_{name}_mixed_async.log", path)
     return results
+
+
+def step_prefix_cache(out: Path, options: Options) -> dict:
+    """benchmarks/prefix_cache.py's two workloads through the Triton path, caching off and on
+    (issue 42; vLLM's CPU build is the CPU's peer, not run here)."""
+    ckpt = build_checkpoint(options.throughput_models[0], options.cache)
+    path = out / "prefix_cache.json"
+    return run([sys.executable, "benchmarks/prefix_cache.py", "--model", str(ckpt), "--device", "cuda",
+                "--engines", "nanoserve-off", "nanoserve-on", "--json", str(path)], 120, out / "prefix_cache.log", path)
 
 
 def step_decode(out: Path, options: Options) -> dict:

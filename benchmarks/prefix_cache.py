@@ -66,6 +66,9 @@ def multi_turn(vocab: int, seed: int = 0, conversations: int = 16, turns: int = 
 
 
 WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn}
+# --smoke: the same shapes, small enough for CI to run both engines in seconds.
+SMOKE = {"shared-prefix": dict(num_requests=4, prefix=64, own=8, out=4),
+         "multi-turn": dict(conversations=2, turns=2, system_len=32, user=16, reply=8, out=4)}
 
 
 def warmup_round(vocab: int) -> Round:
@@ -78,7 +81,7 @@ def nanoserve_worker(args: argparse.Namespace) -> None:
     from nanoserve import LLM, SamplingParams
 
     rounds = json.loads(Path(args.requests).read_text())
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
               enable_prefix_caching=args.caching == "on")
     vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else 32000
@@ -188,11 +191,12 @@ def simulated(seed: int = 0) -> dict:
 
 
 # -- the driver ----------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="run", choices=("run", "sim", "worker-nanoserve", "worker-vllm"))
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="nanoserve's device (vLLM's CPU build runs on the CPU)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -200,9 +204,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny workloads: a check that runs in seconds")
     parser.add_argument("--requests", default=None, help="(workers) the rounds file")
     parser.add_argument("--caching", choices=("on", "off"), default="on", help="(workers)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     if args.mode == "worker-nanoserve":
         nanoserve_worker(args)
         return {}
@@ -216,21 +225,20 @@ def main(argv: list[str] | None = None) -> dict:
         return sim_result
 
     from nanoserve import default_model
-    from nanoserve.tokenizer import Tokenizer
 
     model = str(args.model or default_model())
-    vocab = Tokenizer.from_dir(model).vocab_size
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     if any(e.startswith("vllm") for e in args.engines) and not VLLM_PYTHON.exists():
         raise SystemExit(f"no {VLLM_PYTHON}: run `python benchmarks/peers/vllm_cpu.py setup` first, or pass "
                          f"--engines nanoserve-off nanoserve-on")
-    limits = ["--model", model, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens",
-              str(args.kv_cache_tokens)]
+    limits = ["--model", model, "--dtype", args.dtype, "--device", args.device, "--max-num-seqs",
+              str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--kv-cache-tokens", str(args.kv_cache_tokens)]
     result: dict = {"date": date.today().isoformat(), "processor": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "model": Path(model).name, "dtype": args.dtype, "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads:
-            rounds = WORKLOADS[name](vocab, args.seed)
+            rounds = WORKLOADS[name](vocab, args.seed, **(SMOKE[name] if args.smoke else {}))
             requests = Path(tmp) / f"{name}.json"
             requests.write_text(json.dumps(rounds))
             rows = result["workloads"][name] = {}

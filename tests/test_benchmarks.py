@@ -52,6 +52,19 @@ def test_cluster_benchmark_smoke():
     assert "KV capacity after the drop" in proc.stdout
 
 
+def test_prefix_cache_benchmark_smoke(tmp_path):
+    """Both workloads through nanoserve with caching off and on (vLLM's CPU build lives in its
+    own virtualenv, which CI does not build): the same tokens generated, and hits only when on."""
+    saved = tmp_path / "prefix_cache.json"
+    proc = subprocess.run([sys.executable, "benchmarks/prefix_cache.py", "--smoke", "--engines", "nanoserve-off",
+                           "nanoserve-on", "--dtype", "float32", "--kv-cache-tokens", "2048", "--json", str(saved)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| nanoserve-on |" in proc.stdout and "on / off (nanoserve):" in proc.stdout
+    for name, rows in json.loads(saved.read_text())["workloads"].items():
+        assert rows["nanoserve-off"]["hit_rate"] == 0 and rows["nanoserve-on"]["hit_rate"] > 0, name
+
+
 def test_sim_speed_benchmark_smoke():
     proc = subprocess.run([sys.executable, "benchmarks/sim_speed.py", "--requests", "200", "--policies", "fcfs,bros"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
