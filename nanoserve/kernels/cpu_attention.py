@@ -44,7 +44,7 @@ computing exactly what the reference computes:
    (assumption: vLLM's GPU thresholds are of the same order); the other rows go the usual way.
    Prompt chunks that share a cached prefix (47 requests admitted together after a system
    prompt) do the same (`cascade_prefill`, at least `CASCADE_MIN_CHUNKS` chunks): the shared
-   part is one call for all their rows, each chunk's own part a causal call of its own.
+   part is one call for all their rows, their own parts one causal call per shape of chunk.
 """
 from __future__ import annotations
 
@@ -153,29 +153,37 @@ def cascade_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     starts: list[int], lens: list[int], seqs: list[int], shared: int, scale: float,
                     out: torch.Tensor) -> None:
     """5. above, for prompt chunks whose tables share their first `shared` blocks and whose
-    queries all lie past them: every chunk's rows attend to the shared keys in one call, each
-    chunk to its own later keys (causally) in another, and the two merge exactly."""
+    queries all lie past them: every chunk's rows attend to the shared keys in one call; each
+    chunk attends to its own later keys causally, one call for all the chunks of one shape
+    (rows, own keys), whose mask is then the same; the two parts merge exactly."""
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     blocks = block_tables[seqs[0], :shared]
     rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
     shared_out, shared_lse = _attend_shared(q[rows], _shared_keys(k_cache, blocks), _shared_keys(v_cache, blocks),
                                             scale)
-    offset = 0
+    offsets: dict[int, int] = {}  # each chunk's first row in `rows`
+    shapes: dict[tuple[int, int], list[int]] = {}  # chunks by (rows, own keys)
+    offset, begin = 0, shared * block_size
     for i in seqs:
-        first, end, context = starts[i], starts[i + 1], lens[i]
-        q_len, begin = end - first, shared * block_size
-        table = block_tables[i, shared:-(-context // block_size)]
-        own = context - begin
-        keys = _shared_keys(k_cache, table)[:, :, :own].repeat_interleave(group, dim=1)
-        values = _shared_keys(v_cache, table)[:, :, :own].repeat_interleave(group, dim=1)
-        positions = context - q_len + torch.arange(q_len)
-        visible = begin + torch.arange(own) <= positions.unsqueeze(1)
-        mask = torch.zeros(q_len, own, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
-        own_out, own_lse = _flash(q[first:end].unsqueeze(0).transpose(1, 2), keys, values, scale, mask)
-        out[first:end] = _merge(shared_out[offset:offset + q_len], shared_lse[offset:offset + q_len],
-                                own_out[0].transpose(0, 1), own_lse[0].transpose(0, 1)).to(out.dtype)
+        q_len = starts[i + 1] - starts[i]
+        offsets[i] = offset
         offset += q_len
+        shapes.setdefault((q_len, lens[i] - begin), []).append(i)
+    for (q_len, own), chunks in shapes.items():
+        own_blocks = -(-own // block_size)
+        tables = block_tables[chunks, shared:shared + own_blocks]
+        keys = torch.cat([_shared_keys(k_cache, t)[:, :, :own] for t in tables]).repeat_interleave(group, dim=1)
+        values = torch.cat([_shared_keys(v_cache, t)[:, :, :own] for t in tables]).repeat_interleave(group, dim=1)
+        queries = torch.stack([q[starts[i]:starts[i + 1]] for i in chunks]).transpose(1, 2)  # [M, H, q_len, D]
+        # Query j sits at own key index own - q_len + j and sees every own key up to it.
+        visible = torch.arange(own) <= (own - q_len + torch.arange(q_len)).unsqueeze(1)
+        mask = torch.zeros(q_len, own, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        own_out, own_lse = _flash(queries, keys, values, scale, mask)
+        for m, i in enumerate(chunks):
+            at = offsets[i]
+            out[starts[i]:starts[i + 1]] = _merge(shared_out[at:at + q_len], shared_lse[at:at + q_len],
+                                                  own_out[m].transpose(0, 1), own_lse[m].transpose(0, 1)).to(out.dtype)
 
 
 def paged_attention(
