@@ -332,6 +332,9 @@ def run_shared_prefix_work(policy_kv: str, caching: bool, num_blocks: int, seed:
                     cached[out.request_id] = out.num_cached_tokens
     assert len(outputs) == 12, f"{policy_kv}: {len(outputs)} of 12 finished"
     assert kv.num_used_blocks == 0
+    # Every caching manager reports the cache's counters beside its own mechanisms' (the metrics).
+    assert ("prefix_cache_hits" in kv.events) == caching
+    assert not caching or kv.events["prefix_cache_hits"] >= sum(cached.values())  # re-admissions hit too
     return outputs, cached, engine.stats().num_preemptions, executor
 
 

@@ -229,6 +229,7 @@ class CheckpointKV(PagedKV):
     def events(self) -> dict[str, int]:
         ckpt = self.checkpointer
         return {
+            **super().events,  # the prefix cache's
             "blocks_checkpointed": ckpt.blocks_checkpointed,
             "preemptions_with_checkpoint": ckpt.preemptions_with_checkpoint,
             "prefetches": ckpt.prefetches,

@@ -177,7 +177,8 @@ class SwapKV(PagedKV):
     # -- observability -------------------------------------------------------------------------
     @property
     def events(self) -> dict[str, int]:
-        return {"swap_outs": self.swap_outs, "swap_ins": self.swap_ins, "blocks_swapped_out": self.blocks_swapped_out,
+        return {**super().events,  # the prefix cache's
+                "swap_outs": self.swap_outs, "swap_ins": self.swap_ins, "blocks_swapped_out": self.blocks_swapped_out,
                 "blocks_swapped_in": self.blocks_swapped_in, "swap_fallbacks": self.swap_fallbacks}
 
     def check_invariants(self) -> None:
