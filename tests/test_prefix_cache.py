@@ -644,3 +644,16 @@ def test_a_copy_marks_a_shared_block_until_it_lands():
     kv.check_invariants()
     with pytest.raises(ValueError, match="not held"):
         pool.unhold([shared])
+
+
+def test_the_server_flags_are_vllms():
+    import argparse
+
+    from nanoserve.engine_flags import add_engine_arguments, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_args_from(parser.parse_args([])).enable_prefix_caching is None
+    assert engine_args_from(parser.parse_args(["--enable-prefix-caching"])).enable_prefix_caching is True
+    off = engine_args_from(parser.parse_args(["--no-enable-prefix-caching", "--prefix-cache-host-tokens", "512"]))
+    assert off.enable_prefix_caching is False and off.prefix_cache_host_tokens == 512
