@@ -7,6 +7,10 @@
     bidirectional  BROS's shared RT/BE blocks with lazy checkpointing (memory/bidirectional.py)
     checkpoint     ConServe's incremental checkpointing (memory/checkpoint.py)
     arena          KunServe's weights-and-KV arena (memory/arena.py); built with the model
+
+Automatic prefix caching (memory/prefix_cache.py) runs in paged, swap and checkpoint
+(`PREFIX_CACHING_MANAGERS`, each saying in its docstring what sharing means beside its
+mechanism); the others refuse it in their builders, saying why.
 """
 from __future__ import annotations
 
