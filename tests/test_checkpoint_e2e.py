@@ -181,5 +181,6 @@ def test_threshold_holds_with_a_big_pool(llama_dir, reference):
         assert_close_greedy(ref, out, f"big pool: {out.prompt_token_ids[:4]}", max_tokens=MAX_TOKENS)
     events = llm.engine.kv.events
     assert events.keys() >= {"blocks_checkpointed", "preemptions_with_checkpoint", "prefetches", "pauses"}
-    assert set(events.values()) == {0}, events
+    # No checkpoint mechanism fired (the prefix cache's lookups, which every admission makes, aside).
+    assert {n for key, n in events.items() if not key.startswith("prefix_cache_")} == {0}, events
     assert llm.engine.stats().num_preemptions == 0 and llm.engine.stats().kv_blocks_used == 0
