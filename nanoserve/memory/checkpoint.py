@@ -68,6 +68,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nanoserve.memory.blocks import BlockPool
+from nanoserve.memory.copies import device_slots
 from nanoserve.memory.host import HostKVStore, KVCopy
 
 
@@ -208,15 +209,13 @@ class IncrementalCheckpointer:
         return copies
 
     def _save(self, seq_id: Hashable, num_tokens: int, count: int) -> KVCopy:
-        size = self.pool.block_size
         entry = self._tracked.setdefault(seq_id, _Checkpoint(host_blocks=[], num_tokens=num_tokens))
         first = len(entry.host_blocks)
         device_blocks = self.pool.block_table(seq_id)[first:first + count]
         host_blocks = self.store.allocate(seq_id, count)
         entry.host_blocks.extend(host_blocks)
         self.blocks_checkpointed += count
-        src = tuple(b * size + i for b in device_blocks for i in range(size))
-        dst = tuple(s for b in host_blocks for s in self.store.slots(b))
+        src, dst = device_slots(device_blocks, self.pool.block_size), self.store.slots_of(host_blocks)
         return self._track(seq_id, KVCopy("save", src, dst), device_blocks)
 
     def _track(self, seq_id: Hashable, copy: KVCopy, device_blocks: list[int]) -> KVCopy:
@@ -290,10 +289,9 @@ class IncrementalCheckpointer:
         if count <= 0:
             return []
         self.blocks_prefetched += count
-        size = self.pool.block_size
         device_blocks = self.pool.block_table(seq_id)[first:first + count]
-        src = tuple(s for b in entry.host_blocks[first:first + count] for s in self.store.slots(b))
-        dst = tuple(b * size + i for b in device_blocks for i in range(size))
+        src = self.store.slots_of(entry.host_blocks[first:first + count])
+        dst = device_slots(device_blocks, self.pool.block_size)
         return [self._track(seq_id, KVCopy("load", src, dst, reader=seq_id), device_blocks)]
 
     def prefetch(self, seq_id: Hashable) -> list[KVCopy]:

@@ -76,6 +76,12 @@ class KVCopy:
         return self.reader is not None and self.reader in readers
 
 
+def device_slots(blocks: Iterable[int], block_size: int) -> tuple[int, ...]:
+    """Every flat device slot of `blocks`, block by block: the device side of a whole-block copy
+    (`HostKVStore.slots_of` is the host side)."""
+    return tuple(b * block_size + i for b in blocks for i in range(block_size))
+
+
 def _landed_now() -> bool:
     return True
 

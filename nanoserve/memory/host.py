@@ -143,6 +143,10 @@ class HostKVStore:
         start = host_block * self.block_size
         return list(range(start, start + (self.block_size if count is None else count)))
 
+    def slots_of(self, host_blocks: Iterable[int]) -> tuple[int, ...]:
+        """Every flat host slot of `host_blocks`, block by block: the host side of a whole-block copy."""
+        return tuple(s for b in host_blocks for s in self.slots(b))
+
     def allocate(self, owner: Hashable, num_blocks: int) -> list[int]:
         """All or nothing: `num_blocks` more host blocks for `owner`, or NoFreeBlocksError."""
         if num_blocks > len(self._free):

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from nanoserve.memory.copies import KVCopy
+from nanoserve.memory.copies import KVCopy, device_slots
 from nanoserve.memory.host import HostKVStore
 from nanoserve.memory.prefix_cache import BlockHash
 
@@ -79,10 +79,8 @@ class PrefixHostTier:
         return self._save(parked, blocking=False)
 
     def _save(self, blocks: Sequence[tuple[int, BlockHash]], blocking: bool) -> list[KVCopy]:
-        src: list[int] = []
-        dst: list[int] = []
+        sources: list[int] = []
         saved: list[tuple[BlockHash, int]] = []
-        size = self.block_size
         for block, block_hash in blocks:
             host = self._host_of.get(block_hash)
             if host is not None and (not blocking or block_hash in self._readable):
@@ -92,12 +90,12 @@ class PrefixHostTier:
                 host = self._take_host_block()
             self._host_of[block_hash] = host
             self._host_of.move_to_end(block_hash)
-            src += range(block * size, (block + 1) * size)
-            dst += self.store.slots(host)
+            sources.append(block)
             saved.append((block_hash, host))
         if not saved:
             return []
-        save = KVCopy("save", tuple(src), tuple(dst), blocking=blocking)
+        save = KVCopy("save", device_slots(sources, self.block_size), self.store.slots_of(h for _, h in saved),
+                      blocking=blocking)
         self.store.inflight.when_landed(save, lambda: self._landed(saved))
         self.saves += len(saved)
         return [save]
@@ -128,16 +126,13 @@ class PrefixHostTier:
 
     def load(self, reader: str, hashes: Sequence[BlockHash], device_blocks: Sequence[int]) -> KVCopy:
         """Load the entries of `hashes` (all readable: `run`) into `device_blocks`, for `reader`."""
-        size = self.block_size
-        src: list[int] = []
-        dst: list[int] = []
-        for block_hash, block in zip(hashes, device_blocks, strict=True):
-            host = self._host_of[block_hash]
+        if len(hashes) != len(device_blocks):
+            raise ValueError("one device block per entry loaded")
+        for block_hash in hashes:
             self._host_of.move_to_end(block_hash)
-            src += self.store.slots(host)
-            dst += range(block * size, (block + 1) * size)
         self.loads += len(hashes)
-        return KVCopy("load", tuple(src), tuple(dst), reader=reader)
+        return KVCopy("load", self.store.slots_of(self._host_of[h] for h in hashes),
+                      device_slots(device_blocks, self.block_size), reader=reader)
 
     def reset(self) -> None:
         """Forget every entry (the prefix cache was reset)."""

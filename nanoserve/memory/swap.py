@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from nanoserve.memory import KVBuildContext
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
+from nanoserve.memory.copies import device_slots
 from nanoserve.memory.host import HostKVStore, KVCopy
 from nanoserve.memory.manager import KVManager, PagedKV
 
@@ -103,9 +104,8 @@ class SwapKV(PagedKV):
             self.release(request)
             return 0, []
         host_blocks = self.host_store.allocate(rid, count)
-        size = self.block_size
-        save = KVCopy("save", tuple(b * size + i for b in table[:count] for i in range(size)),
-                      tuple(s for b in host_blocks for s in self.host_store.slots(b)), blocking=True)
+        save = KVCopy("save", device_slots(table[:count], self.block_size), self.host_store.slots_of(host_blocks),
+                      blocking=True)
         self._give_up_device(rid)  # blocking: this step's forward and later copies come after it
         entry = self._swapped[rid] = _Swapped(tokens, host_blocks)
         self.host_store.inflight.when_landed(save, lambda: setattr(entry, "saved", True))
@@ -131,9 +131,8 @@ class SwapKV(PagedKV):
         del self._swapped[rid]
         self.pool.allocate(rid, max(num_tokens, entry.tokens))
         device_blocks = self.pool.block_table(rid)[:len(entry.host_blocks)]
-        size = self.block_size
-        load = KVCopy("load", tuple(s for b in entry.host_blocks for s in self.host_store.slots(b)),
-                      tuple(b * size + i for b in device_blocks for i in range(size)), reader=rid, blocking=True)
+        load = KVCopy("load", self.host_store.slots_of(entry.host_blocks), device_slots(device_blocks, self.block_size),
+                      reader=rid, blocking=True)
         self._loads[load.ticket] = _Loading(rid, entry.host_blocks, list(device_blocks))
         self._loading[rid] = load.ticket
         self.host_store.inflight.when_landed(load, lambda: self._load_landed(load.ticket))
