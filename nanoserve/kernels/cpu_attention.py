@@ -83,6 +83,22 @@ def common_prefix_blocks(block_tables: torch.Tensor, seqs: list[int], lens: list
     return int(differ[0, 0]) if differ.numel() else limit
 
 
+def cascade_group(block_tables: torch.Tensor, seqs: list[int], starts: list[int], lens: list[int], block_size: int,
+                  min_seqs: int) -> tuple[list[int], int]:
+    """5. above: the largest group of `seqs` whose tables begin with the same block, and the
+    blocks they all share before any of their queries (a decode row's one query always comes
+    after them; a prompt chunk's must start past them, so none of the shared keys is masked);
+    0 where fewer than `min_seqs` share, or less than `CASCADE_MIN_TOKENS`."""
+    if len(seqs) < min_seqs:
+        return [], 0
+    group = sharing_group(block_tables, seqs)
+    if len(group) < min_seqs:
+        return group, 0
+    shared = min([common_prefix_blocks(block_tables, group, lens, block_size)]
+                 + [(lens[i] - (starts[i + 1] - starts[i])) // block_size for i in group])
+    return group, shared if shared * block_size >= CASCADE_MIN_TOKENS else 0
+
+
 def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    seq_lens: torch.Tensor, rows: list[int], seqs: list[int], shared: int, scale: float,
                    out: torch.Tensor) -> bool:
@@ -209,12 +225,13 @@ def paged_attention(
         table = block_tables[seqs, :n_blocks]
         return (gather_kv(k_cache, table, dirs).transpose(1, 2), gather_kv(v_cache, table, dirs).transpose(1, 2))
 
+    # 5. above: rows of one direction (no BROS right-to-left blocks) in a dtype the kernels take.
+    cascade = directions is None and q.dtype in (torch.float32, torch.bfloat16)
     decode_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if len(decode_seqs) >= CASCADE_MIN_ROWS and directions is None and q.dtype in (torch.float32, torch.bfloat16):
-        group = sharing_group(block_tables, decode_seqs)
-        shared = common_prefix_blocks(block_tables, group, lens, block_size) if len(group) >= CASCADE_MIN_ROWS else 0
-        if shared * block_size >= CASCADE_MIN_TOKENS and cascade_decode(
-                q, k_cache, v_cache, block_tables, seq_lens, [starts[i] for i in group], group, shared, scale, out):
+    if cascade:
+        group, shared = cascade_group(block_tables, decode_seqs, starts, lens, block_size, CASCADE_MIN_ROWS)
+        if shared and cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, [starts[i] for i in group], group,
+                                     shared, scale, out):
             cascaded = set(group)
             decode_seqs = [i for i in decode_seqs if i not in cascaded]
     # Where the C kernel is built (nanoserve/kernels/cpu_decode_attention.py), it reads the decode rows' K/V
@@ -235,13 +252,9 @@ def paged_attention(
 
     prefill_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] > 1]
     done: set[int] = set()
-    if (len(prefill_seqs) >= CASCADE_MIN_CHUNKS and directions is None
-            and q.dtype in (torch.float32, torch.bfloat16)):
-        group = sharing_group(block_tables, prefill_seqs)
-        shared = common_prefix_blocks(block_tables, group, lens, block_size) if len(group) >= CASCADE_MIN_CHUNKS else 0
-        # Only chunks whose queries all come after the shared keys (none of them is masked).
-        shared = min([shared] + [(lens[i] - (starts[i + 1] - starts[i])) // block_size for i in group])
-        if shared * block_size >= CASCADE_MIN_TOKENS:
+    if cascade:
+        group, shared = cascade_group(block_tables, prefill_seqs, starts, lens, block_size, CASCADE_MIN_CHUNKS)
+        if shared:
             cascade_prefill(q, k_cache, v_cache, block_tables, starts, lens, group, shared, scale, out)
             done = set(group)
     for i in range(len(lens)):
