@@ -99,17 +99,15 @@ def nanoserve_worker(args: argparse.Namespace) -> None:
 
 def vllm_worker(args: argparse.Namespace) -> None:
     """Runs in .venv-vllm (imports no nanoserve)."""
+    from peers.vllm_cpu import kv_cache_bytes  # this script's folder is on the path; it imports no nanoserve
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     rounds = json.loads(Path(args.requests).read_text())
     cfg = json.loads((Path(args.model) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_bytes = (args.kv_cache_tokens * 2 * cfg["num_hidden_layers"]
-                * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
-                * (4 if args.dtype == "float32" else 2))
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, seed=0, kv_cache_memory_bytes=kv_bytes,
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+              kv_cache_memory_bytes=kv_cache_bytes(args.model, args.dtype, args.kv_cache_tokens),
               enable_prefix_caching=args.caching == "on")
 
     def run(work: Round) -> tuple[int, int, int]:
