@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -127,6 +127,16 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The reasoning format the model writes (`EngineArgs.reasoning_parser`), or None."""
+        return self.engine.reasoning_parser
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]:
+        """The model's recommended sampling (generation_config.py), fixed when the engine is built."""
+        return self.engine.sampling_defaults
 
     def default_slo(self, priority: RequestClass | str) -> SLO:
         """The latency targets of a request class (the config is immutable: safe from any thread)."""

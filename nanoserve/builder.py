@@ -12,6 +12,7 @@ from nanoserve.config import EngineArgs, ModelConfig, SchedulerConfig, Topology
 from nanoserve.device import resolve_device, resolve_dtype
 from nanoserve.engine import Engine
 from nanoserve.executor import Executor, MicrobatchPipeline
+from nanoserve.generation_config import sampling_defaults
 from nanoserve.kv_sizing import (
     MemoryProbe,
     check_host_kv_fits,
@@ -251,6 +252,9 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
     eos = frozenset(cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
     engine = Engine(make_scheduler(sched_config, kv, cost_model), executor, tokenizer, eos,
                     model_name=str(args.model or path.name), calibrate_cost_model=args.calibrate_cost_model,
+                    sampling_defaults=sampling_defaults(path, args.generation_config, args.override_generation_config),
+                    vocab_size=cfg.vocab_size, reasoning_parser=args.reasoning_parser,
+                    structured_outputs_backend=args.structured_outputs_backend,
                     # Both executors built here, a ModelRunner and a DriverExecutor, are pipelines.
                     pipeline=(cast(MicrobatchPipeline, executor) if args.async_pipeline or args.async_scheduling
                               else None))

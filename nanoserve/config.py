@@ -81,6 +81,18 @@ class EngineArgs:
     # On a CPU, one rank: each linear layer also keeps its weight packed for oneDNN
     # (nanoserve/kernels/cpu_linear.py; the weights' bytes again in RAM). False: F.linear (an A/B switch).
     cpu_packed_linears: bool = True
+    # Default sampling parameters (generation_config.py): "auto" reads the model's
+    # generation_config.json, "vllm" ignores it, or a directory to read it from; the overrides
+    # win over the file (vLLM's --generation-config and --override-generation-config).
+    generation_config: str = "auto"
+    # The reasoning format the model writes (vLLM's --reasoning-parser: "qwen3", "deepseek_r1",
+    # both <think>…</think>): the server splits it into reasoning_content, and a request's
+    # structured output applies after the reasoning ends. None: the model does not reason.
+    reasoning_parser: str | None = None
+    # The grammar library for structured outputs (nanoserve/grammar/BACKENDS; vLLM's
+    # --structured-outputs-config.backend): llguidance.
+    structured_outputs_backend: str = "llguidance"
+    override_generation_config: dict | None = None
     calibrate_cost_model: bool = True  # scale the cost model by measured step times (cost_model.py)
     online_slo: SLO | None = None  # the online class's default targets; None: DEFAULT_SLOS
     offline_slo: SLO | None = None

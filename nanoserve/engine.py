@@ -31,14 +31,17 @@ reads on the device (`ModelRunner.submit`), so the host never waits for it befor
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.executor import Executor, ExecutorOutput, MicrobatchPipeline
+from nanoserve.grammar import CompiledGrammar, GrammarBackend, GrammarCompiler, make_backend
 from nanoserve.memory.manager import KVManager
 from nanoserve.outputs import RequestMetrics, RequestOutput
 from nanoserve.request import Request, RequestStatus
@@ -47,6 +50,8 @@ from nanoserve.sched.base import Scheduler
 from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import PRIORITIES, SLO, ClassMetrics, RequestClass
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("nanoserve.engine")
 
 
 class Handover(NamedTuple):
@@ -97,15 +102,33 @@ class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer | None,
                  eos_token_ids: frozenset[int] = frozenset(), model_name: str = "model",
                  calibrate_cost_model: bool = False, stream_outputs: bool = True,
-                 pipeline: MicrobatchPipeline | None = None):
+                 pipeline: MicrobatchPipeline | None = None, sampling_defaults: Mapping[str, Any] | None = None,
+                 vocab_size: int | None = None, reasoning_parser: str | None = None,
+                 structured_outputs_backend: str = "llguidance"):
         """`calibrate_cost_model`: scale the policy's cost model by how long steps really take
         (`sched.cost_model.Calibration`); for a real executor, not a mock one. Without
         `stream_outputs`, `step` returns only the requests that finished (the simulator's
         choice: an output per token is a third of a simulated step's cost). `pipeline`: run
         steps through it asynchronously (see the module docstring); the scheduler must be
         configured with `steps_in_flight` equal to its depth. Asynchronous scheduling is such a
-        pipeline of depth 2 over one device (`ModelRunner.submit`)."""
+        pipeline of depth 2 over one device (`ModelRunner.submit`). `sampling_defaults`: the
+        model's recommended sampling (generation_config.py), for callers building parameters.
+        `vocab_size`: the model's logits width (structured outputs' bitmasks cover it; None: the
+        tokenizer's); `reasoning_parser`: the model's reasoning format (a structured output starts
+        after `</think>`); `structured_outputs_backend`: nanoserve.grammar.BACKENDS' name."""
         self.model_name = model_name
+        # What a request's unset sampling fields default to (generation_config.py); read-only.
+        self.sampling_defaults: Mapping[str, Any] = dict(sampling_defaults or {})
+        self.reasoning_parser = reasoning_parser
+        self.vocab_size = vocab_size
+        self.structured_outputs_backend = structured_outputs_backend
+        # Structured outputs (nanoserve/grammar/): grammars compile on a worker thread, off the
+        # step; a request waits here, outside the scheduler, until its grammar is ready (vLLM's
+        # WAITING_FOR_FSM), and others run meanwhile. `_constrained`: live requests with one.
+        self._grammar_backend: GrammarBackend | None = None
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        self._constrained: set[str] = set()
         self.stream_outputs = stream_outputs
         self.calibrate_cost_model = calibrate_cost_model
         self.scheduler = scheduler
@@ -149,6 +172,11 @@ class Engine:
     def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError if a request could never be served. The message is client-facing."""
         limit = self.config.max_model_len
+        if params.prompt_logprobs is not None and not self.executor.supports_prompt_logprobs():
+            raise ValueError("prompt_logprobs is not supported by this engine's executor "
+                             "(pipeline parallelism computes no prompt logits)")
+        if params.structured_outputs is not None:
+            self.grammar_backend().check(params.structured_outputs)  # ValueError naming the field
         if num_prompt_tokens < 1:
             raise ValueError("the prompt must contain at least one token")
         if num_prompt_tokens + params.max_tokens > limit:
@@ -185,23 +213,102 @@ class Engine:
             arrival_time=arrival_time if arrival_time is not None else self.clock(),
             priority=RequestClass(priority), slo=slo if slo is not None else self.config.slo_for(priority),
         )
+        if params.bad_words:
+            request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.requests[request_id] = request
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids,
+                                                                    params.skip_special_tokens)
         self._emitted[request_id] = 0
         self.prompt_tokens_total += len(token_ids)
+        if params.structured_outputs is not None:
+            request.grammar_after_token = self._reasoning_end_token(token_ids)
+            self._awaiting_grammar[request_id] = (request, self.grammar_compiler().submit(params.structured_outputs))
+            return request
+        self._schedule(request)
+        return request
+
+    def _schedule(self, request: Request) -> None:
         self.scheduler.add_request(request)
         if self.scheduler.stops_running_batch_for(request):
             # ConServe Alg. 2: the policy wants the pure-offline forward in flight stopped; the
             # executor (ModelRunner.request_preemption) does it at its next safe point.
             self.executor.request_preemption()
-        return request
+
+    # -- structured outputs ----------------------------------------------------------------
+    def grammar_backend(self) -> GrammarBackend:
+        """The grammar library, made on first use (its tokenizer tables take ~0.2 s to build)."""
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer; this model has none")
+            self._grammar_backend = make_backend(self.structured_outputs_backend, self.tokenizer,
+                                                 self.vocab_size or self.tokenizer.vocab_size)
+        return self._grammar_backend
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.grammar_backend())
+        return self._grammar_compiler
+
+    def _reasoning_end_token(self, prompt: list[int]) -> int | None:
+        """`</think>`'s id if the prompt leaves the model thinking (the template opened `<think>`
+        and did not close it): its structured output starts after that token. vLLM's reasoning
+        parsers gate the grammar the same way."""
+        if self.reasoning_parser is None or self.tokenizer is None:
+            return None
+        start, end = self.tokenizer.token_to_id("<think>"), self.tokenizer.token_to_id("</think>")
+        if start is None or end is None or start not in prompt:
+            return None
+        last_start = len(prompt) - 1 - prompt[::-1].index(start)
+        return end if end not in prompt[last_start:] else None
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammars have compiled; a failed compile ends its request."""
+        if not self._awaiting_grammar:
+            return
+        if not self.scheduler.has_unfinished_requests() and not self._in_flight:
+            # Nothing else to run: wait a little for a compile rather than spin.
+            wait([f for _, f in self._awaiting_grammar.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        for request_id, (request, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            try:
+                request.grammar = future.result().matcher()
+            except Exception as exc:  # a constraint `check` passed that the library still refused
+                request.stop_reason = f"structured_outputs: {exc}"
+                self._finish_unscheduled(request)
+                continue
+            self._constrained.add(request_id)
+            self._schedule(request)
+
+    def _finish_unscheduled(self, request: Request) -> None:
+        """End a request the scheduler never saw (still waiting for its grammar)."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finished_time = self.clock()
+        self.requests_finished_total += 1
+
+    def bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """Each bad word as token ids, spelled at the start of a text and after a space (vLLM
+        tokenizes it both ways too, so that neither "word" nor " word" gets through)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine has none")
+        spellings: dict[tuple[int, ...], None] = {}
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    spellings[ids] = None
+        return [list(ids) for ids in spellings]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its KV. Unknown or finished ids are ignored."""
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if self._awaiting_grammar.pop(request_id, None) is not None:
+            self._finish_unscheduled(request)
+            return self._output(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED, self.clock())
         if not self.has_unfinished_requests():
             self.scheduler.settle()
@@ -261,11 +368,13 @@ class Engine:
         readable. Calling it again is fine."""
         self.executor.shutdown()
         self.executor, self.pipeline = STOPPED, None
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.shutdown(wait=False)
         if self.kv.host_store is not None:  # the policy's host KV (swap, checkpoints, BE pages)
             self.kv.host_store.release()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or bool(self._awaiting_grammar)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`: after weights change, or to
@@ -289,6 +398,7 @@ class Engine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one step; return outputs of those that changed."""
+        self._admit_compiled()
         if self.pipeline is not None:
             return self._pipelined_step(self.pipeline)
         # The scheduler's clock: wall time in a server, virtual time in the simulator, where the
@@ -331,13 +441,15 @@ class Engine:
         postprocess it. Returns [] while it is still filling. The cost model is not calibrated
         here: with steps overlapping, no interval measures one step's cost."""
         try:
-            if len(self._in_flight) < pipeline.depth:
+            # A grammar's next mask needs the token in flight accepted first: while a constrained
+            # request lives, one step at a time (ours; vLLM v1 overlaps them with more machinery).
+            if len(self._in_flight) < pipeline.depth and not (self._constrained and self._in_flight):
                 batch = self.scheduler.schedule()
                 if not batch.is_empty:
                     self.scheduler.update_after_submit(batch)
                     self._in_flight.append(batch)
                     pipeline.submit(batch)
-                    if len(self._in_flight) < pipeline.depth:
+                    if len(self._in_flight) < pipeline.depth and not self._constrained:
                         return []
             if not self._in_flight:
                 self.scheduler.settle()  # nothing runs and nothing is in flight: as `step` does
@@ -357,6 +469,12 @@ class Engine:
 
     def _postprocess(self, batch: SchedulerOutput, result: ExecutorOutput, now: float) -> list[RequestOutput]:
         outputs = []
+        for request_id, (first, rows) in result.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                # A chunk computed again (after a recompute preemption) repeats rows we have.
+                have = len(request.prompt_logprobs)
+                request.prompt_logprobs.extend(rows[have - first:] if first <= have else ())
         for chunk in batch.chunks:
             request = chunk.request
             token = result.sampled.get(request.request_id)
@@ -364,6 +482,14 @@ class Engine:
                 continue
             request.append_token(token, now)
             self.generation_tokens_total += 1
+            if request.grammar is not None and not self._advance_grammar(request, token):
+                # The mask allowed only what the grammar takes, so this is a bug, not the model's:
+                # end this request, keep serving the others.
+                log.error("%s: token %d is not in its grammar; the request is aborted", request.request_id, token)
+                request.stop_reason = "structured_outputs: the output left its grammar"
+                self._finish(request, RequestStatus.FINISHED_ABORTED, now)
+                outputs.append(self._output(request, new_tokens=1))
+                continue
             if request.logprobs is not None:
                 request.logprobs.append(result.logprobs[request.request_id])
             status = self._stop_status(request, token)
@@ -373,24 +499,39 @@ class Engine:
                 outputs.append(self._output(request, new_tokens=1))
         return outputs
 
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> bool:
+        """Step the request's grammar past its new token (or, while it still reasons, wait for
+        the token that ends the reasoning); False if the grammar refuses the token."""
+        assert request.grammar is not None
+        if request.grammar_after_token is not None:
+            if token == request.grammar_after_token:
+                request.grammar_after_token = None
+            return True
+        return request.grammar.accept(token)
+
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
         detok = self._detokenizers.get(request.request_id)
+        # vLLM's min_tokens: no stop of any kind (EOS, stop tokens, stop strings) before it.
+        may_stop = request.num_output_tokens >= params.min_tokens
         if detok is not None:
             before = len(detok.text)
             detok.append(token)
             text = detok.text
             # A stop string this token completed must end in the new text: search only there.
-            for stop in params.stop_strings:
+            for stop in params.stop_strings if may_stop else ():
                 at = text.find(stop, max(0, before - len(stop) + 1))
                 if at >= 0:
-                    request.output_text = text[:at]
+                    request.output_text = text[:at + len(stop) if params.include_stop_str_in_output else at]
                     request.stop_reason = stop
                     return RequestStatus.FINISHED_STOPPED
             request.output_text = text
-        if not params.ignore_eos and token in request.eos_token_ids:
+        if request.grammar is not None and request.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the output is complete: its grammar took EOS
+        if may_stop and not params.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token in params.stop_token_ids:
+        if may_stop and params.stop_token_ids and token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
@@ -429,11 +570,13 @@ class Engine:
             new_token_ids=request.token_ids[len(request.token_ids) - new_tokens:] if new_tokens else [],
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
         if request.is_finished:
             self.requests.pop(rid, None)
             self._detokenizers.pop(rid, None)
             self._emitted.pop(rid, None)
+            self._constrained.discard(rid)
         return output
 
     @staticmethod

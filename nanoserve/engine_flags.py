@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,16 @@ _FLAGS: list[tuple[tuple[str, ...], str, Callable[[str], Any] | str, str, tuple[
     (("--enforce-eager",), "enforce_eager", "switch", "on a GPU: no CUDA graphs", None),
     (("--mixed-graphs",), "mixed_graphs", "switch",
      "on a GPU: CUDA graphs for steps that mix prompt chunks with decodes too", None),
+    (("--reasoning-parser",), "reasoning_parser", str,
+     "the model's reasoning format: split <think>...</think> into reasoning_content; structured outputs start "
+     "after it", ("qwen3", "deepseek_r1")),
+    (("--structured-outputs-backend",), "structured_outputs_backend", str,
+     "the grammar library for structured outputs", ("llguidance",)),
+    (("--generation-config",), "generation_config", str,
+     "default sampling: 'auto' (the model's generation_config.json), 'vllm' (nanoserve's own), or a directory",
+     None),
+    (("--override-generation-config",), "override_generation_config", json.loads,
+     "JSON of default sampling fields that win over generation_config.json, e.g. '{\"temperature\": 0.5}'", None),
 ]
 
 

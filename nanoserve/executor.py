@@ -8,9 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from nanoserve.sched.output import SchedulerOutput
+
+
+class PromptLogprobs(NamedTuple):
+    """The prompt logprobs one step computed for a request: `rows[k]` is prompt token
+    `first + k`'s {token: logprob} (itself and the top alternatives)."""
+
+    first: int
+    rows: list[dict[int, float]]
 
 
 @dataclass
@@ -22,6 +30,7 @@ class ExecutorOutput:
     # The forward stopped at a safe point (ConServe's layer-wise preemption): nothing was
     # computed that counts, and the engine discards the step.
     preempted: bool = False
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # by request id
 
 
 class Executor:
@@ -45,6 +54,11 @@ class Executor:
 
     def shutdown(self) -> None:
         """Stop worker processes and let go of what they hold. Default: nothing to stop."""
+
+    def supports_prompt_logprobs(self) -> bool:
+        """Whether steps compute the logprobs of prompt tokens for requests that ask for them
+        (`ExecutorOutput.prompt_logprobs`). Default: no (the engine refuses such requests)."""
+        return False
 
     def discard_in_flight(self) -> None:
         """Forget the steps submitted and not collected: the engine gave up on them after a

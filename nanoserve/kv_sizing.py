@@ -94,7 +94,10 @@ def kv_budget_bytes(snapshot: MemorySnapshot, utilization: float) -> int:
     return int(snapshot.total * utilization) - snapshot.torch_peak - non_torch
 
 
-WIDEST_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1, logprobs=MAX_LOGPROBS)
+# Every row takes the sampler's widest path: penalties (counts over the vocabulary), min_p, a
+# nucleus too wide for the candidates (bisection over the vocabulary) and the most logprobs.
+WIDEST_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                                 frequency_penalty=0.1, max_tokens=1, logprobs=MAX_LOGPROBS)
 
 
 def profile_batch(max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
@@ -103,10 +106,10 @@ def profile_batch(max_num_batched_tokens: int, max_num_seqs: int, block_size: in
     over min(max_num_seqs, tokens) sequences, every one sampling (so the logits and sampler are
     at their widest too). Returns the batch and the KV blocks it writes to.
 
-    Each draws at random through top-k and top-p and reports the most logprobs (vLLM's dummy
-    sampler run): the sampler's widest path, fp32 copies of the logits, a full sort with int64
-    indices and its cumulative sums (~40 bytes per logit: 0.66 GB for 128 rows of a 128k
-    vocabulary), which a greedy profile would leave out of the budget."""
+    Each draws at random through the penalties, min_p and top-p and reports the most logprobs
+    (vLLM's dummy sampler run): the sampler's widest path, fp32 copies of the logits, the
+    penalties' counts and the nucleus's bisection over the vocabulary, which a greedy profile
+    would leave out of the budget."""
     num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
     chunks, next_block = [], 0
     for i in range(num_seqs):

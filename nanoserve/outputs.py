@@ -17,6 +17,18 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One of a prompt's n completions (vLLM's name and fields)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[dict[int, float]] | None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -34,6 +46,19 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
     # Prompt tokens whose K/V the prefix cache supplied (OpenAI's usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
+    # Per prompt token: its logprob and the top alternatives ({token: logprob}); None for the
+    # first token, which nothing predicts (vLLM's shape). None unless prompt_logprobs was asked.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Every completion of the prompt when SamplingParams.n > 1 (`LLM.generate` fills it; the
+    # fields above are then the first's); None: this output is the only one.
+    choices: list[CompletionOutput] | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The prompt's completions, as vLLM's `RequestOutput.outputs`: n of them, or this one."""
+        if self.choices is not None:
+            return self.choices
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs)]
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,8 @@ from nanoserve.slo import SLO, RequestClass
 if TYPE_CHECKING:
     import torch
 
+    from nanoserve.grammar import GrammarMatcher
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -68,10 +70,20 @@ class Request:
     # so a hash once computed stays right.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     generator: torch.Generator | None = None  # only for requests with their own seed
+    # The token ids of `params.bad_words`, as the engine's tokenizer spells them (Engine.add_request).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Structured outputs: the request's grammar matcher, once its grammar has compiled
+    # (nanoserve/grammar/), and, for a reasoning model still thinking, the token (`</think>`)
+    # after which the grammar starts to apply (None: it applies now).
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
+    grammar_after_token: int | None = None
     # Text state, filled by the engine's detokenizer.
     output_text: str = ""
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # Per prompt token, {token: logprob} with the top alternatives; None for the first (nothing
+    # predicts it). Filled chunk by chunk as the prompt is computed (params.prompt_logprobs).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -82,6 +94,8 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,6 +118,17 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def grammar_active(self) -> bool:
+        """Whether this step's draw is constrained by the request's grammar."""
+        return self.grammar is not None and self.grammar_after_token is None
+
+    @property
+    def min_tokens_stop_ids(self) -> frozenset[int]:
+        """The tokens `params.min_tokens` holds back: EOS (unless ignored) and the stop tokens."""
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(self.params.stop_token_ids or ())
 
     @property
     def is_finished(self) -> bool:

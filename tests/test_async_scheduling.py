@@ -250,6 +250,22 @@ def test_seeded_sampling_draws_the_same_tokens(tiny_llama_dir):
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
 
 
+def test_penalties_count_the_token_in_flight(tiny_llama_dir):
+    """The penalties and min_tokens read a request's latest token while it is still on the device
+    (`RowHistory.pending`): penalized and seeded outputs equal the synchronous engine's."""
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=7 + i, max_tokens=12, ignore_eos=True,
+                             repetition_penalty=1.6, frequency_penalty=0.7, presence_penalty=0.4, min_tokens=3)
+              for i in range(5)]
+    sync = LLM(str(tiny_llama_dir), device="cpu", kv_cache_tokens=2048, block_size=4)
+    asynchronous = LLM(str(tiny_llama_dir), device="cpu", kv_cache_tokens=2048, block_size=4, async_scheduling=True)
+    refs = sync.generate(prompts(5), params, use_tqdm=False)
+    outs = asynchronous.generate(prompts(5), params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    # min_tokens counts the token in flight: a stop token made certain stops right after it.
+    stop = SamplingParams(temperature=0, max_tokens=12, min_tokens=3, stop_token_ids=[9], logit_bias={9: 100.0})
+    assert [len(o.token_ids) for o in asynchronous.generate(prompts(5), stop, use_tqdm=False)] == [4] * 5
+
+
 def test_a_failed_step_leaves_nothing_in_flight(tiny_llama_dir, monkeypatch):
     """A step that raises (the server then aborts every request, `AsyncEngine._fail_all`) leaves
     no step in flight and no token pending: the next requests are served as if none had failed."""

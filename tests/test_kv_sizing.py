@@ -43,14 +43,14 @@ def test_profile_batch_is_the_largest_step():
 
 
 def test_the_profile_samples_by_the_widest_path(tiny_llama_dir, monkeypatch):
-    """Every profiled row draws through top-k and top-p and reports the most logprobs, so the
-    sampler's fp32 copies and sort are in the peak the KV cache is sized beside."""
+    """Every profiled row draws through the penalties and top-p and reports the most logprobs, so
+    the sampler's fp32 copies and temporaries are in the peak the KV cache is sized beside."""
     import nanoserve.model.sampler as sampling
 
     snap = MemorySnapshot(total=GiB, free=GiB // 2, torch_reserved=GiB // 4, torch_peak=GiB // 8)
     monkeypatch.setattr(builder, "memory_probe", lambda device: FakeProbe(snap))
-    filtered, real_filter = [], sampling._apply_top_k_top_p
-    monkeypatch.setattr(sampling, "_apply_top_k_top_p", lambda logits, *a: filtered.append(logits.shape) or
+    filtered, real_filter = [], sampling.apply_top_k_top_p
+    monkeypatch.setattr(sampling, "apply_top_k_top_p", lambda logits, *a: filtered.append(logits.shape) or
                         real_filter(logits, *a))
     LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
     assert filtered == [(4, load_config(tiny_llama_dir).vocab_size)]  # the profile's 4 rows, the whole vocabulary

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.model.sampler import _apply_top_k_top_p, sample
+from nanoserve.model.logits_processors import apply_top_k_top_p
+from nanoserve.model.sampler import sample
 from nanoserve.sampling import SamplingParams
 
 
@@ -50,12 +51,12 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 def test_top_k_top_p_mask():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [0.0, 0.0, 0.0, 10.0]])
     probs = logits.softmax(-1)
-    masked = _apply_top_k_top_p(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))
+    masked = apply_top_k_top_p(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))
     assert torch.isinf(masked[0, 2:]).all() and torch.isfinite(masked[0, :2]).all()
     assert torch.isfinite(masked[1, 3]) and torch.isinf(masked[1, :3]).all()
     # top_p keeps the smallest prefix whose mass reaches p
     p = float(probs[0, 0] + probs[0, 1]) - 1e-4
-    masked = _apply_top_k_top_p(logits[:1], torch.tensor([0]), torch.tensor([p]))
+    masked = apply_top_k_top_p(logits[:1], torch.tensor([0]), torch.tensor([p]))
     assert torch.isfinite(masked[0, :2]).all() and torch.isinf(masked[0, 2:]).all()
 
 

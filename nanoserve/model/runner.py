@@ -42,7 +42,8 @@ import torch
 
 from nanoserve.config import EngineArgs, ModelConfig
 from nanoserve.device import to_device
-from nanoserve.executor import Executor, ExecutorOutput
+from nanoserve.executor import Executor, ExecutorOutput, PromptLogprobs
+from nanoserve.grammar import allocate_bitmask, fill_bitmasks
 from nanoserve.memory.arena import CapacityChange, MemoryArena
 from nanoserve.memory.host import HostKVStore
 from nanoserve.model.attention import AttentionBackend, ForwardContext
@@ -50,6 +51,7 @@ from nanoserve.model.block_table import BlockTableRows
 from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.cuda_graphs import StepGraphs
 from nanoserve.model.layer_peer import LayerPeer
+from nanoserve.model.logits_processors import NO_HISTORY, RowHistory
 from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.model.sampler import DrawsOnDevice, sample_on_device
 from nanoserve.preemption import ForwardPreempted, PreemptionFlag
@@ -65,6 +67,7 @@ class LaunchedStep:
     sampling: list[Request] = field(default_factory=list)  # the requests it draws a token for
     draws: DrawsOnDevice | None = None  # None: nothing drawn (no sampling chunk, or not rank 0)
     preempted: bool = False
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # by request id
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,9 @@ class ModelRunner(Executor):
         if self._preemptible:
             self.preemption.safe_point(layers_done)
 
+    def supports_prompt_logprobs(self) -> bool:
+        return True
+
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
         return self.land(self.launch(batch))
 
@@ -347,6 +353,7 @@ class ModelRunner(Executor):
         preemptible = (self.layerwise_preemption and self.stage_layers is None
                        and all(c.request.priority is RequestClass.OFFLINE for c in batch.chunks))
         sampling = [c.request for c in batch.chunks if c.samples]
+        prompt_logprobs: dict[str, PromptLogprobs] = {}  # a graph never runs a step that wants them
         graph = self._replayable(batch, prepared, preemptible)
         if graph == "decode":
             assert self.graphs is not None  # _replayable found a graph
@@ -362,26 +369,51 @@ class ModelRunner(Executor):
                 hidden = self.run_model(prepared, preemptible=preemptible)
             except ForwardPreempted:
                 return LaunchedStep(preempted=True)
+            prompt_logprobs = self.prompt_logprobs(batch, hidden)
             if not sampling:
-                return LaunchedStep()
+                return LaunchedStep(prompt_logprobs=prompt_logprobs)
             logits = self.model.compute_logits(prepared.sampled(hidden))
         if self.tp.rank != 0:
             return LaunchedStep()
         draws = self.draw(sampling, logits)
         for index, request in enumerate(sampling):
             self._drawing[request.request_id] = (draws.tokens, index)
-        return LaunchedStep(sampling, draws)
+        return LaunchedStep(sampling, draws, prompt_logprobs=prompt_logprobs)
+
+    def prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        """The logprobs of the prompt tokens this step's chunks predict, for requests that ask
+        (`SamplingParams.prompt_logprobs`): row i of a chunk predicts token i + 1, so a chunk
+        over positions [s, e) gives the prompt tokens s + 1 .. e (those inside the prompt), each
+        with its logprob and the top-n alternatives, from the model's own distribution. Every
+        rank computes the logits (their gather is collective under tensor parallelism)."""
+        found: dict[str, PromptLogprobs] = {}
+        offset = 0
+        for chunk in batch.chunks:
+            request, rows = chunk.request, chunk.num_tokens
+            top = request.params.prompt_logprobs
+            first, last = chunk.start + 1, min(chunk.end, request.num_prompt_tokens - 1)  # tokens predicted
+            if top is not None and first <= last:
+                logprobs = self.model.compute_logits(hidden[offset:offset + last - first + 1]).float().log_softmax(-1)
+                targets = torch.tensor(request.prompt_token_ids[first:last + 1], device=logprobs.device)
+                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                values, ids = (t.tolist() for t in logprobs.topk(top, dim=-1)) if top else ([[]] * len(chosen),) * 2
+                found[request.request_id] = PromptLogprobs(first, [
+                    {**dict(zip(i, v)), token: c} for i, v, token, c in zip(ids, values, targets.tolist(), chosen)])
+            offset += rows
+        return found
 
     def land(self, step: LaunchedStep) -> ExecutorOutput:
         """Wait for a launched step's tokens and hand them out; a request whose latest token this
         was is no longer fed from the device (the engine appends it next)."""
         if step.draws is None:
-            return ExecutorOutput(preempted=step.preempted)
+            return ExecutorOutput(preempted=step.preempted, prompt_logprobs=step.prompt_logprobs)
         for request in step.sampling:
             drawing = self._drawing.get(request.request_id)
             if drawing is not None and drawing[0] is step.draws.tokens:
                 del self._drawing[request.request_id]
-        return self._output(step.sampling, step.draws)
+        out = self._output(step.sampling, step.draws)
+        out.prompt_logprobs = step.prompt_logprobs
+        return out
 
     def _replayable(self, batch: SchedulerOutput, prepared: PreparedBatch, preemptible: bool) -> str | None:
         """Which CUDA graph can run this step (cuda_graphs.py): "decode" when every sequence
@@ -390,6 +422,8 @@ class ModelRunner(Executor):
         graphs = self.graphs
         if graphs is None or preemptible or prepared.ctx.directions is not None:
             return None
+        if any(c.request.params.prompt_logprobs is not None for c in batch.chunks):
+            return None  # the graphs keep only the sampled rows' hidden states
         if self.host_store is not None and self.host_store.has_layer_waits:
             return None
         num_seqs, num_tokens = len(batch.chunks), prepared.input_ids.shape[0]
@@ -403,8 +437,23 @@ class ModelRunner(Executor):
         for request in sampling:
             if request.params.seed is not None and request.generator is None:
                 request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+        histories = bitmask = None
+        if any(r.params.needs_logits_processing for r in sampling):
+            histories = [self.history(r) if r.params.needs_logits_processing else NO_HISTORY for r in sampling]
+            # Structured outputs: the tokens each grammar allows next, filled for the batch at
+            # once on the host (while the device may still run the forward), applied before the draw.
+            constrained = [(r.grammar, j) for j, r in enumerate(sampling) if r.grammar is not None and r.grammar_active]
+            if constrained:
+                bitmask = allocate_bitmask(len(sampling), constrained[0][0].vocab_size)
+                fill_bitmasks(constrained, bitmask)
         return sample_on_device(logits, [r.params for r in sampling], [r.generator for r in sampling],
-                                self.generator)
+                                self.generator, histories, bitmask)
+
+    def history(self, request: Request) -> RowHistory:
+        """What the logits processors read of `request`; under asynchronous scheduling its
+        latest token may still be on the device, drawn by the step in flight."""
+        return RowHistory(request.output_token_ids, request.prompt_token_ids, self._drawing.get(request.request_id),
+                          request.min_tokens_stop_ids, request.bad_words_token_ids)
 
     def sample(self, sampling: list[Request], logits: torch.Tensor) -> ExecutorOutput:
         """Draw each request's next token from its row of `logits` (and wait for them)."""

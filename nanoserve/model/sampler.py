@@ -5,6 +5,13 @@ trick, which is multinomial sampling without a cumulative sum) and only falls ba
 work for requests that carry their own seed, so that a seeded request draws the same tokens
 whatever else shares its batch.
 
+    logits ─► rows that ask for masks, biases or penalties: logits_processors.process_rows
+           ─► greedy rows: argmax
+           ─► other rows: / temperature ─► min_p ─► top-k / top-p (no full sort) ─► draw
+
+Rows that ask for nothing but temperature and top-k/top-p are never copied for the processors,
+and a batch without any such row runs exactly what it ran before they existed.
+
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), as vLLM
 and the OpenAI API report them, not of the temperature/top-k/top-p-adjusted one.
 """
@@ -16,6 +23,7 @@ from functools import partial
 import torch
 
 from nanoserve.device import to_device
+from nanoserve.model.logits_processors import RowHistory, apply_min_p, apply_top_k_top_p, process_rows
 from nanoserve.sampling import SamplingParams
 
 
@@ -24,23 +32,6 @@ class SampleResult:
     token_ids: list[int]
     # Per row: {token_id: logprob} with the top-n tokens plus the sampled one, or None.
     logprobs: list[dict[int, float] | None]
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. top_k == 0: no limit."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    drop = ranks >= k.unsqueeze(1)
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # A token is dropped when the mass strictly before it already reaches top_p; the first token
-    # is always kept, so no row is left empty.
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p.unsqueeze(1)
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 @dataclass
@@ -85,9 +76,11 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
+    histories: list[RowHistory] | None = None,
+    grammar_bitmask: torch.Tensor | None = None,
 ) -> SampleResult:
     """Sample one token per row. `generators[i]` is row i's own generator (seeded requests)."""
-    return sample_on_device(logits, params, generators, default_generator).result()
+    return sample_on_device(logits, params, generators, default_generator, histories, grammar_bitmask).result()
 
 
 def sample_on_device(
@@ -95,24 +88,55 @@ def sample_on_device(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
+    histories: list[RowHistory] | None = None,
+    grammar_bitmask: torch.Tensor | None = None,
 ) -> DrawsOnDevice:
-    """`sample` without waiting: the draws are queued on the logits' device."""
+    """`sample` without waiting: the draws are queued on the logits' device. `histories[i]`:
+    what row i's processors read (needed where its params ask for any, `needs_logits_processing`);
+    `grammar_bitmask`: int32 [rows, vocab/32] on the host, the tokens each row's grammar allows
+    (all bits set for rows without one)."""
+    device = logits.device
+    on_device = partial(to_device, device=device)
+    # Logprobs are the model's own (before any processing): taken first, gathered after the draw.
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = logits[on_device(wanted)].float().log_softmax(dim=-1) if wanted else None
+
+    # Rows that ask for masks, biases or penalties are processed in one float32 block.
+    special = [i for i, p in enumerate(params) if p.needs_logits_processing]
+    block: torch.Tensor | None = None
+    where: dict[int, int] = {}  # batch row -> its row in `block`
+    if special:
+        if histories is None:
+            raise ValueError("these sampling parameters need the requests' token histories")
+        block = logits[on_device(special)].float()
+        process_rows(block, [params[i] for i in special], [histories[i] for i in special],
+                     None if grammar_bitmask is None else grammar_bitmask[special])
+        where = {i: j for j, i in enumerate(special)}
+
     # Greedy rows take the argmax in the logits' own dtype (widening to fp32 keeps every value and
     # so the first maximum); only the rows that draw or report logprobs are widened, so a greedy
     # batch skips a copy of its logits twice their size.
     tokens = logits.argmax(dim=-1)
-    device = logits.device
-
-    on_device = partial(to_device, device=device)
+    greedy_special = [i for i in special if params[i].greedy]
+    if greedy_special:
+        assert block is not None
+        tokens[on_device(greedy_special)] = block[on_device([where[i] for i in greedy_special])].argmax(dim=-1)
 
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = on_device(random_rows)
-        rows = logits[idx].float() / on_device([params[i].temperature for i in random_rows], torch.float32).unsqueeze(1)
+        rows = logits[idx].float()
+        in_block = [(j, where[i]) for j, i in enumerate(random_rows) if i in where]
+        if in_block:
+            assert block is not None
+            rows[on_device([j for j, _ in in_block])] = block[on_device([b for _, b in in_block])]
+        rows = rows / on_device([params[i].temperature for i in random_rows], torch.float32).unsqueeze(1)
+        if any(params[i].min_p > 0 for i in random_rows):
+            rows = apply_min_p(rows, on_device([params[i].min_p for i in random_rows], torch.float32))
         if any(params[i].effective_top_k or params[i].top_p < 1 for i in random_rows):
             top_k = on_device([params[i].effective_top_k for i in random_rows])
             top_p = on_device([params[i].top_p for i in random_rows], torch.float32)
-            rows = _apply_top_k_top_p(rows, top_k, top_p)
+            rows = apply_top_k_top_p(rows, top_k, top_p)
         probs = rows.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Seeded rows get their
         # noise from their own generator so their draws do not depend on the batch.
@@ -126,14 +150,11 @@ def sample_on_device(
                 noise[j].exponential_(generator=generators[i])
         tokens[idx] = (probs / noise).argmax(dim=-1)
 
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     host_logprobs = None
-    if wanted:
-        idx = on_device(wanted)
-        logprobs = logits[idx].float().log_softmax(dim=-1)
+    if logprobs is not None:
         k = max(params[i].logprobs or 0 for i in wanted)
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        chosen = logprobs.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)
+        chosen = logprobs.gather(1, tokens[on_device(wanted)].unsqueeze(1)).squeeze(1)
         host_logprobs = (_to_host(chosen), _to_host(top_vals), _to_host(top_ids))
     host_tokens = _to_host(tokens)
     ready = None

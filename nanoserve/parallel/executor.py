@@ -160,6 +160,11 @@ class DriverExecutor(Executor):
         self.failed = f"a parallel step failed, a worker is gone: {exc}"
         return WorkerFailure(self.failed)
 
+    def supports_prompt_logprobs(self) -> bool:
+        """Under tensor parallelism every rank runs the runner's step (prompt logprobs included);
+        a pipeline's stages compute logits on their own path, which has none."""
+        return self.topology.pipeline_parallel_size == 1
+
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
         self._check_workers()
         try:

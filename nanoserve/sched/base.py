@@ -165,6 +165,8 @@ class Scheduler(ABC):
         `num_computed_tokens` asks for more than it gets (`try_chunk` trims the chunk)."""
         if request.num_computed_tokens or request.num_pending_tokens or request.status is not RequestStatus.WAITING:
             return 0
+        if request.params.prompt_logprobs is not None:
+            return 0  # its prompt's logits are wanted, so every token is computed (as in vLLM)
         return self.kv.cached_prefix(request)
 
     def schedulable(self, request: Request) -> bool:

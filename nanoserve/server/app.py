@@ -35,8 +35,10 @@ from nanoserve.server import protocol as P
 from nanoserve.server import responses as R
 from nanoserve.server.admission import Admission
 from nanoserve.server.batches import BatchService
+from nanoserve.server.chat_output import ChatOutputFormat
 from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
+from nanoserve.server.reasoning import THINK_START
 from nanoserve.server.running import Choice, Launch
 from nanoserve.server.streaming import EventStream, unless_disconnected
 from nanoserve.slo import RequestClass
@@ -83,9 +85,11 @@ class OpenAIServer:
             slo = replace(self.engine.default_slo(req.priority), **req.slo.model_dump(exclude_unset=True))
         for prompt in prompts:
             budget = max_tokens if max_tokens is not None else max(1, self.engine.max_model_len - len(prompt))
+            if max_tokens is None and "max_tokens" in self.engine.sampling_defaults:  # generation_config's
+                budget = min(budget, int(self.engine.sampling_defaults["max_tokens"]))
             ids: list[int] = []  # the prompt's token ids, set by its first choice's validation
             for j in range(n):
-                params = req.sampling_params(budget, logprobs, j)
+                params = req.sampling_params(budget, logprobs, j, self.engine.sampling_defaults)
                 if j == 0:
                     try:
                         ids = self.engine.prepare(prompt, params)
@@ -138,12 +142,15 @@ class OpenAIServer:
         choices = self.plan(req, prompts, req.max_tokens, req.logprobs, rid, "prompt")
         prompt_tokens = sum(len(choices[i].token_ids) for i in range(0, len(choices), req.n or 1))
         head = {"id": rid, "object": "text_completion", "created": R.now(), "model": self.model_name}
+        echoed = None
+        if req.echo:  # each prompt's text, as given or as its token ids decode
+            echoed = [p if isinstance(p, str) else tok.decode(p) if tok is not None else "" for p in req.prompt]
         if req.stream:
             return self.stream(self.launch(choices), partial(
                 R.completion_events, head=head, n=len(choices), tokenizer=self.tokenizer, logprobs=req.logprobs,
-                include_usage=req.include_usage, prompt_tokens=prompt_tokens, per_prompt=req.n or 1))
+                include_usage=req.include_usage, prompt_tokens=prompt_tokens, per_prompt=req.n or 1, echoed=echoed))
         finals = await self.finals(self.launch(choices), raw)
-        return R.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens, req.n or 1)
+        return R.completion_response(head, finals, self.tokenizer, req.logprobs, prompt_tokens, req.n or 1, echoed)
 
     # -- /v1/chat/completions ----------------------------------------------------------------
     async def chat(self, req: P.ChatCompletionRequest, raw: Request | None) -> Any:
@@ -154,21 +161,24 @@ class OpenAIServer:
                            "with token ids.")
         try:
             text = tok.apply_chat_template(req.chat_messages(), add_generation_prompt=req.add_generation_prompt
-                                           is not False)
+                                           is not False, **req.template_variables())
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from exc
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        reasoning = self.engine.reasoning_parser is not None
+        fmt = ChatOutputFormat(req.parsed_tools, reasoning, reasoning and text.rstrip().endswith(THINK_START))
         choices = self.plan(req, [ids], req.requested_max_tokens, top_n, rid, "messages",
                             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         head = {"id": rid, "object": "chat.completion", "created": R.now(), "model": self.model_name}
         if req.stream:
             return self.stream(self.launch(choices), partial(
                 R.chat_events, head={**head, "object": "chat.completion.chunk"}, n=len(choices),
-                tokenizer=self.tokenizer, top_n=top_n, include_usage=req.include_usage, prompt_tokens=len(ids)))
+                tokenizer=self.tokenizer, top_n=top_n, include_usage=req.include_usage, prompt_tokens=len(ids),
+                fmt=fmt))
         finals = await self.finals(self.launch(choices), raw)
-        return R.chat_response(head, finals, self.tokenizer, top_n, len(ids))
+        return R.chat_response(head, finals, self.tokenizer, top_n, len(ids), fmt)
 
     # -- one line of a batch -----------------------------------------------------------------
     async def run_batch_request(self, url: str, body: Any) -> dict:
