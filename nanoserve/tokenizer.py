@@ -235,6 +235,8 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
                                      "{'type': 'text', 'text': <string>} (only text is supported)")
                 parts.append(part["text"])
             content = "\n".join(parts)
+        elif content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+            content = ""  # OpenAI's assistant turn that only called tools (templates render the calls)
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}] needs a 'content' that is a string or a list of text parts")
         # transformers drops None-valued keys (e.g. "name": None), which templates handle better.

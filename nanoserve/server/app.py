@@ -137,7 +137,8 @@ class OpenAIServer:
     async def completions(self, req: P.CompletionRequest, raw: Request | None) -> Any:
         self.admit(req)
         tok = self.engine.tokenizer
-        prompts = [tok.encode(p) if isinstance(p, str) and tok is not None else p for p in req.prompt]
+        prompts = [tok.encode(p, add_special_tokens=req.add_special_tokens is not False)
+                   if isinstance(p, str) and tok is not None else p for p in req.prompt]
         rid = f"cmpl-{uuid.uuid4().hex}"
         choices = self.plan(req, prompts, req.max_tokens, req.logprobs, rid, "prompt")
         prompt_tokens = sum(len(choices[i].token_ids) for i in range(0, len(choices), req.n or 1))

@@ -86,6 +86,36 @@ class StructuredOutputsBody(BaseModel):
             raise APIError(str(exc), param="structured_outputs") from exc
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format's `json_schema` (OpenAI): a named schema the output must match."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise APIError("response_format of type json_schema needs a json_schema object.",
+                           param="response_format.json_schema")
+        return StructuredOutputsParams(json=self.json_schema.schema_ or {})
+
+
 UnitFloat = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 OpenAIPenalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
@@ -120,6 +150,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: StrictBool | None = None
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     structured_outputs: StructuredOutputsBody | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it for completions too
     # vLLM's older names for structured outputs, still sent by many clients.
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
@@ -185,8 +216,12 @@ class _SamplingRequest(BaseModel):
         return next(iter(given.values()), None)
 
     def _format_constraint(self) -> dict[str, StructuredOutputsParams]:
-        """The constraint an endpoint's own fields ask for (chat's response_format); none here."""
-        return {}
+        """The constraints the request's format fields ask for (response_format; chat's tool_choice)."""
+        try:
+            constraint = self.response_format.constraint() if self.response_format is not None else None
+        except ValueError as exc:
+            raise APIError(str(exc), param="response_format") from exc
+        return {} if constraint is None else {"response_format": constraint}
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int,
                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -237,6 +272,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
+    add_special_tokens: StrictBool | None = True  # vLLM: what the tokenizer adds (BOS, ...) to a text prompt
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -297,36 +333,6 @@ class ChatMessage(BaseModel):
         return value
 
 
-class JSONSchemaFormat(BaseModel):
-    """response_format's `json_schema` (OpenAI): a named schema the output must match."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    name: StrictStr
-    description: StrictStr | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None  # the output always follows the schema here, strict or not
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: text, json_object, or json_schema."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-    def constraint(self) -> StructuredOutputsParams | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if self.json_schema is None:
-            raise APIError("response_format of type json_schema needs a json_schema object.",
-                           param="response_format.json_schema")
-        return StructuredOutputsParams(json=self.json_schema.schema_ or {})
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -336,7 +342,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool | None = True  # vLLM extension
     add_special_tokens: StrictBool | None = False  # vLLM: the template writes BOS itself
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -358,13 +363,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
 
     def _format_constraint(self) -> dict[str, StructuredOutputsParams]:
-        found: dict[str, StructuredOutputsParams] = {}
-        try:
-            constraint = self.response_format.constraint() if self.response_format is not None else None
-        except ValueError as exc:
-            raise APIError(str(exc), param="response_format") from exc
-        if constraint is not None:
-            found["response_format"] = constraint
+        found = super()._format_constraint()
         # tool_choice "required" or a named function: a grammar that only lets the model call one.
         grammar = tool_choice_grammar(self.tools, self.tool_choice, self.parallel_tool_calls) if self.tools else None
         if grammar is not None:

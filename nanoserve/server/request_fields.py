@@ -33,11 +33,12 @@ NO_EFFECT = frozenset({
     "spaces_between_special_tokens",  # our tokenizers never insert spaces between special tokens
     "return_tokens_as_token_ids", "return_token_ids",  # refused below when true
     "guided_decoding_backend", "structured_outputs_backend",  # one backend here (refused below if another)
+    "modalities",  # ["text"] is what we make; anything else is refused below
+    "include_reasoning",  # vLLM: true (the default) returns reasoning_content, as we do; false refused
 })
 
 REFUSED: dict[str, str] = {
     "audio": "audio output is not supported (text models only)",
-    "modalities": "only text output is supported",
     "prediction": "predicted outputs (speculative decoding) are not supported",
     "web_search_options": "web search is not supported",
     "functions": "the deprecated `functions` field is not supported; send `tools`",
@@ -53,12 +54,15 @@ REFUSED: dict[str, str] = {
     "chat_template": "a per-request chat template is not supported; start the server with --chat-template",
     "continue_final_message": "continue_final_message is not supported",
     "thinking_token_budget": "a thinking-token budget is not supported",
+    "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
+    "media_io_kwargs": "multimodal inputs are not supported",
     "priority_level": "priority_level is not supported (see nanoserve's `priority`: online or offline)",
 }
 
 # A field in NO_EFFECT that *does* change the output at some values is refused at those.
 _NEUTRAL: dict[str, Any] = {"return_tokens_as_token_ids": False, "return_token_ids": False,
-                            "spaces_between_special_tokens": True}
+                            "spaces_between_special_tokens": True, "modalities": ["text"],
+                            "include_reasoning": True}
 _BACKENDS = (None, "auto", "guidance", "llguidance")
 
 _logged: set[str] = set()
