@@ -124,7 +124,8 @@ class Engine:
         self.structured_outputs_backend = structured_outputs_backend
         # Structured outputs (nanoserve/grammar/): grammars compile on a worker thread, off the
         # step; a request waits here, outside the scheduler, until its grammar is ready (vLLM's
-        # WAITING_FOR_FSM), and others run meanwhile. `_constrained`: live requests with one.
+        # WAITING_FOR_FSM), and others run meanwhile. `_constrained`: live requests whose next
+        # draw reads their latest token on the host (a grammar; a bad word of several tokens).
         self._grammar_backend: GrammarBackend | None = None
         self._grammar_compiler: GrammarCompiler | None = None
         self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
@@ -229,6 +230,8 @@ class Engine:
         return request
 
     def _schedule(self, request: Request) -> None:
+        if request.grammar is not None or any(len(word) > 1 for word in request.bad_words_token_ids):
+            self._constrained.add(request.request_id)
         self.scheduler.add_request(request)
         if self.scheduler.stops_running_batch_for(request):
             # ConServe Alg. 2: the policy wants the pure-offline forward in flight stopped; the
@@ -279,7 +282,6 @@ class Engine:
                 request.stop_reason = f"structured_outputs: {exc}"
                 self._finish_unscheduled(request)
                 continue
-            self._constrained.add(request_id)
             self._schedule(request)
 
     def _finish_unscheduled(self, request: Request) -> None:

@@ -104,3 +104,29 @@ def hf_gguf_model(smollm2_dir):
 
     path = find_embedded_gguf()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def write_byte_tokenizer(directory: Path) -> None:
+    """A byte-level tokenizer for a tiny model: one token per byte (ids 0-255, GPT-2's alphabet,
+    no merges), then `<|eos|>` (256), `<think>` (257) and `</think>` (258). Any text encodes, so
+    structured outputs and the reasoning gate run on the tiny models (TINY_VOCAB >= 259). The
+    model's config is told that its EOS is `<|eos|>`."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from nanoserve.tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    backend = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<|eos|>", "<think>", "</think>")])
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    for name in ("config.json", "generation_config.json"):  # the model's EOS is the tokenizer's
+        path = directory / name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            config.update(eos_token_id=256, bos_token_id=None, pad_token_id=None)
+            path.write_text(json.dumps(config))

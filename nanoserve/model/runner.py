@@ -393,7 +393,11 @@ class ModelRunner(Executor):
             top = request.params.prompt_logprobs
             first, last = chunk.start + 1, min(chunk.end, request.num_prompt_tokens - 1)  # tokens predicted
             if top is not None and first <= last:
-                logprobs = self.model.compute_logits(hidden[offset:offset + last - first + 1]).float().log_softmax(-1)
+                logits = self.model.compute_logits(hidden[offset:offset + last - first + 1])
+                if self.tp.rank != 0:  # only rank 0 reports them
+                    offset += rows
+                    continue
+                logprobs = logits.float().log_softmax(-1)
                 targets = torch.tensor(request.prompt_token_ids[first:last + 1], device=logprobs.device)
                 chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
                 values, ids = (t.tolist() for t in logprobs.topk(top, dim=-1)) if top else ([[]] * len(chosen),) * 2

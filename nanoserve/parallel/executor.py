@@ -38,6 +38,7 @@ from nanoserve.parallel.channel import StepChannel
 from nanoserve.parallel.launch import WorkerPool, stop_driver
 from nanoserve.parallel.pipeline import PipelineStage, split_microbatches
 from nanoserve.request import Request
+from nanoserve.sampling import SamplingParams
 from nanoserve.sched.output import ScheduledChunk, SchedulerOutput
 from nanoserve.slo import RequestClass
 
@@ -55,11 +56,18 @@ class ChunkMessage:
     right_to_left: bool
     samples: bool
     priority: RequestClass  # from Request.priority, already a member (and pickled as one)
+    # Prompt logprobs: every rank computes the prompt rows' logits (their gather is collective).
+    prompt_logprobs: int | None = None
+    num_prompt_tokens: int = 0
 
 
 def _chunk_message(c: ScheduledChunk) -> ChunkMessage:
-    return ChunkMessage(c.request.request_id, tuple(c.request.token_ids[c.start:c.end]), c.start,
-                        tuple(c.block_table), c.right_to_left, c.samples, c.request.priority)
+    r = c.request
+    return ChunkMessage(r.request_id, tuple(r.token_ids[c.start:c.end]), c.start, tuple(c.block_table),
+                        c.right_to_left, c.samples, r.priority, r.params.prompt_logprobs, r.num_prompt_tokens)
+
+
+_NO_PARAMS = SamplingParams()
 
 
 @dataclass(frozen=True)
@@ -111,10 +119,13 @@ class StepRequest:
     priority: RequestClass = field(init=False)
     token_ids: Any = field(init=False)
     num_tokens: int = field(init=False)
+    params: SamplingParams = field(init=False)  # only what the runner reads: prompt_logprobs
+    num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         m = self.message
-        self.request_id, self.priority = m.request_id, m.priority
+        self.request_id, self.priority, self.num_prompt_tokens = m.request_id, m.priority, m.num_prompt_tokens
+        self.params = _NO_PARAMS if m.prompt_logprobs is None else SamplingParams(prompt_logprobs=m.prompt_logprobs)
         self.token_ids = _OffsetTokens(m.start, m.token_ids)
         end = m.start + len(m.token_ids)
         self.num_tokens = end if m.samples else end + 1  # what makes `ScheduledChunk.samples` agree
