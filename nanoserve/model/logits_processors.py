@@ -105,30 +105,69 @@ def apply_penalties(rows: torch.Tensor, params: Sequence[SamplingParams], histor
     * frequency and presence (OpenAI's API reference): "mu[j] -> mu[j] - c[j] * alpha_frequency
       - float(c[j] > 0) * alpha_presence", c[j] counting token j in the output only.
 
-    The counts are built on the device from the token ids (one scatter-add per step, as vLLM's
-    sampler does); nothing is kept between steps, so preemption, swaps and discarded steps need
-    no bookkeeping here."""
-    device, vocab = rows.device, rows.shape[1]
+    Nothing is kept between steps, so preemption, swaps and discarded steps need no bookkeeping.
+    On a GPU the counts are dense, [rows, vocab], built by one scatter-add (vLLM's sampler's
+    way: no wait for the device); on a CPU only the (row, token) pairs that occur are touched,
+    a few hundred per row instead of ten passes over the vocabulary (60 -> ~5 ms for 64 rows,
+    benchmarks/sampling.py)."""
+    device = rows.device
     block = rows if index is None else rows[index]
-    counts = _token_counts([h.output_token_ids for h in histories], vocab, device)
     pending = [(j, h.pending) for j, h in enumerate(histories) if h.pending is not None]
-    if pending:  # asynchronous scheduling: the token the step in flight draws, still on the device
-        pending_rows = torch.tensor([j for j, _ in pending], device=device)
-        pending_tokens = torch.stack([tokens[i] for _, (tokens, i) in pending]).to(device)
-        counts.index_put_((pending_rows, pending_tokens), torch.ones_like(pending_tokens, dtype=counts.dtype),
-                          accumulate=True)
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    if bool((repetition != 1).any()):
-        seen = (_token_counts([h.prompt_token_ids for h in histories], vocab, device) > 0) | (counts > 0)
-        scaled = torch.where(block > 0, block / repetition, block * repetition)
-        block = torch.where(seen, scaled, block)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-    block = block - counts * frequency - (counts > 0).to(block.dtype) * presence
+    pending_rows = torch.tensor([j for j, _ in pending], device=device, dtype=torch.int64)
+    # asynchronous scheduling: the tokens the step in flight draws, still on the device
+    pending_tokens = (torch.stack([tokens[i] for _, (tokens, i) in pending]).to(device) if pending
+                      else torch.zeros(0, device=device, dtype=torch.int64))
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)
+    if device.type == "cpu":
+        _sparse_penalties(block, histories, (pending_rows, pending_tokens), repetition, frequency, presence)
+    else:
+        block = _dense_penalties(block, histories, (pending_rows, pending_tokens), repetition, frequency, presence)
     if index is None:
-        rows.copy_(block)
+        if block is not rows:
+            rows.copy_(block)
     else:
         rows[index] = block
+
+
+def _occurrences(token_lists: Sequence[Sequence[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (row, token) pair of the lists, as two int64 tensors on the host."""
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
+    tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64).clamp(max=vocab - 1)
+    return torch.repeat_interleave(torch.arange(len(token_lists)), lengths), tokens
+
+
+def _sparse_penalties(block: torch.Tensor, histories: Sequence[RowHistory],
+                      pending: tuple[torch.Tensor, torch.Tensor], repetition: torch.Tensor,
+                      frequency: torch.Tensor, presence: torch.Tensor) -> None:
+    """In place, touching only the tokens that occur (a CPU's way; see apply_penalties)."""
+    vocab = block.shape[1]
+    out_rows, out_tokens = _occurrences([h.output_token_ids for h in histories], vocab)
+    out_rows, out_tokens = torch.cat([out_rows, pending[0]]), torch.cat([out_tokens, pending[1]])
+    keys, counts = torch.unique(out_rows * vocab + out_tokens, return_counts=True)
+    if bool((repetition != 1).any()):
+        prompt_rows, prompt_tokens = _occurrences([h.prompt_token_ids for h in histories], vocab)
+        seen = torch.unique(torch.cat([prompt_rows * vocab + prompt_tokens, keys]))
+        r, t = seen // vocab, seen % vocab
+        values, penalty = block[r, t], repetition[r]
+        block[r, t] = torch.where(values > 0, values / penalty, values * penalty)
+    r, t = keys // vocab, keys % vocab
+    block.index_put_((r, t), -(counts.to(block.dtype) * frequency[r] + presence[r]), accumulate=True)
+
+
+def _dense_penalties(block: torch.Tensor, histories: Sequence[RowHistory],
+                     pending: tuple[torch.Tensor, torch.Tensor], repetition: torch.Tensor,
+                     frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """The penalized block, from [rows, vocab] counts (a GPU's way: no wait for the device)."""
+    device, vocab = block.device, block.shape[1]
+    counts = _token_counts([h.output_token_ids for h in histories], vocab, device)
+    counts.index_put_(pending, torch.ones_like(pending[1], dtype=counts.dtype), accumulate=True)
+    if bool((repetition != 1).any()):
+        seen = (_token_counts([h.prompt_token_ids for h in histories], vocab, device) > 0) | (counts > 0)
+        penalty = repetition.unsqueeze(1)
+        block = torch.where(seen, torch.where(block > 0, block / penalty, block * penalty), block)
+    return block - counts * frequency.unsqueeze(1) - torch.where(counts > 0, presence.unsqueeze(1), 0.0)
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -153,12 +192,13 @@ def apply_min_p(rows: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return rows.masked_fill(probs < threshold, float("-inf"))
 
 
-# top-k / top-p without sorting the vocabulary: a sort of 64 x 49,152 logits takes 96 ms on our
-# 2-core CPU, top-64 of them 1.6 ms (benchmarks/sampling.py). A nucleus of top_p = 0.9 usually
-# lies within the top few dozen tokens, so the top TOP_P_CANDIDATES are sorted and summed; a row
-# whose nucleus is wider (a flat distribution) finds its cut-off by bisection on the probability
-# instead, BISECTION_STEPS passes over the row, never a sort.
-TOP_P_CANDIDATES = 64
+# top-k / top-p without sorting the vocabulary: a sort of 64 x 49,152 logits takes ~100 ms on
+# our 2-core CPU, their top 64 ~2 ms (benchmarks/sampling.py). A nucleus of top_p = 0.9 of a
+# trained model's logits usually lies within the top few dozen tokens, so the top candidates are
+# sorted and summed, in tiers (TOP_P_TIERS: 64, then 1,024 for the rows whose nucleus is wider);
+# a row whose nucleus is wider still (a flat distribution) finds its cut-off by bisection on the
+# probability, BISECTION_STEPS passes over the row, never a sort (about as slow as one there).
+TOP_P_TIERS = (64, 1024)
 BISECTION_STEPS = 24
 
 
@@ -167,7 +207,7 @@ def apply_top_k_top_p(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
     The nucleus is HF's and vLLM's: the most likely tokens, in order, up to and including the one
     whose cumulative probability first reaches top_p (always at least one). Exact where the cut
-    falls within the candidates; otherwise, by bisection, up to probabilities within
+    falls within a tier's candidates; otherwise, by bisection, up to probabilities within
     2**-BISECTION_STEPS of the cut-off's (ties at a cut-off, top-k's included, are all kept)."""
     vocab = rows.shape[-1]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
@@ -179,30 +219,37 @@ def apply_top_k_top_p(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     if not bool(nucleus.any()):
         return rows
     probs = rows.softmax(dim=-1)
-    width = min(vocab, max(TOP_P_CANDIDATES, int(k.max()) if limited else 0))
-    top_probs, top_ids = probs.topk(width, dim=-1)  # sorted, largest first
-    mass_before = top_probs.cumsum(dim=-1) - top_probs
-    keep_sorted = mass_before < top_p.unsqueeze(1)
-    keep_sorted[:, 0] = True
-    # The cut lies within the candidates if the mass before the last one already reaches top_p.
-    resolved = (~keep_sorted[:, -1]) | (~nucleus) | (width == vocab)
-    keep = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, top_ids, keep_sorted)
-    if not bool(resolved.all()):
-        wide = (~resolved).nonzero().squeeze(1)
-        keep[wide] = _nucleus_by_bisection(probs[wide], top_p[wide])
+    keep = torch.zeros_like(rows, dtype=torch.bool)
     keep |= ~nucleus.unsqueeze(1)
+    pending = nucleus.nonzero().squeeze(1)  # rows whose cut-off is not found yet
+    floor = probs.new_ones(rows.shape[0], 1)  # below this lies a pending row's cut-off
+    for tier in TOP_P_TIERS:
+        width = min(vocab, max(tier, int(k.max()) if limited else 0))
+        top_probs, top_ids = probs[pending].topk(width, dim=-1)  # sorted, largest first
+        mass_before = top_probs.cumsum(dim=-1) - top_probs
+        keep_sorted = mass_before < top_p[pending].unsqueeze(1)
+        keep_sorted[:, 0] = True
+        # The cut lies within the candidates if the mass before the last one already reaches top_p.
+        resolved = ~keep_sorted[:, -1] | (width == vocab)
+        done = pending[resolved]
+        keep[done] = torch.zeros_like(keep[done]).scatter_(1, top_ids[resolved], keep_sorted[resolved])
+        floor[pending] = top_probs[:, -1:]
+        pending = pending[~resolved]
+        if not len(pending):
+            return rows.masked_fill(~keep, float("-inf"))
+    keep[pending] = _nucleus_by_bisection(probs[pending], top_p[pending], floor[pending])
     return rows.masked_fill(~keep, float("-inf"))
 
 
-def _nucleus_by_bisection(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _nucleus_by_bisection(probs: torch.Tensor, top_p: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """The keep-mask of each row's nucleus: tokens at least as likely as the largest threshold
-    t whose tokens (p >= t) still hold top_p of the mass."""
+    t whose tokens (p >= t) still hold top_p of the mass, searched below `high` ([rows, 1])."""
     low = torch.zeros(probs.shape[0], 1, device=probs.device, dtype=probs.dtype)
-    high = probs.amax(dim=-1, keepdim=True)
     target = top_p.unsqueeze(1)
     for _ in range(BISECTION_STEPS):
         mid = (low + high) / 2
-        enough = (probs * (probs >= mid)).sum(dim=-1, keepdim=True) >= target
+        # torch.where, not probs * mask: a float-by-bool product is 8x slower on a CPU
+        enough = torch.where(probs >= mid, probs, 0.0).sum(dim=-1, keepdim=True) >= target
         low = torch.where(enough, mid, low)
         high = torch.where(enough, high, mid)
     return probs >= low

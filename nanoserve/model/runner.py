@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,17 @@ from nanoserve.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.request import Request
 from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import RequestClass
+
+
+def grammar_bitmask(sampling: list[Request]) -> torch.Tensor | None:
+    """The tokens each sampling request's grammar allows next (int32 bits, all set for requests
+    without one), filled for the batch at once; None if no grammar constrains this draw."""
+    constrained = [(r.grammar, j) for j, r in enumerate(sampling) if r.grammar is not None and r.grammar_active]
+    if not constrained:
+        return None
+    bitmask = allocate_bitmask(len(sampling), constrained[0][0].vocab_size)
+    fill_bitmasks(constrained, bitmask)
+    return bitmask
 
 
 @dataclass
@@ -151,6 +163,7 @@ class ModelRunner(Executor):
         self._launched: deque[LaunchedStep] = deque()
         self._drawing: dict[str, tuple[torch.Tensor, int]] = {}
         self.block_tables = BlockTableRows(pin_memory=device.type == "cuda")  # kept between steps
+        self._grammar_masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoserve-masks")
         sizes, mixed = sorted(set(cuda_graph_sizes)), sorted(set(mixed_graph_sizes))
         if (sizes or mixed) and (arena is not None or tp.size > 1 or stage_layers is not None):
             raise ValueError("CUDA graphs need a single-rank runner whose layers never change (no arena)")
@@ -324,6 +337,9 @@ class ModelRunner(Executor):
     def supports_prompt_logprobs(self) -> bool:
         return True
 
+    def shutdown(self) -> None:
+        self._grammar_masks.shutdown(wait=False)
+
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
         return self.land(self.launch(batch))
 
@@ -353,6 +369,9 @@ class ModelRunner(Executor):
         preemptible = (self.layerwise_preemption and self.stage_layers is None
                        and all(c.request.priority is RequestClass.OFFLINE for c in batch.chunks))
         sampling = [c.request for c in batch.chunks if c.samples]
+        # Structured outputs: the grammars' masks are filled on a thread while the forward runs
+        # (llguidance releases the GIL), as vLLM fills them while the GPU computes the logits.
+        masks = self._grammar_masks.submit(grammar_bitmask, sampling) if self._needs_masks(sampling) else None
         prompt_logprobs: dict[str, PromptLogprobs] = {}  # a graph never runs a step that wants them
         graph = self._replayable(batch, prepared, preemptible)
         if graph == "decode":
@@ -375,7 +394,7 @@ class ModelRunner(Executor):
             logits = self.model.compute_logits(prepared.sampled(hidden))
         if self.tp.rank != 0:
             return LaunchedStep()
-        draws = self.draw(sampling, logits)
+        draws = self.draw(sampling, logits, masks)
         for index, request in enumerate(sampling):
             self._drawing[request.request_id] = (draws.tokens, index)
         return LaunchedStep(sampling, draws, prompt_logprobs=prompt_logprobs)
@@ -436,22 +455,23 @@ class ModelRunner(Executor):
             return "decode"
         return "mixed" if graphs.can_replay_mixed(num_tokens, num_seqs, width) else None
 
-    def draw(self, sampling: list[Request], logits: torch.Tensor) -> DrawsOnDevice:
-        """Queue the draw of each request's next token from its row of `logits`."""
+    def draw(self, sampling: list[Request], logits: torch.Tensor,
+             masks: Future[torch.Tensor | None] | None = None) -> DrawsOnDevice:
+        """Queue the draw of each request's next token from its row of `logits`. `masks`: the
+        grammars' bitmask being filled since the step was launched (None: filled here)."""
         for request in sampling:
             if request.params.seed is not None and request.generator is None:
                 request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
         histories = bitmask = None
         if any(r.params.needs_logits_processing for r in sampling):
             histories = [self.history(r) if r.params.needs_logits_processing else NO_HISTORY for r in sampling]
-            # Structured outputs: the tokens each grammar allows next, filled for the batch at
-            # once on the host (while the device may still run the forward), applied before the draw.
-            constrained = [(r.grammar, j) for j, r in enumerate(sampling) if r.grammar is not None and r.grammar_active]
-            if constrained:
-                bitmask = allocate_bitmask(len(sampling), constrained[0][0].vocab_size)
-                fill_bitmasks(constrained, bitmask)
+            bitmask = masks.result() if masks is not None else grammar_bitmask(sampling)
         return sample_on_device(logits, [r.params for r in sampling], [r.generator for r in sampling],
                                 self.generator, histories, bitmask)
+
+    @staticmethod
+    def _needs_masks(sampling: list[Request]) -> bool:
+        return any(r.grammar_active for r in sampling)
 
     def history(self, request: Request) -> RowHistory:
         """What the logits processors read of `request`; under asynchronous scheduling its

@@ -63,6 +63,15 @@ class DrawsOnDevice:
         return SampleResult(token_list, logprob_rows)
 
 
+def _exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill `out` with Exp(1) noise, in place. On a CPU as -log(U), U uniform: the same
+    distribution, 5x faster than torch's `exponential_` there (9 against 46 ms for 64 x 49,152
+    on our 2 cores); on a GPU `exponential_` is the fast one."""
+    if out.device.type == "cpu":
+        return out.uniform_(generator=generator).log_().neg_()
+    return out.exponential_(generator=generator)
+
+
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """Start copying a device tensor into page-locked host memory (returns it at once)."""
     if tensor.device.type == "cpu":
@@ -108,10 +117,17 @@ def sample_on_device(
     if special:
         if histories is None:
             raise ValueError("these sampling parameters need the requests' token histories")
-        block = logits[on_device(special)].float()
+        every_row = len(special) == len(params)
+        # Every row processed (a batch of constrained requests): in place, no gather and no copy
+        # (logprobs are taken already, and the logits are this step's own).
+        block = (logits if logits.dtype == torch.float32 else logits.float()) if every_row \
+            else logits[on_device(special)].float()
         process_rows(block, [params[i] for i in special], [histories[i] for i in special],
-                     None if grammar_bitmask is None else grammar_bitmask[special])
-        where = {i: j for j, i in enumerate(special)}
+                     None if grammar_bitmask is None else grammar_bitmask if every_row else grammar_bitmask[special])
+        if every_row:
+            logits, special = block, []  # from here on, the processed logits are the logits
+        else:
+            where = {i: j for j, i in enumerate(special)}
 
     # Greedy rows take the argmax in the logits' own dtype (widening to fp32 keeps every value and
     # so the first maximum); only the rows that draw or report logprobs are widened, so a greedy
@@ -120,7 +136,7 @@ def sample_on_device(
     greedy_special = [i for i in special if params[i].greedy]
     if greedy_special:
         assert block is not None
-        tokens[on_device(greedy_special)] = block[on_device([where[i] for i in greedy_special])].argmax(dim=-1)
+        tokens[on_device(greedy_special)] = block.argmax(dim=-1)[on_device([where[i] for i in greedy_special])]
 
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -140,14 +156,18 @@ def sample_on_device(
         probs = rows.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Seeded rows get their
         # noise from their own generator so their draws do not depend on the batch.
-        noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(random_rows) if generators[i] is None]
-        if unseeded:
-            noise[on_device(unseeded)] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_(
-                generator=default_generator)
-        for j, i in enumerate(random_rows):
-            if generators[i] is not None:
-                noise[j].exponential_(generator=generators[i])
+        if len(unseeded) == len(random_rows):
+            noise = _exponential_(torch.empty_like(probs), default_generator)
+        else:
+            noise = torch.empty_like(probs)
+            if unseeded:
+                noise[on_device(unseeded)] = _exponential_(torch.empty(len(unseeded), probs.shape[1], device=device),
+                                                           default_generator)
+            for j, i in enumerate(random_rows):
+                own = generators[i]
+                if own is not None:
+                    _exponential_(noise[j], own)
         tokens[idx] = (probs / noise).argmax(dim=-1)
 
     host_logprobs = None
