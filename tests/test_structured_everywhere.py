@@ -128,3 +128,40 @@ def test_prompt_logprobs_and_bad_words_under_tensor_parallelism_and_async_schedu
             assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
             for a, b in zip(out.prompt_logprobs[1:], r.prompt_logprobs[1:]):
                 assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_keep_the_mask_outside(reference, tiny_dir):
+    """On a GPU decode steps replay CUDA graphs; the grammar's mask is applied to the logits the
+    graph returns, before the draw: outputs valid, greedy ones equal the CPU's fp32 ones (or a
+    near-tie), mixed graphs too."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    prompts, params = requests()
+    with LLM(str(tiny_dir), device="cuda", dtype="float32", kv_cache_tokens=4096, mixed_graphs=True) as llm:
+        assert llm.engine.executor.graphs is not None
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    check(outputs, params)
+
+
+def test_chat_template_variables_reach_the_template(tiny_dir, tmp_path):
+    """`tools` and `chat_template_kwargs` (Qwen3's enable_thinking) are template variables, as in
+    transformers: a template that reads them renders them."""
+    import json
+    import shutil
+
+    directory = tmp_path / "templated"
+    shutil.copytree(tiny_dir, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if tools %}TOOLS {{ tools | map(attribute='function') | map(attribute='name') "
+                               "| join(',') }}\n{% endif %}{% if enable_thinking is false %}<think></think>{% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    with LLM(str(directory), device="cpu", dtype="float32", kv_cache_tokens=1024) as llm:
+        tools = [{"type": "function", "function": {"name": "get_time"}}]
+        out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                       tools=tools, chat_template_kwargs={"enable_thinking": False})[0]
+        prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert prompt == "user: hi\nTOOLS get_time\n<think></think>"

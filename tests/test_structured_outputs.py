@@ -107,14 +107,22 @@ def test_an_invalid_constraint_is_refused_before_any_work(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_a_request_waiting_for_its_grammar_holds_nobody_back(llm, monkeypatch):
-    """The compile runs on a worker thread: while it is stuck, the other requests finish."""
+@pytest.fixture
+def stuck_compiles(llm, monkeypatch):
+    """Every grammar compile waits until the test sets the returned event."""
     import threading
 
     gate = threading.Event()
     backend = llm.engine.grammar_backend()
     real = type(backend).compile
     monkeypatch.setattr(type(backend), "compile", lambda self, spec: (gate.wait(30), real(self, spec))[1])
+    yield gate
+    gate.set()
+
+
+def test_a_request_waiting_for_its_grammar_holds_nobody_back(llm, stuck_compiles):
+    """The compile runs on a worker thread: while it is stuck, the other requests finish."""
+    gate = stuck_compiles
     engine = llm.engine
     spec = StructuredOutputsParams(regex="[a-z]{3,5}")  # not compiled before: a cache miss
     waiting = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
@@ -128,15 +136,8 @@ def test_a_request_waiting_for_its_grammar_holds_nobody_back(llm, monkeypatch):
     assert re.fullmatch("[a-z]{3,5}", waiting.output_text)
 
 
-def test_abort_while_waiting_for_the_grammar(llm, monkeypatch):
-    import threading
-
-    gate = threading.Event()
-    backend = llm.engine.grammar_backend()
-    real = type(backend).compile
-    monkeypatch.setattr(type(backend), "compile", lambda self, spec: (gate.wait(30), real(self, spec))[1])
+def test_abort_while_waiting_for_the_grammar(llm, stuck_compiles):
     engine = llm.engine
     request = engine.add_request(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{4}")))
     out = engine.abort_request(request.request_id)
     assert out is not None and out.finish_reason == "abort" and not engine.has_unfinished_requests()
-    gate.set()

@@ -371,7 +371,9 @@ class ModelRunner(Executor):
         sampling = [c.request for c in batch.chunks if c.samples]
         # Structured outputs: the grammars' masks are filled on a thread while the forward runs
         # (llguidance releases the GIL), as vLLM fills them while the GPU computes the logits.
-        masks = self._grammar_masks.submit(grammar_bitmask, sampling) if self._needs_masks(sampling) else None
+        masks = None
+        if self.tp.rank == 0 and self._needs_masks(sampling):  # only rank 0 samples
+            masks = self._grammar_masks.submit(grammar_bitmask, sampling)
         prompt_logprobs: dict[str, PromptLogprobs] = {}  # a graph never runs a step that wants them
         graph = self._replayable(batch, prepared, preemptible)
         if graph == "decode":
