@@ -106,8 +106,11 @@ def test_bad_constraints_are_400s_naming_the_field(server: LiveServer, body, par
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_tool_calls_validate_against_the_schema(server: LiveServer, client: OpenAI, tool_choice):
+    # One call each (parallel_tool_calls=False): a sampled 135M model may otherwise go on adding
+    # calls until max_tokens.
     response = client.chat.completions.create(model=server.model, messages=USER, tools=[WEATHER, TIME],
-                                              tool_choice=tool_choice, max_tokens=80, temperature=0.8, seed=1, n=2)
+                                              tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=120,
+                                              temperature=0.8, seed=1, n=2)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for choice in response.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
