@@ -179,7 +179,7 @@ def build_engine_and_runner(args: EngineArgs) -> tuple[Engine, ModelRunner]:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     cfg = load_config(path)
-    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    tokenizer = Tokenizer.from_dir(path, args.chat_template) if (path / "tokenizer.json").exists() else None
 
     policy = scheduler_class(args.policy)  # an unknown policy fails before any memory is allocated
     if microbatches_in_flight(args) > 1 and not policy.ASYNC_PIPELINE:

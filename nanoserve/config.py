@@ -85,6 +85,8 @@ class EngineArgs:
     # generation_config.json, "vllm" ignores it, or a directory to read it from; the overrides
     # win over the file (vLLM's --generation-config and --override-generation-config).
     generation_config: str = "auto"
+    # A chat template that replaces the model's (a file, or the template's text; vLLM's --chat-template).
+    chat_template: str | None = None
     # The reasoning format the model writes (vLLM's --reasoning-parser: "qwen3", "deepseek_r1",
     # both <think>…</think>): the server splits it into reasoning_content, and a request's
     # structured output applies after the reasoning ends. None: the model does not reason.

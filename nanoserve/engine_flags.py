@@ -69,6 +69,8 @@ _FLAGS: list[tuple[tuple[str, ...], str, Callable[[str], Any] | str, str, tuple[
      "after it", ("qwen3", "deepseek_r1")),
     (("--structured-outputs-backend",), "structured_outputs_backend", str,
      "the grammar library for structured outputs", ("llguidance",)),
+    (("--chat-template",), "chat_template", str,
+     "a chat template that replaces the model's: a Jinja file, or the template's text", None),
     (("--generation-config",), "generation_config", str,
      "default sampling: 'auto' (the model's generation_config.json), 'vllm' (nanoserve's own), or a directory",
      None),

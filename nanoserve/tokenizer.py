@@ -69,7 +69,9 @@ class Tokenizer:
         self._token_strs: dict[int, str] = {}
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer in `path`; `chat_template` (a file, or the template's text: vLLM's
+        --chat-template) replaces the model's own."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json (nanoserve needs a fast tokenizer)")
@@ -79,7 +81,8 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             value = _read_json(path / name).get("eos_token_id")
             eos.update([value] if isinstance(value, int) else value or [])
-        return cls(backend, config, frozenset(eos), _chat_template(path, config))
+        template = read_chat_template(chat_template) if chat_template is not None else _chat_template(path, config)
+        return cls(backend, config, frozenset(eos), template)
 
     def _register_special_tokens(self) -> None:
         # transformers makes every named special token, and any extra listed ones, special in the
@@ -275,6 +278,17 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given by the user: the text of a file, or the template itself (it has
+    Jinja's `{{` or `{%`); anything else is a file that does not exist."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat template {value!r}: no such file (give a file, or the template's text)")
+    return path.read_text()
 
 
 def _chat_template(path: Path, config: dict[str, Any]) -> str | None:

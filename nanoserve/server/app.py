@@ -19,38 +19,54 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
+from nanoserve import __version__
 from nanoserve.async_engine import AsyncEngine
 from nanoserve.outputs import RequestOutput
 from nanoserve.server import protocol as P
 from nanoserve.server import responses as R
 from nanoserve.server.admission import Admission
+from nanoserve.server.auth import APIKeyMiddleware
 from nanoserve.server.batches import BatchService
 from nanoserve.server.chat_output import ChatOutputFormat
 from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
 from nanoserve.server.reasoning import THINK_START
+from nanoserve.server.request_ids import RequestIdMiddleware
 from nanoserve.server.running import Choice, Launch
 from nanoserve.server.streaming import EventStream, unless_disconnected
 from nanoserve.slo import RequestClass
 
 
+@dataclass(frozen=True)
+class CORSOptions:
+    """Which browser origins may call the API (Starlette's CORSMiddleware; vLLM's flags and
+    defaults: any origin, method and header, no credentials)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 class OpenAIServer:
     """The routes' logic, kept off the FastAPI objects so it reads top to bottom."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, *, max_queued: int | None = None,
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], *, max_queued: int | None = None,
                  request_timeout: float | None = None) -> None:
         self.engine = engine
-        self.model_name = served_model_name
+        self.model_name = served_model_names[0]  # the one responses name
+        self.model_names = frozenset(served_model_names)  # any of them may be asked for
         self.metrics = ServerMetrics()
         engine.step_observers.append(self.metrics.observe_step)
         self.admission = Admission(max_queued)
@@ -63,8 +79,7 @@ class OpenAIServer:
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, req: P._SamplingRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise model_not_found(req.model)
+        self.check_model(req.model)
         req.check_supported()
         if not self.engine.is_running:
             raise APIError(f"The engine is not running ({self.engine.last_error or 'stopped'}).", 503)
@@ -73,11 +88,12 @@ class OpenAIServer:
 
     def plan(self, req: P._SamplingRequest, prompts: list[str | list[int]], max_tokens: int | None,
              logprobs: int | None, prefix: str, prompt_field: str, max_tokens_field: str = "max_tokens",
-             ) -> list[Choice]:
+             raw: Request | None = None) -> list[Choice]:
         """Validate each prompt against the context window and make n choices per prompt.
         Without max_tokens a choice may use the rest of the context, as in vLLM."""
         choices: list[Choice] = []
         n = req.n or 1
+        http_request_id = raw.state.request_id if raw is not None else None
         limits = [t for t in (self.request_timeout, req.timeout) if t is not None]
         deadline = time.monotonic() + min(limits) if limits else None
         slo = None
@@ -98,10 +114,14 @@ class OpenAIServer:
                         raise APIError(str(exc), param=max_tokens_field if long and max_tokens is not None
                                        else prompt_field) from exc
                 choices.append(Choice(len(choices), ids, params, f"{prefix}-{len(choices)}", req.priority, slo,
-                                      deadline))
+                                      deadline, http_request_id))
         # Last, once the request is known to be valid: a malformed one is a 400, never a 429.
         self.admission.check(req.priority, len(choices))
         return choices
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise model_not_found(model)
 
     # -- running -----------------------------------------------------------------------------
     def launch(self, choices: list[Choice]) -> Launch:
@@ -140,7 +160,7 @@ class OpenAIServer:
         prompts = [tok.encode(p, add_special_tokens=req.add_special_tokens is not False)
                    if isinstance(p, str) and tok is not None else p for p in req.prompt]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        choices = self.plan(req, prompts, req.max_tokens, req.logprobs, rid, "prompt")
+        choices = self.plan(req, prompts, req.max_tokens, req.logprobs, rid, "prompt", raw=raw)
         prompt_tokens = sum(len(choices[i].token_ids) for i in range(0, len(choices), req.n or 1))
         head = {"id": rid, "object": "text_completion", "created": R.now(), "model": self.model_name}
         echoed = None
@@ -160,18 +180,15 @@ class OpenAIServer:
         if tok is None:
             raise APIError("This model has no tokenizer, so chat is unavailable; use /v1/completions "
                            "with token ids.")
-        try:
-            text = tok.apply_chat_template(req.chat_messages(), add_generation_prompt=req.add_generation_prompt
-                                           is not False, **req.template_variables())
-        except ValueError as exc:
-            raise APIError(str(exc), param="messages") from exc
+        text = self.render_chat(req.chat_messages(), req.add_generation_prompt is not False, req.template_variables())
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = self.engine.reasoning_parser is not None
         fmt = ChatOutputFormat(req.parsed_tools, reasoning, reasoning and text.rstrip().endswith(THINK_START))
         choices = self.plan(req, [ids], req.requested_max_tokens, top_n, rid, "messages",
-                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                            raw=raw)
         head = {"id": rid, "object": "chat.completion", "created": R.now(), "model": self.model_name}
         if req.stream:
             return self.stream(self.launch(choices), partial(
@@ -180,6 +197,44 @@ class OpenAIServer:
                 fmt=fmt))
         finals = await self.finals(self.launch(choices), raw)
         return R.chat_response(head, finals, self.tokenizer, top_n, len(ids), fmt)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    variables: dict[str, Any]) -> str:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError("This model has no tokenizer, so chat is unavailable; use /v1/completions "
+                           "with token ids.")
+        try:
+            return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
+        except ValueError as exc:
+            raise APIError(str(exc), param="messages") from exc
+
+    # -- /tokenize, /detokenize (vLLM's) -----------------------------------------------------
+    def tokenize(self, req: P.TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        req.check()
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError("This model has no tokenizer.")
+        if req.messages is not None:
+            variables = {**(req.chat_template_kwargs or {}), **({"tools": req.tools} if req.tools else {})}
+            text = self.render_chat([m.model_dump(exclude_none=True) for m in req.messages],
+                                    req.add_generation_prompt is not False, variables)
+            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            assert req.prompt is not None  # check(): exactly one of them
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                "token_strs": [tok.token_to_str(t) for t in ids] if req.return_token_strs else None}
+
+    def detokenize(self, req: P.DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError("This model has no tokenizer.")
+        if any(t >= tok.vocab_size for t in req.tokens):
+            raise APIError(f"tokens must be ids below the vocabulary size {tok.vocab_size}.", param="tokens")
+        return {"prompt": tok.decode(req.tokens)}
 
     # -- one line of a batch -----------------------------------------------------------------
     async def run_batch_request(self, url: str, body: Any) -> dict:
@@ -213,15 +268,20 @@ class OpenAIServer:
                 "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
+def create_app(engine: AsyncEngine, served_model_name: str | Sequence[str] | None = None, *,
                state_dir: str | Path | None = None, max_queued: int | None = None,
-               request_timeout: float | None = None) -> FastAPI:
+               request_timeout: float | None = None, api_keys: Sequence[str] = (),
+               cors: CORSOptions = CORSOptions()) -> FastAPI:
     """Build the app around an AsyncEngine. The app starts the engine thread if it is not
-    running yet, and then also stops it when the app shuts down. `state_dir` keeps uploaded
+    running yet, and then also stops it when the app shuts down. `served_model_name`: the name
+    (or names: the first is the one responses carry) clients ask for; `state_dir` keeps uploaded
     files and batches across restarts (None: a temporary directory, gone with the process);
     `max_queued` bounds the online requests waiting to start (429 past it, see admission.py);
-    `request_timeout` cuts off any request after that many seconds (408)."""
-    server = OpenAIServer(engine, served_model_name or engine.model_name, max_queued=max_queued,
+    `request_timeout` cuts off any request after that many seconds (408); `api_keys`: any of
+    them as a Bearer token opens the /v1 routes (none: open to all, auth.py); `cors`: which
+    browser origins may call the API."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
+    server = OpenAIServer(engine, names or [engine.model_name], max_queued=max_queued,
                           request_timeout=request_timeout)
     batches = BatchService(server, state_dir)
 
@@ -242,6 +302,14 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
     app.state.batches = batches
     install_error_handlers(app, on_error=server.metrics.observe_error)
     app.include_router(batches.router)
+    # Outermost last: every response gets its request id (a 401 too); CORS answers preflights
+    # and marks responses (a 401 too, so a browser can read it); the key check is innermost.
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=list(api_keys))
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                       allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                       allow_credentials=cors.allow_credentials, expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestIdMiddleware)
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, raw: Request) -> Any:
@@ -266,6 +334,18 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         """Forget every cached prefix (vLLM's endpoint of the same name): after the model's
         weights changed behind the server, or to measure cold. Requests running keep their blocks."""
         return {"blocks_forgotten": await engine.reset_prefix_cache()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: P.TokenizeRequest) -> dict:
+        return server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: P.DetokenizeRequest) -> dict:
+        return server.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Any:

@@ -227,14 +227,16 @@ def render(stats: EngineStats, server: ServerMetrics, model_name: str, engine_al
 
 
 def log_request(request_id: str, priority: RequestClass, prompt_tokens: int, last: RequestOutput | None,
-                cut_short: str | None) -> None:
+                cut_short: str | None, http_request_id: str | None = None) -> None:
     """One JSON line per request, when it ends: `finish_reason` is the engine's (stop, length),
-    or `cut_short` (abort: the client left, a sibling choice failed, a deadline passed)."""
+    or `cut_short` (abort: the client left, a sibling choice failed, a deadline passed);
+    `request_id` is the HTTP request's X-Request-Id (a proxy's log finds it), `id` the choice's."""
     if not request_log.isEnabledFor(logging.INFO):
         return
     m = last.metrics if last is not None else None
     request_log.info(json.dumps({
-        "ts": round(time.time(), 3), "event": "request", "id": request_id, "class": priority,
+        "ts": round(time.time(), 3), "event": "request", "id": request_id, "request_id": http_request_id,
+        "class": priority,
         "prompt_tokens": prompt_tokens,
         "output_tokens": len(last.token_ids) if last is not None else 0,
         "ttft_s": _rounded(m.ttft if m else None), "tpot_s": _rounded(m.tpot if m else None),

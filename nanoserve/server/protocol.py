@@ -392,3 +392,34 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: StrictBool | None = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("Give exactly one of prompt and messages.", param="prompt" if self.prompt else "messages")
+        if self.continue_final_message:
+            raise APIError("continue_final_message is not supported by this server.", param="continue_final_message")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: list[TokenId]

@@ -36,6 +36,7 @@ class Choice:
     priority: RequestClass = RequestClass.ONLINE
     slo: SLO | None = None  # None: the class's targets
     deadline: float | None = None  # time.monotonic() by which it must finish, else it is cut off
+    http_request_id: str | None = None  # the HTTP request's X-Request-Id (request_ids.py), for the log
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "priority", RequestClass(self.priority))  # "online"/"offline" too
@@ -74,7 +75,8 @@ class Launch:
             self._queue.put_nowait((choice.index, exc))
         finally:
             finished = last is not None and last.finished
-            log_request(choice.request_id, choice.priority, len(choice.token_ids), last, None if finished else "abort")
+            log_request(choice.request_id, choice.priority, len(choice.token_ids), last, None if finished else "abort",
+                        choice.http_request_id)
             if finished:
                 assert last is not None
                 self.metrics.observe_finished(last, choice.priority)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
 import signal
 from types import FrameType
 
@@ -34,6 +36,7 @@ from nanoserve.parallel.launch import torchrun_rank
 from nanoserve.parallel.worker import run_worker
 from nanoserve.server import create_app
 from nanoserve.server.admission import Admission
+from nanoserve.server.app import CORSOptions
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -42,7 +45,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's own flags, then the engine's (engine_flags.py)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the name(s) clients pass as `model` (the first is the one responses carry)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="a key clients must send as 'Authorization: Bearer KEY' on /v1 routes (repeat for "
+                             "several; also $NANOSERVE_API_KEY)")
+    parser.add_argument("--allowed-origins", type=json.loads, default=["*"],
+                        help='CORS: origins a browser app may call from, JSON (default: \'["*"]\')')
+    parser.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: methods, JSON")
+    parser.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: headers, JSON")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     parser.add_argument("--state-dir", default=None,
                         help="directory that keeps uploaded files and batches across restarts (default: a temporary "
                              "one)")
@@ -106,14 +118,18 @@ def serve(args: argparse.Namespace) -> None:
     # (nanoserve/async_engine.py says why that matters on a CPU).
     async_engine = AsyncEngine.build(lambda: build_engine(engine_args))
     engine = async_engine.engine
+    keys = [*(args.api_key or []), *([os.environ["NANOSERVE_API_KEY"]] if os.environ.get("NANOSERVE_API_KEY") else [])]
+    cors = CORSOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                       args.allow_credentials)
     app = create_app(async_engine, served_model_name=args.served_model_name, state_dir=args.state_dir,
-                     max_queued=args.max_queued, request_timeout=args.request_timeout)
+                     max_queued=args.max_queued, request_timeout=args.request_timeout, api_keys=keys, cors=cors)
     _request_log(enabled=not args.no_request_log)
-    name = args.served_model_name or async_engine.model_name
+    name = (args.served_model_name or [async_engine.model_name])[0]
     stats = async_engine.stats()
     log.info("model %s: max_model_len %d, KV cache %d blocks of %d tokens", name, async_engine.max_model_len,
              stats.kv_blocks_total, engine_args.block_size)
-    log.info("serving on http://%s:%d/v1  (health: /health, metrics: /metrics)", args.host, args.port)
+    log.info("serving on http://%s:%d/v1  (health: /health, metrics: /metrics)%s", args.host, args.port,
+             f"; {len(keys)} API key(s) required" if keys else "")
     async_engine.start()
     # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this
     # one, so that the process still stops the engine (and its workers) below and exits 0.

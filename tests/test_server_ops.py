@@ -1,0 +1,117 @@
+"""The server as operators run it: API keys, CORS, request ids, /tokenize /detokenize /version,
+served model names and a chat template of the operator's (issue 44), with a live server."""
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from server_fixtures import live_server
+
+from nanoserve import LLM, SamplingParams, __version__
+
+KEYS = ["key-one", "key-two"]
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    app_kwargs = {"api_keys": KEYS, "served_model_name": ["smol", "gpt-4o-mini"]}
+    with live_server(app_kwargs, chat_template=TEMPLATE) as live:
+        yield live
+
+
+def test_api_keys_guard_the_v1_routes(guarded):
+    body = {"model": "smol", "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"}):
+        response = httpx.post(guarded.base_url + "/completions", json=body, headers=headers, timeout=30)
+        assert response.status_code == 401, response.text
+        error = response.json()["error"]
+        assert error["code"] == "invalid_api_key" and "Bearer" in error["message"]
+    for key in KEYS:  # either key (rotation)
+        response = httpx.post(guarded.base_url + "/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                              timeout=60)
+        assert response.status_code == 200, response.text
+    assert httpx.get(guarded.base_url + "/models", timeout=30).status_code == 401
+    for path in ("/health", "/metrics", "/version"):  # open, as in vLLM
+        assert httpx.get(guarded.url + path, timeout=30).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=guarded.base_url, api_key="wrong", max_retries=0).models.list()
+    models = OpenAI(base_url=guarded.base_url, api_key=KEYS[1], max_retries=0).models.list()
+    assert [m.id for m in models.data] == ["smol"]
+
+
+def test_served_model_names_are_aliases(guarded):
+    client = OpenAI(base_url=guarded.base_url, api_key=KEYS[0], max_retries=0, timeout=60)
+    out = client.completions.create(model="gpt-4o-mini", prompt="hi", max_tokens=2)
+    assert out.model == "smol"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="hi", max_tokens=2)
+
+
+def test_cors_preflight_and_response_headers(guarded):
+    preflight = httpx.options(guarded.base_url + "/chat/completions", timeout=30, headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    response = httpx.get(guarded.url + "/health", headers={"Origin": "https://app.example"}, timeout=30)
+    assert response.headers["access-control-allow-origin"] == "*"
+    assert "x-request-id" in response.headers["access-control-expose-headers"].lower()
+
+
+def test_request_ids_in_and_out_and_in_the_log(guarded, caplog):
+    headers = {"Authorization": f"Bearer {KEYS[0]}", "X-Request-Id": "trace-abc-123"}
+    with caplog.at_level(logging.INFO, logger="nanoserve.requests"):
+        logger = logging.getLogger("nanoserve.requests")
+        logger.addHandler(caplog.handler)
+        try:
+            response = httpx.post(guarded.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2},
+                                  headers=headers, timeout=60)
+        finally:
+            logger.removeHandler(caplog.handler)
+    assert response.headers["x-request-id"] == "trace-abc-123"
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "nanoserve.requests"]
+    assert any(line["request_id"] == "trace-abc-123" for line in lines)
+    made = httpx.get(guarded.url + "/health", timeout=30).headers["x-request-id"]
+    assert len(made) == 32 and made != httpx.get(guarded.url + "/health", timeout=30).headers["x-request-id"]
+    refused = httpx.post(guarded.base_url + "/completions", json={}, headers={"X-Request-Id": "t2"}, timeout=30)
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "t2"  # errors carry it too
+
+
+def test_tokenize_detokenize_and_version(guarded):
+    tok = guarded.tokenizer
+    text = "The capital of France is Paris."
+    response = httpx.post(guarded.url + "/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=30)
+    body = response.json()
+    assert body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == guarded.engine.max_model_len
+    assert body["token_strs"] == [tok.token_to_str(t) for t in body["tokens"]]
+    back = httpx.post(guarded.url + "/detokenize", json={"tokens": body["tokens"]}, timeout=30).json()
+    assert back["prompt"] == text
+    chat = httpx.post(guarded.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      timeout=30).json()
+    assert tok.decode(chat["tokens"], skip_special_tokens=False) == "[user] hi\n[assistant]"  # the operator's template
+    assert httpx.post(guarded.url + "/detokenize", json={"tokens": [10 ** 9]}, timeout=30).status_code == 400
+    assert httpx.post(guarded.url + "/tokenize", json={"prompt": "a", "messages": []}, timeout=30).status_code == 400
+    assert httpx.get(guarded.url + "/version", timeout=30).json() == {"version": __version__}
+
+
+def test_the_operators_chat_template_is_used_for_chat(guarded):
+    client = OpenAI(base_url=guarded.base_url, api_key=KEYS[0], max_retries=0, timeout=60)
+    out = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    expected = len(guarded.tokenizer.encode("[user] hi\n[assistant]", add_special_tokens=False))
+    assert out.usage.prompt_tokens == expected
+
+
+def test_chat_template_offline_and_a_missing_file(tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    llm = LLM(device="cpu", kv_cache_tokens=1024, chat_template=str(path))
+    out = llm.chat([{"role": "user", "content": "yo"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == "[user] yo\n[assistant]"
+    with pytest.raises(ValueError, match="no such file"):
+        LLM(device="cpu", kv_cache_tokens=1024, chat_template=str(tmp_path / "missing.jinja"))
