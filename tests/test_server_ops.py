@@ -115,3 +115,35 @@ def test_chat_template_offline_and_a_missing_file(tmp_path):
     assert llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == "[user] yo\n[assistant]"
     with pytest.raises(ValueError, match="no such file"):
         LLM(device="cpu", kv_cache_tokens=1024, chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_the_stats_line():
+    from nanoserve.engine import EngineStats
+    from nanoserve.server.stats_log import StatsLogger
+
+    now = [100.0]
+    stats_log = StatsLogger(5.0, clock=lambda: now[0])
+
+    def stats(prompt, generated, running, waiting, used=0, queries=0, hits=0):
+        return EngineStats(num_running=running, num_waiting=waiting, kv_blocks_used=used, kv_blocks_total=200,
+                           num_preemptions=0, prompt_tokens_total=prompt, generation_tokens_total=generated,
+                           requests_finished_total=0, kv_events={"prefix_cache_queries": queries,
+                                                                 "prefix_cache_hits": hits})
+
+    assert stats_log.line(stats(0, 0, 0, 0)) is None  # the first snapshot only starts the clock
+    now[0] += 5
+    assert stats_log.line(stats(0, 0, 0, 0)) is None  # idle: nothing to say
+    now[0] += 5
+    line = stats_log.line(stats(400, 50, 3, 2, used=50, queries=400, hits=100))
+    assert line == ("Engine: avg prompt throughput 80.0 tokens/s, avg generation throughput 10.0 tokens/s, "
+                    "running 3 reqs, waiting 2 reqs, KV cache usage 25.0%, prefix cache hit rate 25.0%")
+
+
+def test_the_server_logs_stats_while_it_works(caplog):
+    with caplog.at_level(logging.INFO, logger="nanoserve.stats"):
+        with live_server({"log_stats_interval": 0.2}) as live:
+            httpx.post(live.base_url + "/completions", json={"prompt": "hi", "max_tokens": 40, "ignore_eos": True},
+                       timeout=60)
+            import time
+            time.sleep(0.5)
+    assert any(r.getMessage().startswith("Engine: avg prompt throughput") for r in caplog.records)

@@ -44,6 +44,7 @@ from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
 from nanoserve.server.reasoning import THINK_START
 from nanoserve.server.request_ids import RequestIdMiddleware
 from nanoserve.server.running import Choice, Launch
+from nanoserve.server.stats_log import StatsLogger
 from nanoserve.server.streaming import EventStream, unless_disconnected
 from nanoserve.slo import RequestClass
 
@@ -271,7 +272,7 @@ class OpenAIServer:
 def create_app(engine: AsyncEngine, served_model_name: str | Sequence[str] | None = None, *,
                state_dir: str | Path | None = None, max_queued: int | None = None,
                request_timeout: float | None = None, api_keys: Sequence[str] = (),
-               cors: CORSOptions = CORSOptions()) -> FastAPI:
+               cors: CORSOptions = CORSOptions(), log_stats_interval: float | None = None) -> FastAPI:
     """Build the app around an AsyncEngine. The app starts the engine thread if it is not
     running yet, and then also stops it when the app shuts down. `served_model_name`: the name
     (or names: the first is the one responses carry) clients ask for; `state_dir` keeps uploaded
@@ -279,7 +280,8 @@ def create_app(engine: AsyncEngine, served_model_name: str | Sequence[str] | Non
     `max_queued` bounds the online requests waiting to start (429 past it, see admission.py);
     `request_timeout` cuts off any request after that many seconds (408); `api_keys`: any of
     them as a Bearer token opens the /v1 routes (none: open to all, auth.py); `cors`: which
-    browser origins may call the API."""
+    browser origins may call the API; `log_stats_interval`: seconds between stats lines in the
+    log (stats_log.py; None: none)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
     server = OpenAIServer(engine, names or [engine.model_name], max_queued=max_queued,
                           request_timeout=request_timeout)
@@ -290,9 +292,13 @@ def create_app(engine: AsyncEngine, served_model_name: str | Sequence[str] | Non
         owned = not engine.is_running
         engine.start()
         await batches.start()  # resumes the batches a previous run left unfinished
+        stats_task = (asyncio.create_task(StatsLogger(log_stats_interval).run(engine.stats))
+                      if log_stats_interval else None)
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await batches.stop()  # persists where every batch stands
             if owned:
                 await asyncio.to_thread(engine.shutdown)

@@ -66,6 +66,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM: seconds to let requests in flight finish before cutting them off")
     parser.add_argument("--no-request-log", action="store_true", help="no JSON line per finished request on stderr")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help="seconds between the engine's stats lines in the log while it works (0: none)")
     parser.add_argument("--log-level", default="info")
     add_engine_arguments(parser)
 
@@ -122,7 +124,8 @@ def serve(args: argparse.Namespace) -> None:
     cors = CORSOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                        args.allow_credentials)
     app = create_app(async_engine, served_model_name=args.served_model_name, state_dir=args.state_dir,
-                     max_queued=args.max_queued, request_timeout=args.request_timeout, api_keys=keys, cors=cors)
+                     max_queued=args.max_queued, request_timeout=args.request_timeout, api_keys=keys, cors=cors,
+                     log_stats_interval=args.log_stats_interval or None)
     _request_log(enabled=not args.no_request_log)
     name = (args.served_model_name or [async_engine.model_name])[0]
     stats = async_engine.stats()
