@@ -163,7 +163,7 @@ def model_path(args: EngineArgs) -> Path:
         from nanoserve.model.gguf import default_model
 
         return Path(default_model())
-    return resolve_model_path(args.model)
+    return resolve_model_path(args.model, args.download)
 
 
 def build_engine(args: EngineArgs) -> Engine:

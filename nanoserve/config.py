@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str | None = None  # directory or cached hub id; None means the embedded SmolLM2
+    model: str | None = None  # directory or hub id; None means the embedded SmolLM2
+    download: bool = False  # fetch a hub id not in the local cache (also NANOSERVE_ALLOW_DOWNLOAD=1)
     device: str | None = None
     dtype: str | torch.dtype | None = None
     policy: str = "fcfs"

@@ -30,6 +30,8 @@ _FLAGS: list[tuple[tuple[str, ...], str, Callable[[str], Any] | str, str, tuple[
     (("--prefix-cache-host-tokens",), "prefix_cache_host_tokens", int,
      "keep cached prefix blocks evicted from the device in this many tokens of host RAM, loaded back on a hit "
      "(paged KV manager; 0: off)", None),
+    (("--download",), "download", "switch",
+     "fetch a hub model id that is not in the local Hugging Face cache (also NANOSERVE_ALLOW_DOWNLOAD=1)", None),
     (("--cost-model",), "cost_model", str, "iteration cost model JSON from `nanoserve profile`", None),
     (("--dtype",), "dtype", str, "float32 | float16 | bfloat16 (default: per device)", None),
     (("--device",), "device", str, "cpu | cuda | cuda:N (default: cuda if available)", None),

@@ -23,8 +23,14 @@ def test_hub_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
     assert resolve_model_path("acme/tiny-llama") == snapshot
     model, cfg = load_model(resolve_model_path("acme/tiny-llama"), torch.device("cpu"), torch.float32)
     assert cfg.architecture == "llama"
-    with pytest.raises(FileNotFoundError, match="does not download"):
+    with pytest.raises(FileNotFoundError, match="does not download weights unless asked: --download"):
         resolve_model_path("acme/not-downloaded")
+    # Asked to download with no network (the hub offline): one line that says so.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="could not download 'acme/not-downloaded'") as caught:
+        resolve_model_path("acme/not-downloaded", download=True)
+    assert "\n" not in str(caught.value)
 
 
 def test_rope_settings_in_both_transformers_dialects():

@@ -96,3 +96,54 @@ def test_missing_weight_fails_loudly(tmp_path):
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(KeyError, match="k_proj|qkv_proj"):
         load_model(tmp_path, torch.device("cpu"), torch.float32)
+
+
+def _save_tiny(model_cls, config, directory):
+    torch.manual_seed(4321)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2-yarn"])
+def test_models_users_have(kind, tmp_path):
+    """Mistral through the Llama class (its sliding window caps the context), and a Qwen2.5-style
+    YaRN RoPE scaling: prompt logits and greedy tokens as transformers computes them."""
+    import transformers
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, initializer_range=0.1)
+    if kind == "mistral":
+        hf = _save_tiny(transformers.MistralForCausalLM, transformers.MistralConfig(
+            **common, max_position_embeddings=512, sliding_window=256), tmp_path)
+    else:
+        hf = _save_tiny(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+            **common, max_position_embeddings=128, tie_word_embeddings=True,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), tmp_path)
+    for ids in prompts():
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert_logits_close(nanoserve_prompt_logits(tmp_path, ids), ref)
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_tokens=4096, block_size=8)
+    if kind == "mistral":
+        assert llm.engine.config.max_model_len == 256  # the window
+    out = llm.generate(prompts()[2], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref_ids = hf.generate(torch.tensor([prompts()[2]]), max_new_tokens=24, do_sample=False)[0, len(prompts()[2]):]
+    assert out.token_ids == ref_ids.tolist()
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "dynamic", "factor": 2.0},
+                                     {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}])
+def test_unsupported_rope_scaling_is_refused_by_name(scaling):
+    from nanoserve.model.loader import parse_config
+
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "intermediate_size": 16, "rope_scaling": scaling}
+    with pytest.raises(ValueError, match=scaling["rope_type"]):
+        parse_config(raw)

@@ -29,17 +29,24 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    return str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies of rotate-half RoPE, with Llama-3 or linear scaling."""
+    """Inverse frequencies of rotate-half RoPE, with linear, Llama-3 or YaRN scaling."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv_freq
     assert scaling is not None
-    if rope_type == "linear":
+    if kind == "linear":
         return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
+    if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -50,7 +57,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, §3.2, "NTK-by-parts"), as transformers computes it: dimensions
+    that turn fewer than `beta_slow` times over the original context are interpolated (divided
+    by `factor`), those that turn more than `beta_fast` times are kept, a linear ramp between."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")  # not the meta device models build on
+    ramp = ((dims - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """YaRN's scale of cos and sin ("attention factor": 0.1 ln(factor) + 1 unless given; 1 for the
+    other types), as transformers applies it."""
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    assert scaling is not None
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["factor"], scaling["mscale"]) / mscale(scaling["factor"], scaling["mscale_all_dim"])
+    return mscale(scaling["factor"])
 
 
 class RotaryEmbedding(nn.Module):
@@ -63,11 +108,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.attention_factor = rope_attention_factor(scaling)  # YaRN scales cos and sin
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        if self.attention_factor != 1.0:
+            return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         return freqs.cos(), freqs.sin()
 
 

@@ -12,6 +12,7 @@ initialisation that the checkpoint would overwrite.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from nanoserve.config import ModelConfig
 from nanoserve.model.causal_lm import CausalLM
+from nanoserve.model.layers import SUPPORTED_ROPE_TYPES, rope_type
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.opt import OPTForCausalLM
 from nanoserve.model.parallel import SINGLE, TPGroup
@@ -29,26 +31,42 @@ from nanoserve.model.stages import StageLayout, keep_stage
 
 MODEL_CLASSES: dict[str, tuple[str, type[CausalLM]]] = {
     "LlamaForCausalLM": ("llama", LlamaForCausalLM),
+    # Mistral's checkpoints have Llama's layout and names (a sliding window aside: parse_config).
+    "MistralForCausalLM": ("llama", LlamaForCausalLM),
     "Qwen2ForCausalLM": ("qwen2", Qwen2ForCausalLM),
     "Qwen3ForCausalLM": ("qwen3", Qwen3ForCausalLM),
     "OPTForCausalLM": ("opt", OPTForCausalLM),
 }
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A local directory as is, or a hub id found in the local HF cache (never downloaded)."""
+def resolve_model_path(model: str | Path, download: bool = False) -> Path:
+    """A local directory as is, or a hub id: from the local HF cache, or with `download` (the
+    `--download` flag, or NANOSERVE_ALLOW_DOWNLOAD=1) fetched through huggingface_hub (weights,
+    config, tokenizer and generation config; not other formats' weights)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    try:
-        from huggingface_hub import snapshot_download
+    download = download or os.environ.get("NANOSERVE_ALLOW_DOWNLOAD", "") not in ("", "0")
+    from huggingface_hub import snapshot_download
 
+    try:
         return Path(snapshot_download(str(model), local_files_only=True))
     except Exception as exc:  # the hub raises several types for "not cached" and bad ids
+        cached_error = exc
+    if not download:
         raise FileNotFoundError(
-            f"model {str(model)!r} is neither a directory nor a hub id in the local Hugging Face "
-            f"cache (nanoserve does not download weights): {exc}"
-        ) from None
+            f"model {str(model)!r} is neither a directory nor a hub id in the local Hugging Face cache "
+            f"(nanoserve does not download weights unless asked: --download or NANOSERVE_ALLOW_DOWNLOAD=1): "
+            f"{cached_error}") from None
+    try:
+        return Path(snapshot_download(str(model), allow_patterns=DOWNLOAD_PATTERNS))
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FileNotFoundError(f"could not download {str(model)!r} from the Hugging Face hub: {first_line}") from None
+
+
+# What a download fetches: the safetensors weights and what the engine and tokenizer read.
+DOWNLOAD_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.jinja", "tokenizer.model"]
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -97,7 +115,15 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         )
     if raw.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    window = raw.get("sliding_window") if arch_name == "MistralForCausalLM" else None
+    if window is not None and window < common["max_position_embeddings"]:
+        # Ours: within the window, full attention is exactly the windowed one (Mistral 7B v0.1's
+        # 4,096 tokens); past it it is not, so the context stops at the window.
+        common["max_position_embeddings"] = int(window)
     theta, scaling = _rope(raw)
+    if rope_type(scaling) not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"RoPE scaling type {rope_type(scaling)!r} is not supported (nanoserve has "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}): it depends on the sequence's length at each step")
     attention_bias = True if arch == "qwen2" else raw.get("attention_bias", False)
     return ModelConfig(
         **common,
