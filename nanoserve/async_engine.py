@@ -107,7 +107,8 @@ class AsyncEngine:
         self._cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._stats = engine.stats()
         # Called from the engine thread with each step's wall-clock seconds (the server's metrics).
-        self.step_observers: list[Callable[[float], None]] = []
+        # Told of each step that ran: its wall-clock seconds and the tokens it scheduled.
+        self.step_observers: list[Callable[[float, int], None]] = []
         self.last_error: str | None = None
         self._deferred: list[_Abort | _Call | None] = []  # inbox messages that must wait for the step's end
         # ConServe's Alg. 2 runs when an online request arrives, which may be in the middle of a
@@ -302,7 +303,7 @@ class AsyncEngine:
                 started = time.perf_counter()
                 outputs = self.engine.step()
                 for observe in self.step_observers:
-                    observe(time.perf_counter() - started)
+                    observe(time.perf_counter() - started, self.engine.last_step_tokens)
             except Exception as exc:
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self.last_error = f"{type(exc).__name__}: {exc}"

@@ -152,6 +152,7 @@ class Engine:
         self.step_seconds_total = 0.0
         self.predicted_step_seconds_total = 0.0
         self.requests_finished_total = 0
+        self.last_step_tokens = 0  # tokens the latest step scheduled
         self.class_metrics = {priority: ClassMetrics() for priority in PRIORITIES}
         # Debug aid (the test suite turns it on): check the allocator's invariants every step.
         self.check_invariants = os.environ.get("NANOSERVE_CHECK_INVARIANTS") == "1"
@@ -407,6 +408,7 @@ class Engine:
         # policy's cost model is calibrated against the simulated GPU as it is against a real one.
         started = self.clock()
         batch = self.scheduler.schedule()
+        self._scheduled(batch, started)
         if batch.is_empty:
             # Nothing could be scheduled: what is missing is held by copies still in flight (a
             # save's blocks), so wait for the copy stream rather than spin; nothing to overlap.
@@ -430,6 +432,14 @@ class Engine:
                 self.scheduler.calibrate(predicted, measured)
         return self._end_step(outputs)
 
+    def _scheduled(self, batch: SchedulerOutput, now: float) -> None:
+        """Note what this step scheduled: its tokens (the server's iteration-tokens histogram)
+        and when each request was first scheduled (its queue time ends there)."""
+        self.last_step_tokens = batch.num_tokens
+        for chunk in batch.chunks:
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = now
+
     def _end_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         if not self.has_unfinished_requests():
             self.scheduler.settle()  # idle from here: free what the last copies held
@@ -447,6 +457,7 @@ class Engine:
             # request lives, one step at a time (ours; vLLM v1 overlaps them with more machinery).
             if len(self._in_flight) < pipeline.depth and not (self._constrained and self._in_flight):
                 batch = self.scheduler.schedule()
+                self._scheduled(batch, self.clock())
                 if not batch.is_empty:
                     self.scheduler.update_after_submit(batch)
                     self._in_flight.append(batch)
@@ -585,7 +596,10 @@ class Engine:
     def _metrics(request: Request) -> RequestMetrics:
         first, done = request.first_token_time, request.finished_time
         n_out = request.num_output_tokens
+        scheduled = request.first_scheduled_time
         return RequestMetrics(
+            queue_time=None if scheduled is None else scheduled - request.arrival_time,
+            prefill_time=None if scheduled is None or first is None else first - scheduled,
             arrival_time=request.arrival_time,
             ttft=None if first is None else first - request.arrival_time,
             tpot=None if first is None or done is None or n_out < 2 else (done - first) / (n_out - 1),

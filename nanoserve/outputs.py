@@ -15,6 +15,8 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int = 0
+    queue_time: float | None = None  # arrival to first scheduled
+    prefill_time: float | None = None  # first scheduled to first token
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,7 @@ class Request:
     # Per prompt token, {token: logprob} with the top alternatives; None for the first (nothing
     # predicts it). Filled chunk by chunk as the prompt is computed (params.prompt_logprobs).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    first_scheduled_time: float | None = None  # when a step first ran any of it (queue time ends)
     first_token_time: float | None = None
     finished_time: float | None = None
 

@@ -71,8 +71,8 @@ class LiveServer:
 
     def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
         """Wait until no request holds KV blocks or is queued; return the last scrape."""
-        self.wait_until(lambda m: m["nanoserve_kv_blocks_used"] == 0 and m["nanoserve_requests_running"] == 0
-                        and m["nanoserve_requests_waiting"] == 0, timeout)
+        self.wait_until(lambda m: m["nanoserve_kv_blocks_used"] == 0 and m["nanoserve:num_requests_running"] == 0
+                        and m["nanoserve:num_requests_waiting"] == 0, timeout)
         return self.metrics()
 
 

@@ -242,7 +242,7 @@ def test_client_disconnect_mid_stream_frees_kv(server: LiveServer):
     after = server.wait_idle()
     assert after["nanoserve_kv_blocks_used"] == 0
     assert after["nanoserve_requests_finished_total"] == before["nanoserve_requests_finished_total"] + 1
-    generated = after["nanoserve_generation_tokens_total"] - before["nanoserve_generation_tokens_total"]
+    generated = after["nanoserve:generation_tokens_total"] - before["nanoserve:generation_tokens_total"]
     assert generated < 1500  # it was aborted, not run to the end
 
 
@@ -289,15 +289,15 @@ def test_metrics_format(server: LiveServer):
     resp = httpx.get(server.url + "/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     text = resp.text
-    for name, kind in [("nanoserve_requests_running", "gauge"), ("nanoserve_requests_waiting", "gauge"),
+    for name, kind in [("nanoserve:num_requests_running", "gauge"), ("nanoserve:num_requests_waiting", "gauge"),
                        ("nanoserve_kv_blocks_used", "gauge"), ("nanoserve_kv_blocks_total", "gauge"),
-                       ("nanoserve_generation_tokens_total", "counter"), ("nanoserve_prompt_tokens_total", "counter"),
-                       ("nanoserve_requests_finished_total", "counter"), ("nanoserve_preemptions_total", "counter"),
+                       ("nanoserve:generation_tokens_total", "counter"), ("nanoserve:prompt_tokens_total", "counter"),
+                       ("nanoserve_requests_finished_total", "counter"), ("nanoserve:num_preemptions_total", "counter"),
                        ("nanoserve_time_to_first_token_seconds", "histogram")]:
         assert f"# TYPE {name} {kind}\n" in text and f"# HELP {name} " in text
     m = server.metrics()
     assert m["nanoserve_kv_blocks_total"] == 8192 // 16
-    assert m["nanoserve_generation_tokens_total"] > 0 and m["nanoserve_prompt_tokens_total"] > 0
+    assert m["nanoserve:generation_tokens_total"] > 0 and m["nanoserve:prompt_tokens_total"] > 0
     assert m["nanoserve_step_seconds_total"] > 0 and m["nanoserve_predicted_step_seconds_total"] > 0
 
 
@@ -318,7 +318,7 @@ def test_prefix_cache_usage_metrics_and_reset(server: LiveServer, client: OpenAI
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert usage[-1].prompt_tokens_details.cached_tokens == 80
     after = server.metrics()
-    queries, hits = "nanoserve_prefix_cache_queries_total", "nanoserve_prefix_cache_hits_total"
+    queries, hits = "nanoserve:prefix_cache_queries_total", "nanoserve:prefix_cache_hits_total"
     assert after[queries] - before[queries] == 81 + 82 + 81 and after[hits] - before[hits] == 160
     assert 0 < after["nanoserve_prefix_cache_hit_ratio"] <= 1
     assert after["nanoserve_prefix_cache_host_hits_total"] == 0  # no host tier here

@@ -158,7 +158,7 @@ def test_bad_input(server: LiveServer, http: httpx.Client, case):
         assert word in error["message"], error["message"]
     # Refused before reaching the engine: nothing was admitted.
     after = server.metrics()
-    assert after["nanoserve_prompt_tokens_total"] == before["nanoserve_prompt_tokens_total"]
+    assert after["nanoserve:prompt_tokens_total"] == before["nanoserve:prompt_tokens_total"]
     assert after["nanoserve_kv_blocks_used"] == 0
 
 

@@ -147,3 +147,22 @@ def test_the_server_logs_stats_while_it_works(caplog):
             import time
             time.sleep(0.5)
     assert any(r.getMessage().startswith("Engine: avg prompt throughput") for r in caplog.records)
+
+
+def test_every_metric_the_dashboard_queries_exists(tmp_path):
+    """docs/grafana/nanoserve.json asks only for series /metrics serves (after one request)."""
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[1] / "docs" / "grafana" / "nanoserve.json").read_text())
+    wanted = {re.sub(r"_(bucket|sum|count)$", "", name)
+              for panel in dashboard["panels"] for target in panel["targets"]
+              for name in re.findall(r"nanoserve[:_][A-Za-z0-9_:]*", target["expr"])}
+    wanted.add("nanoserve:num_requests_running")  # the model_name variable's query
+    with live_server() as live:
+        httpx.post(live.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        text = httpx.get(live.url + "/metrics", timeout=30).text
+    served = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    served |= {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}  # labelled, none yet
+    served |= {re.sub(r"_(bucket|sum|count)$", "", name) for name in served}
+    assert len(wanted) > 20 and wanted <= served, sorted(wanted - served)

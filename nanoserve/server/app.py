@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from nanoserve import __version__
@@ -39,8 +39,9 @@ from nanoserve.server.admission import Admission
 from nanoserve.server.auth import APIKeyMiddleware
 from nanoserve.server.batches import BatchService
 from nanoserve.server.chat_output import ChatOutputFormat
+from nanoserve.server.engine_collector import EngineCollector
 from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
-from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics, render
+from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanoserve.server.reasoning import THINK_START
 from nanoserve.server.request_ids import RequestIdMiddleware
 from nanoserve.server.running import Choice, Launch
@@ -68,9 +69,12 @@ class OpenAIServer:
         self.engine = engine
         self.model_name = served_model_names[0]  # the one responses name
         self.model_names = frozenset(served_model_names)  # any of them may be asked for
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.model_name)
         engine.step_observers.append(self.metrics.observe_step)
         self.admission = Admission(max_queued)
+        self.metrics.registry.register(EngineCollector(
+            self.model_name, engine.stats, lambda: engine.is_running, lambda: self.admission.queued,
+            lambda: self.admission.rejected))
         self.request_timeout = request_timeout  # seconds; a body's `timeout` may only shorten it
         self.created = R.now()
 
@@ -362,10 +366,8 @@ def create_app(engine: AsyncEngine, served_model_name: str | Sequence[str] | Non
         return APIError(f"The engine is not running ({engine.last_error or 'stopped'}).", 503).response()
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        text = render(engine.stats(), server.metrics, server.model_name, engine.is_running,
-                      server.admission.queued, server.admission.rejected)
-        return PlainTextResponse(text, media_type=CONTENT_TYPE)
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
 
