@@ -166,3 +166,50 @@ def test_every_metric_the_dashboard_queries_exists(tmp_path):
     served |= {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}  # labelled, none yet
     served |= {re.sub(r"_(bucket|sum|count)$", "", name) for name in served}
     assert len(wanted) > 20 and wanted <= served, sorted(wanted - served)
+
+
+def test_bodies_over_the_limit_get_413_and_uploads_keep_their_own_limit():
+    with live_server({"max_body_bytes": 2048}) as live:
+        url = live.base_url + "/completions"
+        big = {"prompt": "x " * 2000, "max_tokens": 1}
+        response = httpx.post(url, json=big, timeout=30)
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: counted as it arrives
+            body = json.dumps(big).encode()
+            for i in range(0, len(body), 512):
+                yield body[i:i + 512]
+
+        assert httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"},
+                          timeout=30).status_code == 413
+        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 1}, timeout=60).status_code == 200
+        line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": "y" * 3000, "max_tokens": 1}})
+        upload = httpx.post(live.base_url + "/files", files={"file": ("b.jsonl", line.encode())},
+                            data={"purpose": "batch"}, timeout=30)
+        assert upload.status_code == 200, upload.text
+
+
+def test_a_queued_stream_gets_keepalive_comments():
+    """With one sequence at a time, a second streamed request waits behind the first: its stream
+    sends SSE comments meanwhile, which the official client skips."""
+    import threading
+
+    with live_server({"sse_keepalive": 0.1}, max_num_seqs=1) as live:
+        blocker = threading.Thread(target=httpx.post, args=(live.base_url + "/completions",),
+                                   kwargs={"json": {"prompt": "hi", "max_tokens": 120, "ignore_eos": True},
+                                           "timeout": 120})
+        blocker.start()
+        import time
+        time.sleep(0.3)
+        lines = []
+        with httpx.stream("POST", live.base_url + "/completions", timeout=120,
+                          json={"prompt": "hello", "max_tokens": 2, "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line]
+        blocker.join()
+        assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+        assert lines.index(": keep-alive") < next(i for i, x in enumerate(lines) if x.startswith("data: {"))
+        client = OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=60)
+        text = "".join(c.choices[0].text for c in client.completions.create(model=live.model, prompt="hi",
+                                                                              max_tokens=3, stream=True) if c.choices)
+        assert text

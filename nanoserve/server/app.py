@@ -38,6 +38,7 @@ from nanoserve.server import responses as R
 from nanoserve.server.admission import Admission
 from nanoserve.server.auth import APIKeyMiddleware
 from nanoserve.server.batches import BatchService
+from nanoserve.server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
 from nanoserve.server.chat_output import ChatOutputFormat
 from nanoserve.server.engine_collector import EngineCollector
 from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
@@ -46,7 +47,7 @@ from nanoserve.server.reasoning import THINK_START
 from nanoserve.server.request_ids import RequestIdMiddleware
 from nanoserve.server.running import Choice, Launch
 from nanoserve.server.stats_log import StatsLogger
-from nanoserve.server.streaming import EventStream, unless_disconnected
+from nanoserve.server.streaming import KEEPALIVE_SECONDS, EventStream, unless_disconnected
 from nanoserve.slo import RequestClass
 
 
@@ -65,8 +66,9 @@ class OpenAIServer:
     """The routes' logic, kept off the FastAPI objects so it reads top to bottom."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], *, max_queued: int | None = None,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, sse_keepalive: float | None = KEEPALIVE_SECONDS) -> None:
         self.engine = engine
+        self.sse_keepalive = sse_keepalive
         self.model_name = served_model_names[0]  # the one responses name
         self.model_names = frozenset(served_model_names)  # any of them may be asked for
         self.metrics = ServerMetrics(self.model_name)
@@ -142,7 +144,7 @@ class OpenAIServer:
     def stream(self, launch: Launch, events: Callable[[R.Outputs], AsyncGenerator[str, None]]) -> EventStream:
         """An SSE response: `events(outputs)`, a mid-stream failure as an error event, then [DONE].
         The stream cancels the launch when it closes, even if its body never started."""
-        return EventStream(self._events(launch, events), on_close=launch.cancel)
+        return EventStream(self._events(launch, events), on_close=launch.cancel, keepalive=self.sse_keepalive)
 
     async def _events(self, launch: Launch,
                       events: Callable[[R.Outputs], AsyncGenerator[str, None]]) -> AsyncIterator[str]:
@@ -276,7 +278,8 @@ class OpenAIServer:
 def create_app(engine: AsyncEngine, served_model_name: str | Sequence[str] | None = None, *,
                state_dir: str | Path | None = None, max_queued: int | None = None,
                request_timeout: float | None = None, api_keys: Sequence[str] = (),
-               cors: CORSOptions = CORSOptions(), log_stats_interval: float | None = None) -> FastAPI:
+               cors: CORSOptions = CORSOptions(), log_stats_interval: float | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, sse_keepalive: float | None = KEEPALIVE_SECONDS) -> FastAPI:
     """Build the app around an AsyncEngine. The app starts the engine thread if it is not
     running yet, and then also stops it when the app shuts down. `served_model_name`: the name
     (or names: the first is the one responses carry) clients ask for; `state_dir` keeps uploaded
@@ -285,10 +288,11 @@ def create_app(engine: AsyncEngine, served_model_name: str | Sequence[str] | Non
     `request_timeout` cuts off any request after that many seconds (408); `api_keys`: any of
     them as a Bearer token opens the /v1 routes (none: open to all, auth.py); `cors`: which
     browser origins may call the API; `log_stats_interval`: seconds between stats lines in the
-    log (stats_log.py; None: none)."""
+    log (stats_log.py; None: none); `max_body_bytes`: a larger request body is a 413
+    (body_limit.py); `sse_keepalive`: seconds without an event before a stream sends a comment."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
     server = OpenAIServer(engine, names or [engine.model_name], max_queued=max_queued,
-                          request_timeout=request_timeout)
+                          request_timeout=request_timeout, sse_keepalive=sse_keepalive)
     batches = BatchService(server, state_dir)
 
     @contextlib.asynccontextmanager
@@ -319,6 +323,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | Sequence[str] | Non
     app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                        allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
                        allow_credentials=cors.allow_credentials, expose_headers=["X-Request-Id"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
 
     @app.post("/v1/completions")

@@ -37,6 +37,7 @@ from nanoserve.parallel.worker import run_worker
 from nanoserve.server import create_app
 from nanoserve.server.admission import Admission
 from nanoserve.server.app import CORSOptions
+from nanoserve.server.body_limit import MAX_BODY_BYTES
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -66,6 +67,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM: seconds to let requests in flight finish before cutting them off")
     parser.add_argument("--no-request-log", action="store_true", help="no JSON line per finished request on stderr")
+    parser.add_argument("--max-request-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+                        help="a larger request body gets 413 (file uploads have their own 32 MiB limit)")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between the engine's stats lines in the log while it works (0: none)")
     parser.add_argument("--log-level", default="info")
@@ -125,7 +128,8 @@ def serve(args: argparse.Namespace) -> None:
                        args.allow_credentials)
     app = create_app(async_engine, served_model_name=args.served_model_name, state_dir=args.state_dir,
                      max_queued=args.max_queued, request_timeout=args.request_timeout, api_keys=keys, cors=cors,
-                     log_stats_interval=args.log_stats_interval or None)
+                     log_stats_interval=args.log_stats_interval or None,
+                     max_body_bytes=int(args.max_request_body_mb * 2**20))
     _request_log(enabled=not args.no_request_log)
     name = (args.served_model_name or [async_engine.model_name])[0]
     stats = async_engine.stats()
