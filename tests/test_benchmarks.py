@@ -76,6 +76,14 @@ def test_structured_benchmark_smoke(tmp_path):
     assert json.loads(saved.read_text())["rows"]["ratio"] > 0
 
 
+def test_server_faults_benchmark_smoke():
+    """Misbehaving clients and a kill -9 mid-batch against a real server process: no 5xx, every
+    refusal the right 4xx, the batch answered once per line, no KV block held."""
+    proc = subprocess.run([sys.executable, "benchmarks/server_faults.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("PASS"), proc.stdout + proc.stderr
+
+
 def test_sampling_benchmark_smoke():
     proc = subprocess.run([sys.executable, "benchmarks/sampling.py", "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+DRAIN_FACTOR = 8  # a body up to this many times the limit is read before the 413 (batches.py does too)
 
 
 class BodyLimitMiddleware:
@@ -28,6 +29,11 @@ class BodyLimitMiddleware:
         length = next((value for name, value in scope["headers"] if name.lower() == b"content-length"), None)
         if length is not None:
             if length.isdigit() and int(length) > self.max_bytes:
+                # Read (and drop) what the client is still sending, up to 8x the limit: a response
+                # sent while it sends would reach it as a reset connection, not as this 413.
+                if int(length) <= DRAIN_FACTOR * self.max_bytes:
+                    while (await receive()).get("more_body", False):
+                        pass
                 await self._refuse(send)
                 return
             await self.app(scope, receive, send)
