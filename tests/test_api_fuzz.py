@@ -8,7 +8,9 @@ so a request without max_tokens ends quickly; the long run sets NANOSERVE_FUZZ_E
 from __future__ import annotations
 
 import itertools
+import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +22,8 @@ from server_fixtures import LiveServer, leaks, live_server
 
 # Per operation and mode; the long run (recorded in RESULTS) sets NANOSERVE_FUZZ_EXAMPLES=100.
 EXAMPLES = int(os.environ.get("NANOSERVE_FUZZ_EXAMPLES", "6"))
+BATCH_LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "hi", "max_tokens": 2}}) + "\n"
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,36 @@ def test_no_server_errors_and_openai_shaped_client_errors(fuzzed_server):
     assert not failures, "\n".join(failures[:20])
     assert calls[0] >= len(ops) * 2  # it did run
     print(f"{calls[0]} requests over {len(ops)} operations")
+
+
+def test_stateful_links_from_files_to_batches(fuzzed_server):
+    """schemathesis's state machine follows the schema's OpenAPI links (batches.py): an uploaded
+    file's id into retrieve, content, delete and create-batch; a batch's into retrieve and
+    cancel. Every step: no 5xx, OpenAI-shaped 4xx."""
+    loaded = schemathesis.openapi.from_url(fuzzed_server.url + "/openapi.json")
+
+    @loaded.hook("map_body")
+    def a_batch_file(context, body):
+        # Random bytes are never a batch file (one JSON request per line), and an upload that
+        # fails starts no chain: the upload's file is a real one, the rest stays generated.
+        if context.operation.path == "/v1/files" and isinstance(body, dict):
+            return {**body, "file": BATCH_LINE.encode(), "purpose": "batch"}
+        return body
+
+    seen: Counter[tuple[str, str, int]] = Counter()
+
+    class Checked(loaded.as_state_machine()):  # type: ignore[misc]
+        def validate_response(self, response, case, additional_checks=None, **kwargs):
+            seen[(case.method, case.path, response.status_code)] += 1
+            assert response.status_code < 500, (case.method, case.path, response.text[:300])
+            if response.status_code >= 400 and "application/json" in str(response.headers.get("content-type")):
+                assert "message" in response.json()["error"], response.text
+
+    Checked.run(settings=settings(max_examples=15, stateful_step_count=8, deadline=None, derandomize=True,
+                                  database=None, suppress_health_check=list(HealthCheck)))
+    # The links were followed: an uploaded file's id reached the operations that take it.
+    assert seen[("POST", "/v1/files", 200)] and seen[("GET", "/v1/files/{file_id}/content", 200)]
+    assert seen[("POST", "/v1/batches", 200)]
 
 
 def test_zz_no_kv_block_is_held_after_the_fuzzing(fuzzed_server):

@@ -64,6 +64,33 @@ class CreateBatch(BaseModel):
     output_expires_after: dict[str, Any] | None = None  # accepted; outputs stay until deleted
 
 
+def link_to_batch() -> dict[str, Any]:
+    """OpenAPI links from a created batch to the operations that take its id (a stateful fuzzer
+    follows them: create -> retrieve, cancel)."""
+    batch_id = {"batch_id": "$response.body#/id"}
+    return {"responses": {"200": {"description": "The batch.", "links": {
+        "RetrieveBatch": {"operationId": "retrieve_batch", "parameters": batch_id},
+        "CancelBatch": {"operationId": "cancel_batch", "parameters": batch_id}}}}}
+
+
+# The upload's body (the route reads the multipart form itself, so FastAPI cannot describe it) and
+# the links from an uploaded file to what takes its id, for clients and for a stateful fuzzer.
+_FILE_ID = "$response.body#/id"
+UPLOAD_OPENAPI: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary"},
+                       "purpose": {"type": "string", "enum": ["batch"]}},
+    }}}},
+    "responses": {"200": {"description": "The uploaded file.", "links": {
+        "RetrieveFile": {"operationId": "retrieve_file", "parameters": {"file_id": _FILE_ID}},
+        "FileContent": {"operationId": "file_content", "parameters": {"file_id": _FILE_ID}},
+        "DeleteFile": {"operationId": "delete_file", "parameters": {"file_id": _FILE_ID}},
+        "CreateBatch": {"operationId": "create_batch", "requestBody": {
+            "input_file_id": _FILE_ID, "endpoint": "/v1/completions", "completion_window": "24h"}}}}},
+}
+
+
 def _not_found(kind: str, object_id: str, param: str) -> APIError:
     return APIError(f"No such {kind}: {object_id!r}.", 404, param=param, code="not_found")
 
@@ -200,7 +227,7 @@ class BatchService:
     def _add_routes(self) -> None:
         r = self.router
 
-        @r.post("/v1/files")
+        @r.post("/v1/files", operation_id="upload_file", openapi_extra=UPLOAD_OPENAPI)
         async def upload(request: Request) -> dict:
             return await self.upload(request)
 
@@ -211,23 +238,23 @@ class BatchService:
             files.sort(key=lambda f: (f["created_at"], f["id"]), reverse=order != "asc")
             return _page(files, limit, after)
 
-        @r.get("/v1/files/{file_id}")
+        @r.get("/v1/files/{file_id}", operation_id="retrieve_file")
         async def get_file(file_id: str) -> dict:
             return self._file(file_id)
 
-        @r.get("/v1/files/{file_id}/content")
+        @r.get("/v1/files/{file_id}/content", operation_id="file_content")
         async def file_content(file_id: str) -> Response:
             self._file(file_id)
             data = await asyncio.to_thread(self.store.file_content, file_id)
             return Response(data, media_type="application/octet-stream")
 
-        @r.delete("/v1/files/{file_id}")
+        @r.delete("/v1/files/{file_id}", operation_id="delete_file")
         async def delete_file(file_id: str) -> dict:
             self._file(file_id)
             self.store.delete_file(file_id)
             return {"id": file_id, "object": "file", "deleted": True}
 
-        @r.post("/v1/batches")
+        @r.post("/v1/batches", operation_id="create_batch", openapi_extra=link_to_batch())
         async def create_batch(body: CreateBatch) -> dict:
             return await self.create(body)
 
@@ -237,10 +264,10 @@ class BatchService:
                              reverse=True)
             return _page(records, min(limit, 100), after)
 
-        @r.get("/v1/batches/{batch_id}")
+        @r.get("/v1/batches/{batch_id}", operation_id="retrieve_batch")
         async def get_batch(batch_id: str) -> dict:
             return copy.deepcopy(self._job(batch_id).record)
 
-        @r.post("/v1/batches/{batch_id}/cancel")
+        @r.post("/v1/batches/{batch_id}/cancel", operation_id="cancel_batch")
         async def cancel_batch(batch_id: str) -> dict:
             return self.cancel(batch_id)
