@@ -77,6 +77,7 @@ def test_the_dense_penalties_equal_the_sparse_ones():
     """A GPU builds [rows, vocab] counts, a CPU touches only the tokens that occur: the same."""
     x, hist = logits(5, 11), histories(5, 11, length=40)
     hist[2] = RowHistory(hist[2].output_token_ids, hist[2].prompt_token_ids, pending=(torch.tensor([7, 3]), 0))
+    hist[3] = RowHistory(hist[3].output_token_ids, [*hist[3].prompt_token_ids, VOCAB + 3])  # past the vocabulary
     params = [SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=pp)
               for r, f, pp in ((1.3, 0.5, 0.2), (1.0, 1.5, 0.0), (0.7, 0.0, -1.0), (2.0, -0.4, 0.6), (1.0, 0.0, 0.0))]
     pending = (torch.tensor([2]), torch.tensor([7]))

@@ -132,10 +132,13 @@ def apply_penalties(rows: torch.Tensor, params: Sequence[SamplingParams], histor
 
 
 def _occurrences(token_lists: Sequence[Sequence[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every (row, token) pair of the lists, as two int64 tensors on the host."""
+    """Every (row, token) pair of the lists, as two int64 tensors on the host; ids past the
+    vocabulary are dropped, as `_token_counts` drops them (not moved onto the last token)."""
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
-    tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64).clamp(max=vocab - 1)
-    return torch.repeat_interleave(torch.arange(len(token_lists)), lengths), tokens
+    tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    inside = tokens < vocab
+    return rows[inside], tokens[inside]
 
 
 def _sparse_penalties(block: torch.Tensor, histories: Sequence[RowHistory],
