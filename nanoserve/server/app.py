@@ -49,6 +49,7 @@ from nanoserve.server.running import Choice, Launch
 from nanoserve.server.stats_log import StatsLogger
 from nanoserve.server.streaming import KEEPALIVE_SECONDS, EventStream, unless_disconnected
 from nanoserve.slo import RequestClass
+from nanoserve.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -183,11 +184,9 @@ class OpenAIServer:
     # -- /v1/chat/completions ----------------------------------------------------------------
     async def chat(self, req: P.ChatCompletionRequest, raw: Request | None) -> Any:
         self.admit(req)
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise APIError("This model has no tokenizer, so chat is unavailable; use /v1/completions "
-                           "with token ids.")
-        text = self.render_chat(req.chat_messages(), req.add_generation_prompt is not False, req.template_variables())
+        tok = self.require_tokenizer("chat")
+        text = self.render_chat(tok, req.chat_messages(), req.add_generation_prompt is not False,
+                                req.template_variables())
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -205,12 +204,16 @@ class OpenAIServer:
         finals = await self.finals(self.launch(choices), raw)
         return R.chat_response(head, finals, self.tokenizer, top_n, len(ids), fmt)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    variables: dict[str, Any]) -> str:
+    def require_tokenizer(self, what: str) -> Tokenizer:
         tok = self.engine.tokenizer
         if tok is None:
-            raise APIError("This model has no tokenizer, so chat is unavailable; use /v1/completions "
+            raise APIError(f"This model has no tokenizer, so {what} is unavailable; use /v1/completions "
                            "with token ids.")
+        return tok
+
+    @staticmethod
+    def render_chat(tok: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    variables: dict[str, Any]) -> str:
         try:
             return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
         except ValueError as exc:
@@ -220,12 +223,10 @@ class OpenAIServer:
     def tokenize(self, req: P.TokenizeRequest) -> dict:
         self.check_model(req.model)
         req.check()
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise APIError("This model has no tokenizer.")
+        tok = self.require_tokenizer("/tokenize")
         if req.messages is not None:
             variables = {**(req.chat_template_kwargs or {}), **({"tools": req.tools} if req.tools else {})}
-            text = self.render_chat([m.model_dump(exclude_none=True) for m in req.messages],
+            text = self.render_chat(tok, [m.model_dump(exclude_none=True) for m in req.messages],
                                     req.add_generation_prompt is not False, variables)
             ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
@@ -236,9 +237,7 @@ class OpenAIServer:
 
     def detokenize(self, req: P.DetokenizeRequest) -> dict:
         self.check_model(req.model)
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise APIError("This model has no tokenizer.")
+        tok = self.require_tokenizer("/detokenize")
         if any(t >= tok.vocab_size for t in req.tokens):
             raise APIError(f"tokens must be ids below the vocabulary size {tok.vocab_size}.", param="tokens")
         return {"prompt": tok.decode(req.tokens)}

@@ -15,6 +15,7 @@ where neither schema knows them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
@@ -194,10 +195,12 @@ class _SamplingRequest(BaseModel):
             raise APIError("use_beam_search is not supported by this server.", param="use_beam_search")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true.", param="stream_options")
-        self.structured_outputs_params()  # a malformed constraint is a 400 here
+        self.output_constraint  # noqa: B018  (built here: a malformed constraint is a 400 before any work)
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The request's one output constraint, from whichever field carries it."""
+    @cached_property
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field carries it (built once: every
+        choice of the request shares it)."""
         given: dict[str, StructuredOutputsParams] = {}
         if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs.params()
@@ -246,7 +249,7 @@ class _SamplingRequest(BaseModel):
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
                 skip_special_tokens=self.skip_special_tokens is not False,
                 prompt_logprobs=self.prompt_logprobs,
-                structured_outputs=self.structured_outputs_params(),
+                structured_outputs=self.output_constraint,
                 **values,
             )
         except ValueError as exc:
