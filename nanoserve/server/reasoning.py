@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from nanoserve.server.partial_tags import partial_tag_length
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -120,7 +122,7 @@ class ReasoningStream:
         if self._phase == "reasoning":
             end = self._pending.find(THINK_END)
             if end < 0:
-                undecided = _partial_tag_length(self._pending, THINK_END)
+                undecided = partial_tag_length(self._pending, THINK_END)
                 sendable = self._pending[:len(self._pending) - undecided].rstrip("\n")
                 self._send_reasoning(sendable, out)
                 self._pending = self._pending[len(sendable):]
@@ -158,11 +160,3 @@ class ReasoningStream:
         if text:
             out.append({"content": text})
             self._content_sent = True
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag`."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanoserve.server.partial_tags import partial_tag_length
 from nanoserve.server.tool_calls import TOOL_CALL_END, TOOL_CALL_START, tool_call_from_block, tool_names
 
 Delta = dict[str, Any]
@@ -71,7 +72,7 @@ class ToolCallStream:
             else:
                 start = self._pending.find(TOOL_CALL_START)
                 if start < 0:
-                    keep = _partial_tag_length(self._pending, TOOL_CALL_START)
+                    keep = partial_tag_length(self._pending, TOOL_CALL_START)
                     cut = len(self._pending) - keep
                     self._content(self._pending[:cut], out)
                     self._pending = self._pending[cut:]
@@ -112,12 +113,3 @@ class ToolCallStream:
         out.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
                                     "function": {"name": function["name"], "arguments": ""}}]})
         out.append({"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]})
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag`: text that may
-    become the tag when the next delta comes."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0
