@@ -276,7 +276,7 @@ class LLGuidanceMatcher(GrammarMatcher):
             if not 0 <= row < bitmask.shape[0]:
                 raise IndexError(f"row {row} is outside a bitmask of {bitmask.shape[0]} rows")
             matchers.append((matcher.ll_matcher, row))
-            vocab_sizes.add(matcher._vocab_size)
+            vocab_sizes.add(matcher.vocab_size)
         if len(vocab_sizes) != 1:
             raise ValueError(f"one bitmask cannot hold matchers of vocabularies {sorted(vocab_sizes)}")
         (vocab_size,) = vocab_sizes

@@ -51,7 +51,7 @@ def process_rows(rows: torch.Tensor, params: Sequence[SamplingParams], histories
     rows' allowed tokens, all bits set for the others."""
     device, vocab = rows.device, rows.shape[1]
     if grammar_bitmask is not None:
-        apply_bitmask(rows, grammar_bitmask.to(device, non_blocking=True))
+        apply_bitmask(rows, grammar_bitmask)  # it moves the bits to the rows' device itself
     allowed = [(j, p.allowed_token_ids) for j, p in enumerate(params) if p.allowed_token_ids is not None]
     if allowed:
         keep = torch.zeros_like(rows, dtype=torch.bool)

@@ -225,9 +225,8 @@ class OpenAIServer:
         req.check()
         tok = self.require_tokenizer("/tokenize")
         if req.messages is not None:
-            variables = {**(req.chat_template_kwargs or {}), **({"tools": req.tools} if req.tools else {})}
-            text = self.render_chat(tok, [m.model_dump(exclude_none=True) for m in req.messages],
-                                    req.add_generation_prompt is not False, variables)
+            text = self.render_chat(tok, P.chat_messages(req.messages), req.add_generation_prompt is not False,
+                                    req.template_variables())
             ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:
             assert req.prompt is not None  # check(): exactly one of them

@@ -381,12 +381,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_variables(self) -> dict[str, Any]:
         """What the chat template is rendered with besides the messages (transformers' names)."""
-        variables: dict[str, Any] = dict(self.chat_template_kwargs or {})
-        for name in ("tools", "documents", "reasoning_effort"):
-            value = getattr(self, name)
-            if value is not None:
-                variables.setdefault(name, value)
-        return variables
+        return template_variables(self.chat_template_kwargs, tools=self.tools, documents=self.documents,
+                                  reasoning_effort=self.reasoning_effort)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -394,7 +390,22 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        return chat_messages(self.messages)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (fields left out, not None)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
+def template_variables(chat_template_kwargs: dict[str, Any] | None, **named: Any) -> dict[str, Any]:
+    """The chat template's variables: the client's `chat_template_kwargs`, then each named field
+    it did not set itself (None: left out)."""
+    variables: dict[str, Any] = dict(chat_template_kwargs or {})
+    for name, value in named.items():
+        if value is not None:
+            variables.setdefault(name, value)
+    return variables
 
 
 class TokenizeRequest(BaseModel):
@@ -411,6 +422,9 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: StrictBool | None = False
+
+    def template_variables(self) -> dict[str, Any]:
+        return template_variables(self.chat_template_kwargs, tools=self.tools)
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
