@@ -81,6 +81,17 @@ class EngineStats:
     predicted_step_seconds_total: float = 0.0
 
     @property
+    def kv_cache_usage(self) -> float:
+        """Share of the KV cache's blocks in use (0..1)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens the prefix cache supplied over those looked up, since start (0 before any)."""
+        queries = self.kv_events.get("prefix_cache_queries", 0)
+        return self.kv_events.get("prefix_cache_hits", 0) / queries if queries else 0.0
+
+    @property
     def cost_model_ratio(self) -> float | None:
         """Measured over predicted step time (None before any step ran)."""
         if self.predicted_step_seconds_total <= 0:

@@ -34,7 +34,7 @@ class ChatOutputFormat:
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """The assistant message for a finished choice, and whether it calls tools."""
         reasoning, content = split_reasoning(text, self.starts_in_reasoning) if self.reasoning else (None, text)
-        message: dict[str, Any] = {"role": "assistant", "content": content if self.reasoning else text}
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning:
             message["reasoning_content"] = reasoning
         calls = False

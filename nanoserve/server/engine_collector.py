@@ -44,8 +44,7 @@ class EngineCollector(Collector):
         # vLLM's, under its names.
         yield gauge(VLLM + "num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge(VLLM + "num_requests_waiting", "Requests waiting for KV memory or a slot.", stats.num_waiting)
-        yield gauge(VLLM + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
-                    stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        yield gauge(VLLM + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage)
         yield counter(VLLM + "prompt_tokens", "Prompt tokens of all requests admitted.", stats.prompt_tokens_total)
         yield counter(VLLM + "generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter(VLLM + "num_preemptions", "Times a running request was preempted.", stats.num_preemptions)
@@ -66,7 +65,7 @@ class EngineCollector(Collector):
         yield counter("nanoserve_requests_finished", "Requests finished (any reason, aborts included).",
                       stats.requests_finished_total)
         yield gauge("nanoserve_prefix_cache_hit_ratio", "Prefix-cache hits over queries since start.",
-                    hits / queries if queries else 0.0)
+                    stats.prefix_cache_hit_rate)
         for name, doc in (("host_hits", "Prefix-cache hits loaded from its host tier (--prefix-cache-host-tokens)."),
                           ("host_saves", "Cached blocks evicted from the device and saved to the host tier."),
                           ("host_loads", "Blocks loaded back from the host tier on a hit.")):

@@ -41,12 +41,9 @@ class StatsLogger:
         generation = (stats.generation_tokens_total - last[2]) / seconds
         if not (prompt or generation or stats.num_running or stats.num_waiting):
             return None
-        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-        queries = stats.kv_events.get("prefix_cache_queries", 0)
-        hits = stats.kv_events.get("prefix_cache_hits", 0)
         return (f"Engine: avg prompt throughput {prompt:.1f} tokens/s, avg generation throughput "
                 f"{generation:.1f} tokens/s, running {stats.num_running} reqs, waiting {stats.num_waiting} reqs, "
-                f"KV cache usage {usage:.1%}, prefix cache hit rate {hits / queries if queries else 0.0:.1%}")
+                f"KV cache usage {stats.kv_cache_usage:.1%}, prefix cache hit rate {stats.prefix_cache_hit_rate:.1%}")
 
     async def run(self, snapshot: Callable[[], EngineStats]) -> None:
         """Log a line every `interval` seconds until cancelled."""
