@@ -31,26 +31,18 @@ from datetime import date
 from pathlib import Path
 
 import httpx
+from peers.vllm_cpu import start_server  # this script's folder is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_MB = 1.0  # the server's --max-request-body-mb here: oversize bodies are cheap to send
 BATCH_LINES = 48
 
 
-def start_server(state_dir: Path, port: int, max_num_seqs: int) -> subprocess.Popen:
+def start_nanoserve(state_dir: Path, port: int, max_num_seqs: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "examples" / "serve.py"), "--port", str(port), "--state-dir", str(state_dir),
            "--max-num-seqs", str(max_num_seqs), "--max-request-body-mb", str(LIMIT_MB), "--log-level", "warning",
            "--no-request-log", "--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not come up (exit {proc.poll()})")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    return start_server(cmd, port, log)  # the peers' helper: up once /health answers, its log's end if not
 
 
 async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, results: list[dict]) -> None:
@@ -115,8 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as state:
-        proc = start_server(Path(state), port, args.max_num_seqs)
+    with tempfile.TemporaryDirectory() as state, tempfile.TemporaryDirectory() as logs:
+        proc = start_nanoserve(Path(state), port, args.max_num_seqs, Path(logs) / "first.log")
         started = time.perf_counter()
         results = asyncio.run(load(url, kinds, args.concurrency, args.seed))
         elapsed = time.perf_counter() - started
@@ -132,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        proc = start_server(Path(state), port, args.max_num_seqs)
+        proc = start_nanoserve(Path(state), port, args.max_num_seqs, Path(logs) / "second.log")
         deadline = time.monotonic() + 600
         while True:
             record = httpx.get(url + f"/v1/batches/{batch['id']}", timeout=30).json()
