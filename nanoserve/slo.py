@@ -48,20 +48,38 @@ PRIORITIES = tuple(RequestClass)  # every class, online first
 
 @dataclass(frozen=True)
 class SLO:
+    """Latency targets. TTFT and TPOT are per token; the JCT target is per request and grows with
+    its output, as EcoServe states it (ecoserve.txt §4, after its ref. [34]): "We then set the JCT
+    SLO of a request to SLO-scale x (t_p + t_g x l_g), where l_g denotes its RL": here
+    `jct_fixed` = SLO-scale x t_p and `jct_per_token` = SLO-scale x t_g (`jct_target`)."""
+
     ttft: float | None = None  # seconds; None: no target
     tpot: float | None = None
+    jct_fixed: float | None = None  # seconds of end-to-end latency allowed whatever the output
+    jct_per_token: float | None = None  # ...and per output token (both set, or neither)
 
     def __post_init__(self) -> None:
-        for name in ("ttft", "tpot"):
+        for name in ("ttft", "tpot", "jct_fixed", "jct_per_token"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"the {name} target must be a positive number of seconds, got {value!r}")
+        if (self.jct_fixed is None) != (self.jct_per_token is None):
+            raise ValueError("a JCT target needs both jct_fixed and jct_per_token")
 
-    def attained(self, ttft: float | None, tpot: float | None) -> bool:
+    def jct_target(self, output_len: int) -> float | None:
+        """Seconds from arrival to the last token allowed for `output_len` tokens (None: no target)."""
+        if self.jct_fixed is None or self.jct_per_token is None:
+            return None
+        return self.jct_fixed + self.jct_per_token * output_len
+
+    def attained(self, ttft: float | None, tpot: float | None, e2e: float | None = None,
+                 output_len: int | None = None) -> bool:
         """Whether measured latencies meet every target this SLO sets (a missing measurement,
         e.g. the TPOT of a one-token answer, cannot miss)."""
+        jct = None if output_len is None else self.jct_target(output_len)
         return ((self.ttft is None or ttft is None or ttft <= self.ttft)
-                and (self.tpot is None or tpot is None or tpot <= self.tpot))
+                and (self.tpot is None or tpot is None or tpot <= self.tpot)
+                and (jct is None or e2e is None or e2e <= jct))
 
 
 DEFAULT_SLOS = {RequestClass.ONLINE: SLO(ttft=1.0, tpot=0.1), RequestClass.OFFLINE: SLO()}
@@ -91,7 +109,7 @@ class ClassMetrics:
     def observe(self, ttft: float | None, tpot: float | None, output_tokens: int, slo: SLO, arrival: float,
                 now: float) -> None:
         self.finished += 1
-        self.attained += slo.attained(ttft, tpot)
+        self.attained += slo.attained(ttft, tpot, now - arrival, output_tokens)
         self.output_tokens += output_tokens
         self.first_arrival = arrival if self.first_arrival is None else min(self.first_arrival, arrival)
         self.last_finish = now

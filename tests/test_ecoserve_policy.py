@@ -224,6 +224,82 @@ def test_deadline_buckets_come_before_occupied_kv_and_length():
     assert [sched._generations.members(g) for g in groups] == [[paused], [new]]
 
 
+@pytest.mark.parametrize("long_prompts", ["decoupled", "coupled"])
+def test_a_prompt_longer_than_the_pool_is_admitted_decoupled_from_a_kvc(long_prompts):
+    # §3.2.1: "The KVC size allocated to a PT equals its prompt length"; PTs fill "the available
+    # KVC space". The pool is 2 blocks (8 tokens); the prompt is 20 tokens, its RL 30.
+    kv = _exact(20, predicted_len=30, padding_ratio=0.0, reserved_fraction=0.1, long_prompts=long_prompts)
+    sched = _scheduler(kv)
+    sched.add_request(_request("long", prompt_len=20, max_tokens=30))
+    assert _step(sched) == ["long"]
+    if long_prompts == "decoupled":  # its prompt only, from A_KVC: 5 blocks
+        assert kv.num_used_blocks == 5 and kv.events["prompt_admissions_available"] == 1 and kv.events["spills"] == 0
+    else:  # the earlier reading: prompt + RL at once (50 tokens: 13 blocks)
+        assert kv.num_used_blocks == 13 and kv.events["spills"] == 1
+    assert _step(sched) == ["long"] and kv.num_used_blocks == 13  # its GT holds its RL either way
+    kv.check_invariants()
+
+
+def test_the_jct_deadline_ranks_a_paused_gt_ahead_of_later_arrivals():
+    # §3.3 orders by "JCT SLO" first; §4: deadline = arrival + SLO-scale x (t_p + t_g x RL). A GT
+    # that paused (it arrived at 90, 200 tokens generated, L_new 100) is due at 90 + 1 + 0.01 x 300
+    # = 94 < now; a fresh GT that arrived at 100 with RL 400 at 105: the paused one goes first,
+    # even though its per-token pace (first token at 90.5, TPOT 1 s) would put it last.
+    slo = SLO(ttft=1.0, tpot=1.0, jct_fixed=1.0, jct_per_token=0.01)
+    kv = _exact(200, padding_ratio=0.0, reserved_fraction=0.0)  # predictions: max_tokens left
+    sched = _scheduler(kv)
+    paused, fresh = _request("paused", max_tokens=300, slo=slo), _request("fresh", max_tokens=400, slo=slo)
+    paused.arrival_time, paused.first_token_time = 90.0, 90.5
+    paused.token_ids += [5] * 200
+    for request in (fresh, paused):
+        request.num_computed_tokens = request.num_tokens - 1
+        sched.add_request(request)
+    assert sched.deadline(paused) == pytest.approx(94.0) and sched.deadline(fresh) == pytest.approx(105.0)
+    assert sched.next_token_deadline(paused) > sched.next_token_deadline(fresh)  # the old key's order
+    sched._queue_arrivals(100.0)
+    assert [m for g in sched._generations.groups() for m in sched._generations.members(g)] == [paused, fresh]
+
+
+def _queued_gts(sched, rls: dict[str, int]):
+    for i, rid in enumerate(rls):
+        request = _request(rid, max_tokens=rls[rid])
+        request.arrival_time = 100.0 + i
+        request.num_computed_tokens = request.num_tokens - 1  # a GT: its prompt is done
+        sched.add_request(request)
+
+
+@pytest.mark.parametrize("synced", [False, True])
+def test_without_ordering_gts_go_in_arrival_order_and_synced_takes_a_group_whole(synced):
+    # Fig. 11's EcoServe-D and -SD: FCFS queues; -SD batches a GT with the queued GTs of its RL.
+    rls = {"a": 8, "b": 30, "c": 8, "d": 4}
+    kv = _exact(40, predicted_len=lambda r: rls[r.request_id], padding_ratio=0.0, reserved_fraction=0.0,
+                pipelining=False)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, max_model_len=kv.max_request_tokens,
+                             policy="ecoserve", policy_options={"ordering": False, "synced": synced})
+    sched = EcoServeScheduler(config, kv, clock=MockClock(), tfs_target=None)
+    _queued_gts(sched, rls)
+    # Two sequences at most: D takes a then b (arrival order), SD takes a with c (its group).
+    assert [c.request.request_id for c in sched.schedule().chunks] == (["a", "c"] if synced else ["a", "b"])
+    assert sched.counters()["group_batches"] == int(synced)
+
+
+def test_pipelining_off_hosts_no_gt():
+    # §3.4 off (Fig. 11's EcoServe-SDO): a GT that would fit in the host's unused region takes A_KVC.
+    for pipelining, hosted in ((True, 1), (False, 0)):
+        rls = {"h": 40, "g": 10}
+        kv = _exact(40, predicted_len=lambda r: rls[r.request_id], padding_ratio=0.0, reserved_fraction=0.25,
+                    pipeline_buffer_ratio=0.15, pipelining=pipelining)
+        sched = _scheduler(kv)
+        sched.add_request(_request("h", prompt_len=4, max_tokens=40))
+        _step(sched)
+        _step(sched)  # h's GT: 44 tokens
+        sched.add_request(_request("g", prompt_len=3, max_tokens=10))
+        _step(sched)
+        _step(sched)  # g's GT: hosted in h's region, or not
+        assert kv.events["hosted_placements"] == hosted
+        kv.check_invariants()
+
+
 def test_target_forward_size_is_the_largest_batch_under_the_target():
     kv = _exact(16)
     config = SchedulerConfig(max_num_batched_tokens=64, policy="ecoserve")

@@ -174,6 +174,23 @@ def test_a_pt_holds_its_prompt_in_the_reserved_pool_and_its_gt_gets_its_rl_from_
     alloc.check_invariants()
 
 
+def test_a_prompt_longer_than_the_pool_takes_a_kvc_only_when_allowed():
+    # §3.2.1: "prompts are selected sequentially to form a batch until the available KVC space is
+    # fully allocated": a PT the pool cannot hold takes its prompt's blocks (only) from A_KVC.
+    alloc = ExactAllocator(20, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=0.2))
+    assert not alloc.can_admit_prompt(20) and alloc.can_admit_prompt(20, from_available=True)
+    with pytest.raises(NoFreeBlocksError):
+        alloc.admit_prompt("long", 20)
+    alloc.admit_prompt("long", 20, from_available=True)  # 5 blocks, uncharged: the pool is untouched
+    assert alloc.reserve_left == 4 and alloc.num_admission_blocks == 11 and alloc.prompt_admissions_available == 1
+    alloc.grow("long", 20)
+    assert alloc.num_queued == 1 and alloc.can_batch("long", 20, 44) and not alloc.can_batch("long", 20, 45)
+    alloc.batch("long", 20, 44)  # its RL: 11 more blocks from A_KVC, all that is left
+    assert alloc.num_admission_blocks == 0 and alloc.reserve_left == 4
+    assert not alloc.can_admit_prompt(17, from_available=True)  # neither the pool nor A_KVC holds it now
+    alloc.check_invariants()
+
+
 def test_a_paused_gt_keeps_its_written_blocks_and_is_batched_again_with_l_new():
     alloc = ExactAllocator(12, ExactAllocConfig(block_size=4, padding_ratio=0.0, reserved_fraction=1 / 6))
     alloc.admit_prompt("a", 3)
@@ -325,20 +342,28 @@ class ExactAllocMachine(RuleBasedStateMachine):
         self._write(seq, 0, prompt_len)
         self.written[seq] = prompt_len
 
-    @rule(prompt_len=st.integers(0, 8))
-    def admit_prompt(self, prompt_len):
-        """A PT: its prompt's blocks, from the reserved pool and nowhere else (§3.2.1)."""
+    @rule(prompt_len=st.integers(0, 24), from_available=st.booleans())
+    def admit_prompt(self, prompt_len, from_available):
+        """A PT: its prompt's blocks, from the reserved pool, or (`from_available`, one the pool
+        cannot hold) from A_KVC, uncharged (§3.2.1)."""
         seq, free_before, left_before = self._new(), self.alloc.num_free_blocks, self.alloc.reserve_left
-        feasible = self.alloc.can_admit_prompt(prompt_len)
+        room_before = self.alloc.num_admission_blocks
+        feasible = self.alloc.can_admit_prompt(prompt_len, from_available=from_available)
         try:
-            self.alloc.admit_prompt(seq, prompt_len)
+            self.alloc.admit_prompt(seq, prompt_len, from_available=from_available)
         except NoFreeBlocksError:
             assert not feasible and not self.alloc.has(seq) and self.alloc.reserve_left == left_before
             return
         assert feasible and not self.alloc.is_batched(seq)
         blocks = self.alloc.blocks_for(prompt_len)
-        assert self.alloc.num_free_blocks == free_before - blocks and self.alloc.reserve_left == left_before - blocks
-        event("prompt admitted")
+        assert self.alloc.num_free_blocks == free_before - blocks
+        if blocks <= left_before:  # the pool first, whenever it holds the prompt
+            assert self.alloc.reserve_left == left_before - blocks and self.alloc.num_admission_blocks == room_before
+            event("prompt admitted from the pool")
+        else:
+            assert from_available and self.alloc.reserve_left == left_before
+            assert self.alloc.num_admission_blocks == room_before - blocks
+            event("prompt admitted from A_KVC")
         self.spec[seq], self.written[seq] = (self.next_no - 1, prompt_len, 0), 0
 
     @precondition(lambda self: any(self.alloc.num_written(s) < self.alloc.reservation(s) for s in self._batched(False)))

@@ -259,7 +259,8 @@ class SpyPredictor(LengthPredictor):
 def _exact(predictor: LengthPredictor, num_blocks: int = 32):
     store = HostKVStore(0, BLOCK, 1, 1, 2, torch.float32, pin_memory=False)
     ctx = KVBuildContext(num_blocks, BLOCK, None, store,  # type: ignore[arg-type]
-                         {"predicted_len": predictor, "padding_ratio": 0.0, "reserved_fraction": 0.0})
+                         {"predicted_len": predictor, "padding_ratio": 0.0, "reserved_fraction": 0.0,
+                          "long_prompts": "coupled"})  # no pool: every prompt spills with its RL
     return build(ctx)
 
 
@@ -281,8 +282,8 @@ def test_a_learned_prediction_sizes_admission_through_the_fcfs_scheduler():
         predictor.observe(_request(5), length)
     kv = make_kv_manager("exact", KVBuildContext(
         32, BLOCK, None, HostKVStore(0, BLOCK, 1, 1, 2, torch.float32, pin_memory=False),  # type: ignore[arg-type]
-        {"predicted_len": predictor, "padding_ratio": 0.0, "reserved_fraction": 0.0}))
-    scheduler = FCFSScheduler(SchedulerConfig(), kv)
+        {"predicted_len": predictor, "padding_ratio": 0.0, "reserved_fraction": 0.0, "decoupled": False}))
+    scheduler = FCFSScheduler(SchedulerConfig(), kv)  # coupled: fcfs does not batch GTs itself
     request = _request(5, max_tokens=200, rid="learned")
     scheduler.add_request(request)
     output = scheduler.schedule()

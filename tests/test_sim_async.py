@@ -4,6 +4,8 @@ work, not their sum; a step after the device idled pays both. Timing only: the p
 batches and the tokens are the synchronous engine's."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nanoserve.sim.hardware import gpu
@@ -66,3 +68,19 @@ def test_refused_where_the_engine_refuses_asynchronous_scheduling(policy):
     with pytest.raises(ValueError, match="host_overlap"):
         simulate(SimConfig(policy=policy, gpu="H100-80G", model="Llama-2-7B", efficiency=efficiency),
                  [TraceRequest(0.0, 10, 2)])
+
+
+def test_measured_scheduling_time_is_charged_only_when_asked():
+    """`scheduling_time_scale` (ours): each step pays its scheduler's measured planning time times
+    the factor, in series; None charges nothing beyond the flat overhead, and host_overlap refuses it."""
+    trace = [TraceRequest(0.01 * i, 50, 20) for i in range(8)]
+    config = SimConfig(policy="fcfs", gpu="H100-80G", model="Llama-2-7B", fitted_policy_model=False,
+                       calibrate_cost_model=False)
+    flat = simulate(config, trace)
+    charged = simulate(replace(config, scheduling_time_scale=1000.0), trace)
+    assert flat.extra["scheduling_seconds"] == 0.0 and flat.extra["plan_wall_seconds"] > 0
+    assert charged.extra["scheduling_seconds"] == pytest.approx(1000.0 * charged.extra["plan_wall_seconds"])
+    assert charged.duration > flat.duration
+    with pytest.raises(ValueError, match="scheduling_time_scale"):
+        simulate(replace(config, efficiency=gpu("H100-80G").with_efficiency(host_overlap=True).efficiency,
+                         scheduling_time_scale=1.0), trace)

@@ -12,7 +12,7 @@ import pytest
 
 from experiments import EXPERIMENTS, Comparison, ExperimentResult, run_experiment
 from experiments import ecoserve as ecoserve_experiment
-from experiments.baselines import BASELINES, FASTGEN, ORCA, markdown
+from experiments.baselines import BASELINES, FASTGEN, ORCA, VLLM_2023, markdown
 from experiments.ecoserve import sustained_rate
 from experiments.report import comparison_table, format_report, save_json
 
@@ -91,6 +91,26 @@ def test_ecoserve_beats_max_allocation_and_every_request_finishes(ecoserve):
         assert (row["events"] is not None) == row["system"].startswith("EcoServe")
         if row["events"] is not None:
             assert row["events"]["admissions"] > 0
+
+
+def test_ecoserve_reports_fig_10s_ssr_and_fig_11s_ablation(ecoserve):
+    rows = ecoserve.extra["sweep"]
+    assert all(0 <= row["ssr"] <= 1 and row["ttft_p99"] > 0 for row in rows)
+    # Fig. 10 j-l: EcoServe meets the JCT SLO far more often than ORCA's max-allocation.
+    ssr = {c.metric: c.ours for c in ecoserve.comparisons if " SSR " in c.metric}
+    assert len(ssr) == 3 and ssr[next(m for m in ssr if m.endswith(ORCA.label))] > 1.2
+    ablation = ecoserve.extra["ablation"]
+    systems = [s.label for s in ecoserve_experiment.ABLATION]
+    assert [(r["system"], r["scheduling"]) for r in ablation] == [(s, p) for p in ("flat", "measured") for s in systems]
+    by = {(r["system"], r["scheduling"]): r for r in ablation}
+    assert by["EcoServe", "flat"]["events"]["spills"] == 0  # long prompts decoupled (§3.2.1)
+    assert by["EcoServe", "flat"]["events"]["prompt_admissions_available"] > 0
+    assert by["EcoServe, long prompts coupled", "flat"]["events"]["spills"] > 0
+    assert by["EcoServe-SDO", "flat"]["events"]["hosted_placements"] == 0  # KVCPipeline off
+    assert by["EcoServe", "flat"]["events"]["hosted_placements"] > 0
+    assert by[VLLM_2023.label, "measured"]["jct_lower_than_vllm"] == 0
+    assert all(r["plan_ms_per_step"] > 0 for r in ablation)
+    assert sum(c.metric.startswith("Fig. 11") for c in ecoserve.comparisons) == 4
 
 
 def test_ecoserve_sweep_stops_a_system_only_past_twice_the_threshold(ecoserve):
@@ -223,7 +243,8 @@ def test_ecoserve_sweep_resumes_from_its_saved_points(tmp_path, monkeypatch):
     """A sweep that writes its points and is started again reads them instead of simulating,
     and comes to the same comparisons; a sweep stopped part-way simulates only what is left."""
     points = tmp_path / "points.jsonl"
-    first = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points)
+    first = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points,
+                                    ablation=False)
     lines = points.read_text().splitlines()
     assert len(lines) == len(first.extra["sweep"]) > len(ecoserve_experiment.SYSTEMS)
 
@@ -231,7 +252,8 @@ def test_ecoserve_sweep_resumes_from_its_saved_points(tmp_path, monkeypatch):
         raise AssertionError("a saved point was simulated again")
 
     monkeypatch.setattr(ecoserve_experiment, "simulate", no_simulation)
-    again = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points)
+    again = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points,
+                                    ablation=False)
     assert [c.ours for c in again.comparisons] == [c.ours for c in first.comparisons]
     assert again.extra["sweep"] == first.extra["sweep"] and points.read_text().splitlines() == lines
 
@@ -240,6 +262,7 @@ def test_ecoserve_sweep_resumes_from_its_saved_points(tmp_path, monkeypatch):
     calls = []
     original = ecoserve_experiment.simulate
     monkeypatch.setattr(ecoserve_experiment, "simulate", lambda *a, **k: calls.append(1) or original(*a, **k))
-    resumed = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points)
+    resumed = ecoserve_experiment.run("ci", seed=0, requests=40, datasets=("alpaca",), points=points,
+                                    ablation=False)
     assert len(calls) == len(lines) - 3
     assert [c.ours for c in resumed.comparisons] == [c.ours for c in first.comparisons]

@@ -23,6 +23,23 @@ def test_attainment_needs_every_target_it_sets():
     assert SLO().attained(100.0, 100.0)  # offline work has no targets by default
 
 
+def test_a_jct_target_grows_with_the_output():
+    # EcoServe §4: "the JCT SLO of a request [is] SLO-scale x (t_p + t_g x l_g)".
+    slo = SLO(jct_fixed=0.2, jct_per_token=0.04)
+    assert slo.jct_target(10) == pytest.approx(0.6) and SLO(ttft=1.0).jct_target(10) is None
+    assert slo.attained(None, None, e2e=0.6, output_len=10) and not slo.attained(None, None, e2e=0.61, output_len=10)
+    assert slo.attained(5.0, 5.0, e2e=1.0, output_len=100)  # no TTFT or TPOT target to miss
+    assert slo.attained(None, None)  # no end-to-end measurement: nothing to miss
+    with pytest.raises(ValueError, match="both"):
+        SLO(jct_fixed=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        SLO(jct_fixed=1.0, jct_per_token=0.0)
+    metrics = ClassMetrics()
+    metrics.observe(0.1, 0.01, 10, slo, arrival=0.0, now=0.7)  # 0.7 s > 0.6 s for 10 tokens
+    metrics.observe(0.1, 0.01, 10, slo, arrival=1.0, now=1.5)
+    assert metrics.summary()["slo_attainment"] == pytest.approx(0.5)
+
+
 def test_percentile_and_class_summary():
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile([3.0, 1.0, 2.0, 4.0], 99) == 4.0

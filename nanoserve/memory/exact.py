@@ -15,7 +15,8 @@ The pool, in blocks (one free list; the reserved pool is a budget over it, not s
 
     ┌───────────── owned by requests ─────────────┬────────────── free ──────────────┐
     │ batched GTs: prompt + padded RL, overruns   │  A_KVC (GT batching, restores)   │
-    │ PTs and queued GTs: prompt KV (charged)     │  reserve_left                    │
+    │ PTs and queued GTs: prompt KV (charged, or  │  reserve_left                    │
+    │   from A_KVC if the pool could not hold it) │                                  │
     └─────────────────────────────────────────────┴──────────────────────────────────┘
     reserve_target = charged (PT prompts + GT overruns) + reserve_left
 
@@ -23,9 +24,12 @@ The pool, in blocks (one free list; the reserved pool is a budget over it, not s
   iteration"; §3.2.2: "when a request encounters an underprovisioning, it first tries to use the
   reserved KVC"): `reserve_target` blocks that GT batching and coupled admission never take. A
   PT's prompt blocks and a GT's blocks past its padded RL are charged to it. When a GT is batched
-  its charge moves out (its whole footprint is now the GT's, drawn from A_KVC), so prompt-stage
-  KV never exceeds the pool and waiting GTs can always be batched once the KV drains (ours: the
-  paper does not bound the KV that waiting GTs' prompts hold).
+  its charge moves out (its whole footprint is now the GT's, drawn from A_KVC). A prompt the pool
+  cannot hold takes its blocks from A_KVC, uncharged, when the caller allows it
+  (`admit_prompt(from_available=True)`: §3.2.1's "prompts are selected ... until the available
+  KVC space is fully allocated"); without that, prompt-stage KV never exceeds the pool and waiting
+  GTs can always be batched once the KV drains (the paper does not bound the KV that waiting
+  GTs' prompts hold; exact_kv.py's `long_prompts` chooses).
 - Under-prediction (§3.2.2): growth past the allocation is charged to the reserved pool; when it
   is short the caller pauses the request (`pause`: it keeps its KV, as "a waiting GT occupies a
   certain KVC space ... for its previously generated tokens if it is preempted", §2.4) and
@@ -120,7 +124,8 @@ class ExactAllocator:
         self._lenders: list[tuple[int, int, Hashable]] = []  # a heap of possible hosts: see `_lend`
         self.num_guests = 0  # requests in a host's region: while there are none, no order matters (`ExactKV.order`)
         # Counters, so tests and benchmarks can see which mechanism ran.
-        self.admissions = self.prompt_admissions = self.batches = self.hosted_placements = 0
+        self.admissions = self.prompt_admissions = self.prompt_admissions_available = 0
+        self.batches = self.hosted_placements = 0
         self.reserved_pool_draws = self.pauses = self.preemptions = 0
         self.hosted_evictions = self.hosted_drops = self.restores = 0
 
@@ -193,8 +198,11 @@ class ExactAllocator:
         blocks = self.blocks_for(need)
         return blocks <= self.num_admission_blocks or (allow_hosting and self._best_host(blocks, need) is not None)
 
-    def can_admit_prompt(self, prompt_len: int) -> bool:
-        return self.blocks_for(prompt_len) <= self.reserve_left
+    def can_admit_prompt(self, prompt_len: int, *, from_available: bool = False) -> bool:
+        """Could `admit_prompt` take this prompt's blocks: from the reserved pool, or (with
+        `from_available`) from A_KVC when the pool is short?"""
+        blocks = self.blocks_for(prompt_len)
+        return blocks <= self.reserve_left or (from_available and blocks <= self.num_admission_blocks)
 
     def can_batch(self, seq_id: Hashable, base_tokens: int, predicted_len: int, *, allow_hosting: bool = True) -> bool:
         seq = self._seqs[seq_id]
@@ -245,15 +253,23 @@ class ExactAllocator:
         self._add(seq_id, seq)
         return seq.host
 
-    def admit_prompt(self, seq_id: Hashable, prompt_len: int) -> None:
-        """A PT (§3.2.1): its prompt's blocks, charged to the reserved pool. Its GT is `batch`ed later."""
+    def admit_prompt(self, seq_id: Hashable, prompt_len: int, *, from_available: bool = False) -> None:
+        """A PT (§3.2.1): "The KVC size allocated to a PT equals its prompt length". Its blocks come
+        from the reserved pool ("A small amount KVC is reserved for PTs"), charged to it; with
+        `from_available`, a prompt the pool cannot hold takes them from A_KVC instead, uncharged
+        ("prompts are selected sequentially to form a batch until the available KVC space is
+        fully allocated": `prompt_admissions_available`). Its GT is `batch`ed later."""
         self._check_new(seq_id, prompt_len)
         blocks = self.blocks_for(prompt_len)
-        if blocks > self.reserve_left:
-            raise NoFreeBlocksError(f"need {blocks} blocks, the reserved pool has {self.reserve_left}")
-        seq = _Seq(0, prompt_len, [self._free.pop() for _ in range(blocks)], blocks, batched=False, charged=blocks)
-        self._charged += blocks
+        from_pool = blocks <= self.reserve_left
+        charged = blocks if from_pool else 0
+        if not from_pool and not (from_available and blocks <= self.num_admission_blocks):
+            raise NoFreeBlocksError(f"need {blocks} blocks, the reserved pool has {self.reserve_left}"
+                                    + (f" and A_KVC {self.num_admission_blocks}" if from_available else ""))
+        seq = _Seq(0, prompt_len, [self._free.pop() for _ in range(blocks)], blocks, batched=False, charged=charged)
+        self._charged += charged
         self.prompt_admissions += 1
+        self.prompt_admissions_available += not from_pool
         self._add(seq_id, seq)
         if prompt_len == 0:
             self._queued.add(seq_id)

@@ -7,15 +7,19 @@ at the time (its prompt, or prompt and generated tokens after a preemption) and 
 `tokens + RL + padding` slots. The scheduler's calls map onto `ExactAllocator`:
 
     can_reserve(r, n)   exact, changes nothing: what `reserve` would do
-    reserve(r, n)       decoupled (the default, §3.2.1): r's first call admits its prompt, its KV
-                        charged to the reserved pool (`admit_prompt`), or, past the pool, coupled
-                        (`admit`: prompt + padded RL) from what A_KVC has left ("at the initial
-                        iteration, prompts are selected ... until the available KVC space is fully
-                        allocated"). assumption: a prompt may spill past the pool whenever A_KVC
-                        holds it with its RL (the scheduler batches waiting GTs first), not only
-                        when no GT waits: that stricter reading starved long prompts (TTFT p99
-                        293 s at 3 req/s, ShareGPT-like). Its first call past its prompt batches its GT
-                        (`batch`: its RL from A_KVC, or in a host's region). Coupled
+    reserve(r, n)       decoupled (the default, §3.2.1): r's first call admits its prompt only
+                        (`admit_prompt`: "The KVC size allocated to a PT equals its prompt
+                        length"), its KV charged to the reserved pool ("A small amount KVC is
+                        reserved for PTs") or, a prompt longer than the pool holds, from A_KVC
+                        ("at the initial iteration, prompts are selected sequentially to form a
+                        batch until the available KVC space is fully allocated or the TFS is
+                        reached": PTs fill the *available* KVC; the pool keeps PTs coming when
+                        GTs have taken it all). `long_prompts="coupled"` is the earlier reading
+                        (assumption, kept as an option to sweep): past the pool a prompt spills,
+                        admitted with its padded RL at once (`admit`) when A_KVC holds both. It
+                        left 98% of BookCorpus's prompts (mean 1,952 tokens against a 732-token
+                        pool) and up to 40% of ShareGPT's coupled. Its first call past its prompt
+                        batches its GT (`batch`: its RL from A_KVC, or in a host's region). Coupled
                         (`decoupled=False`: ORCA, fcfs): the first call admits prompt + padded RL.
                         Then `grow`: past the allocation from the reserved pool; its copies save
                         the guests r's writes reach (§3.4). An evicted guest is restored first.
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
     from nanoserve.request import Request
 
 ALLOC_OPTIONS = ("padding_ratio", "reserved_fraction", "pipeline_buffer_ratio", "min_new_prediction")
+LONG_PROMPTS = ("decoupled", "coupled")  # what a prompt longer than the reserved pool gets (module docstring)
 # exact_kv's `predicted_len` option: a predictor, one RL for every request, a function of the
 # request, or None (each request's max_tokens); `as_length_predictor` makes each a predictor.
 Predictor = LengthPredictor | Callable[["Request"], int] | int | None
@@ -63,12 +68,22 @@ class ExactKV(KVManager):
     """Exact allocation from predicted lengths, decoupled PT/GT allocation, a reserved pool,
     offload-free (resident) preemption and KV pipelining (EcoServe §3.2, §3.4)."""
 
-    def __init__(self, alloc: ExactAllocator, predicted_len: Predictor = None, decoupled: bool = True):
+    def __init__(self, alloc: ExactAllocator, predicted_len: Predictor = None, decoupled: bool = True,
+                 long_prompts: str = "decoupled", pipelining: bool = True):
+        if long_prompts not in LONG_PROMPTS:
+            raise ValueError(f"long_prompts must be one of {LONG_PROMPTS}, got {long_prompts!r}")
         self.alloc = alloc
         self.block_size = alloc.block_size
         self.host_store = alloc.host_store
         self.predictor = as_length_predictor(predicted_len)
         self.decoupled = decoupled
+        # Decoupled: a prompt the reserved pool cannot hold takes A_KVC ("decoupled") or spills
+        # with its RL ("coupled"); see the module docstring.
+        self.from_available = long_prompts == "decoupled"
+        # KVCPipeline (§3.4) on: GTs may be hosted in a batched GT's unused allocation. Off: the
+        # Fig. 11 ablation's EcoServe-SDO ("the performance difference between EcoServe and
+        # EcoServe-SDO indicates the effectiveness of KVCPipeline").
+        self.pipelining = pipelining
         # Per request: (its tokens when predicted, the RL its allocation is for), asked once per
         # request and again (L_new) at each preemption; the RL is clamped to what can be admitted.
         self._predicted: dict[str, tuple[int, int]] = {}
@@ -100,6 +115,12 @@ class ExactKV(KVManager):
     def predicted_output_len(self, request: Request) -> int:
         """The RL that `request`'s next allocation is for, past the tokens it had when predicted."""
         return self._prediction(request)[1]
+
+    def predicted_total_output_len(self, request: Request) -> int:
+        """What was generated when the RL was predicted (0, or the tokens before a preemption)
+        plus that RL: after a pause, the tokens so far and L_new."""
+        base, predicted = self._prediction(request)
+        return base - request.num_prompt_tokens + predicted
 
     def _prediction(self, request: Request) -> tuple[int, int]:
         cached = self._predicted.get(request.request_id)
@@ -164,12 +185,20 @@ class ExactKV(KVManager):
         rid, alloc = request.request_id, self.alloc
         if not alloc.has(rid):
             _, predicted = self._prediction(request)
-            if self.decoupled and alloc.can_admit_prompt(request.num_tokens):
+            if self.decoupled and alloc.can_admit_prompt(request.num_tokens, from_available=self.from_available):
                 return True
-            return alloc.can_admit(request.num_tokens, predicted, allow_hosting=not self.decoupled)
+            if self.decoupled and self.from_available:
+                return False  # a PT gets its prompt only, never prompt + RL
+            return alloc.can_admit(request.num_tokens, predicted, allow_hosting=self._hosting_coupled)
         if not alloc.is_batched(rid) and num_tokens > alloc.reservation(rid):
-            return alloc.can_batch(rid, *self._prediction(request))
+            return alloc.can_batch(rid, *self._prediction(request), allow_hosting=self.pipelining)
         return alloc.can_write(rid, num_tokens)
+
+    @property
+    def _hosting_coupled(self) -> bool:
+        # Decoupled, only GTs are hosted (§3.4: "Recursively select hosted GT groups"), so no
+        # request waiting in Q_G is ever a guest; coupled (ORCA), a whole admission may be.
+        return self.pipelining and not self.decoupled
 
     def reserve(self, request: Request, num_tokens: int) -> list[KVCopy]:
         rid, alloc = request.request_id, self.alloc
@@ -181,16 +210,16 @@ class ExactKV(KVManager):
         copies: list[KVCopy] = []
         if not alloc.has(rid):
             _, predicted = self._prediction(request)
-            if self.decoupled and alloc.can_admit_prompt(request.num_tokens):
-                alloc.admit_prompt(rid, request.num_tokens)  # a PT: its prompt, from the reserved pool
-            else:
-                # The prompt and its RL at once; decoupled, only GTs are hosted (§3.4: "Recursively
-                # select hosted GT groups"), so no request waiting in Q_G is ever a guest.
-                alloc.admit(rid, request.num_tokens, predicted, allow_hosting=not self.decoupled)
+            if self.decoupled and alloc.can_admit_prompt(request.num_tokens, from_available=self.from_available):
+                # A PT: its prompt, from the reserved pool or (a long one) from A_KVC.
+                alloc.admit_prompt(rid, request.num_tokens, from_available=self.from_available)
+            else:  # coupled: the prompt and its RL at once
+                alloc.admit(rid, request.num_tokens, predicted, allow_hosting=self._hosting_coupled)
                 self.spills += self.decoupled
             self._requests[rid] = request
         elif not alloc.is_batched(rid) and num_tokens > alloc.reservation(rid):
-            copies += alloc.batch(rid, *self._prediction(request))  # its GT: the predicted RL
+            # its GT: the predicted RL
+            copies += alloc.batch(rid, *self._prediction(request), allow_hosting=self.pipelining)
         else:
             copies += alloc.ensure_resident(rid)
         guests = self._nested_guests(rid)
@@ -272,7 +301,8 @@ class ExactKV(KVManager):
         return {
             "admissions": a.admissions,
             "prompt_admissions": a.prompt_admissions,  # PTs given their prompt's KV only (§3.2.1)
-            "spills": self.spills,  # ...or, past the reserved pool, prompt and RL at once
+            "prompt_admissions_available": a.prompt_admissions_available,  # ...of them from A_KVC
+            "spills": self.spills,  # ...or (long_prompts="coupled"), prompt and RL at once
             "batches": a.batches,  # GTs given their predicted RL (§3.2.1)
             "hosted_placements": a.hosted_placements,  # in a host's unused allocation (§3.4)
             "reserved_pool_draws": a.reserved_pool_draws,  # blocks past an allocation (§3.2.2)
@@ -293,7 +323,9 @@ def build(ctx: KVBuildContext) -> ExactKV:
     `predicted_len` (one RL for every request, or a function of the request; default each
     request's max_tokens), `decoupled` (default True: PTs get their prompt's KV, GTs their RL
     when batched; False: prompt + RL at admission, for ORCA and policies that do not batch GTs),
-    and the `ExactAllocConfig` knobs (padding_ratio, reserved_fraction, pipeline_buffer_ratio,
+    `long_prompts` ("decoupled", the default: a prompt past the reserved pool takes A_KVC;
+    "coupled": it spills with its RL), `pipelining` (default True: §3.4's hosting; False: the
+    Fig. 11 ablation), and the `ExactAllocConfig` knobs (padding_ratio, reserved_fraction, pipeline_buffer_ratio,
     min_new_prediction)."""
     refuse_prefix_caching(ctx, "exact", "EcoServe's allocator reserves each request's prompt plus its predicted "
                           "length as that request's own (§3.2.1) and counts A_KVC from those reservations; a block "
@@ -301,11 +333,14 @@ def build(ctx: KVBuildContext) -> ExactKV:
     options = dict(ctx.options)
     predicted_len = options.pop("predicted_len", None)
     decoupled = options.pop("decoupled", True)
+    long_prompts = options.pop("long_prompts", "decoupled")
+    pipelining = options.pop("pipelining", True)
     knobs = {name: options.pop(name) for name in ALLOC_OPTIONS if name in options}
     if options:
         raise ValueError(f"unknown options for the exact KV manager: {sorted(options)}")
     predictor = as_length_predictor(predicted_len)  # checks it, before anything is allocated
-    if not isinstance(decoupled, bool):
-        raise ValueError(f"decoupled must be a bool, got {decoupled!r}")
+    if not isinstance(decoupled, bool) or not isinstance(pipelining, bool):
+        raise ValueError(f"decoupled and pipelining must be bools, got {decoupled!r}, {pipelining!r}")
     config = ExactAllocConfig(block_size=ctx.block_size, **knobs)
-    return ExactKV(ExactAllocator(ctx.num_blocks, config, ctx.host_store), predictor, decoupled)
+    return ExactKV(ExactAllocator(ctx.num_blocks, config, ctx.host_store), predictor, decoupled, long_prompts,
+                   pipelining)

@@ -181,6 +181,11 @@ class KVManager(ABC):
         default: all that max_tokens allows, as a manager with no predictor must assume."""
         return request.output_tokens_left
 
+    def predicted_total_output_len(self, request: Request) -> int:
+        """The whole response the manager expects `request` to give, tokens already generated
+        included (EcoServe's JCT deadline reads it); default: those plus `predicted_output_len`."""
+        return request.num_output_tokens + self.predicted_output_len(request)
+
     @property
     def events(self) -> dict[str, int]:
         """Counters of the allocator's mechanisms (preemptions, checkpoints, ...)."""

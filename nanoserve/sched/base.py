@@ -71,6 +71,7 @@ class Scheduler(ABC):
         """Pick this step's chunks with `chunk` (which reserves their KV) and `preempt`."""
 
     def schedule(self) -> SchedulerOutput:
+        started = time.perf_counter()  # wall time, whatever `self.clock` is: the host's own cost
         self._landed += self.kv.poll_copies()  # first: what landed may be reused by this step
         self._copies = []
         self._add_copies(self.kv.step_copies(self.running, self.copy_window()))
@@ -78,7 +79,13 @@ class Scheduler(ABC):
         out.kv_copies = self._copies
         if not out.is_empty:  # an empty step reaches no executor: its tickets wait for the next
             out.landed_copies, self._landed = self._landed, ()
+        out.plan_seconds = time.perf_counter() - started
         return out
+
+    def counters(self) -> dict[str, int]:
+        """Counts of the policy's own decisions (how often each branch ran), for the
+        experiments' reports; the KV manager's are `KVManager.events`. None by default."""
+        return {}
 
     def copy_window(self) -> float | None:
         """Seconds of link time this step's background KV copies may take (None: no limit).

@@ -37,9 +37,9 @@ the GT queue, and a GT is allocated its predicted RL when it is batched. One ste
                                              either queue (only its deadline bucket moves while it
                                              waits, and `advance` moves just those)
 
-Ordering (§3.3), for both queues: ascending deadline bucket (the SLO deadline of the request's
-next token: arrival + TTFT before the first token, then first token + TPOT per later token;
-slack < 0.5 s, < 2 s, later, no target), then descending occupied-KV bucket (tokens whose KV
+Ordering (§3.3), for both queues: ascending deadline bucket (`deadline`: §4's JCT SLO, arrival
++ SLO-scale x (t_p + t_g x predicted RL), when the request's SLO sets one; slack < 0.5 s, < 2 s,
+later, no target), then descending occupied-KV bucket (tokens whose KV
 the request holds, in `kv_bucket_tokens` ranges: a paused GT's prompt and generated tokens),
 then descending length (predicted RL for GTs, remaining prompt for PTs), then arrival; ties keep
 the waiting deque's order (preempted requests at its front). Within one (deadline, occupied)
@@ -59,6 +59,23 @@ Adaptations to this framework (ours):
 - Liveness: paused GTs hold KV while they wait, so when nothing runs and no GT in Q_G can be
   batched, the one holding least KV is dropped to be recomputed (`queued_drops`); the paper
   does not say what happens then.
+- A request whose SLO sets no JCT target (the engine's online default: TTFT and TPOT) is ranked
+  by the deadline of its next token instead: arrival + TTFT before the first token, then first
+  token + TPOT per later one.
+
+Fig. 11's ablation (§4 "Compared Methods") switches the mechanisms off one at a time, as policy
+options (`OPTIONS`) and the KV manager's `pipelining`:
+
+    EcoServe-D    ordering=False, synced=False  "decouples prompt and GT processing, selects tasks
+                  pipelining=False               sequentially from the two queues ... and uses the
+                                                 exact-allocation": both queues FCFS, each GT alone
+    EcoServe-SD   ordering=False, synced=True   "SyncDecouple": FCFS, but a GT is batched with the
+                  pipelining=False               GTs of its predicted RL (its group, §3.2.2)
+    EcoServe-SDO  ordering=True, pipelining=False  "further incorporates the Ordering method"
+    EcoServe      all on                        + KVCPipeline (§3.4)
+
+With `ordering` on, §3.3's sort by predicted RL keeps a group together by itself: its members are
+adjacent and the bisect takes them in turn until the room is less than their RL (a split).
 """
 from __future__ import annotations
 
@@ -87,6 +104,14 @@ def _is_generation(request: Request) -> bool:
 
 
 class EcoServeScheduler(Scheduler):
+    OPTIONS = {
+        "tfs_target": "seconds one iteration may take, the TFS's bound (default: the online TPOT target; "
+                      "null: the token budget alone)",
+        "ordering": "§3.3's Ordering (default true); false: both queues FCFS, tasks taken in sequence "
+                    "(Fig. 11's EcoServe-D and -SD)",
+        "synced": "with ordering false: batch a GT with the queued GTs of its predicted RL (true, the default: "
+                  "Fig. 11's EcoServe-SD) or alone (false: EcoServe-D)",
+    }
     deadline_buckets: tuple[float, ...] = (0.5, 2.0)  # §3.3's slack ranges, seconds
     kv_bucket_tokens: int = 128  # §3.3's magnitude ranges for occupied KV
     min_prefill_tokens: int = 16  # prompts advance even when decodes alone exceed the TFS target
@@ -95,8 +120,12 @@ class EcoServeScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic, tfs_target: float | None | str = "online_tpot"):
         super().__init__(config, kv, cost_model, clock)
+        options = config.policy_options
+        tfs_target = options.get("tfs_target", tfs_target)
         # Seconds one iteration may take: by default the online TPOT target (None: no time cap).
         self.tfs_target = config.online_slo.tpot if tfs_target == "online_tpot" else tfs_target
+        self.ordering = bool(options.get("ordering", True))
+        self.synced = bool(options.get("synced", True))
         # Q_P and Q_G: `self.waiting` indexed by §3.3's keys. Requests that joined `self.waiting`
         # since the last pass wait in `_unqueued` (True: at the deque's front), in deque order, and
         # are keyed at the next one: that is when a full re-sort would have asked the predictor.
@@ -105,6 +134,7 @@ class EcoServeScheduler(Scheduler):
         self._unqueued: dict[Request, bool] = {}
         self._batched: set[Request] = set()  # running GTs; a running request not in it is a PT
         self.queued_drops = 0  # GTs whose KV was dropped because nothing else could run (ours)
+        self.group_batches = 0  # GTs batched with a group-mate by `_batch_group_of` (EcoServe-SD)
 
     # -- the waiting queues: `self.waiting` for the engine and base class, two indexes for the order
     def add_request(self, request: Request) -> None:
@@ -134,14 +164,13 @@ class EcoServeScheduler(Scheduler):
         self._prompts.advance(now)  # first: arrivals are placed by their slack at `now`
         self._generations.advance(now)
         for request, at_front in self._unqueued.items():
-            if _is_generation(request):
-                self._generations.add(request, deadline=self.next_token_deadline(request),
-                                      occupied_bucket=self._occupied_bucket(request),
-                                      length=self.predicted_rl(request), at_front=at_front)
-            else:
-                self._prompts.add(request, deadline=self.next_token_deadline(request),
-                                  occupied_bucket=self._occupied_bucket(request), length=_lacking(request),
-                                  at_front=at_front)
+            generation = _is_generation(request)
+            queue = self._generations if generation else self._prompts
+            if not self.ordering:  # Fig. 11's -D and -SD: one group, in arrival order (deque order on ties)
+                queue.add(request, deadline=math.inf, occupied_bucket=0, length=0, at_front=at_front)
+                continue
+            queue.add(request, deadline=self.deadline(request), occupied_bucket=self._occupied_bucket(request),
+                      length=self.predicted_rl(request) if generation else _lacking(request), at_front=at_front)
         self._unqueued.clear()
 
     def _dequeue(self, queue: TaskQueue, request: Request) -> None:
@@ -222,8 +251,31 @@ class EcoServeScheduler(Scheduler):
                 self._batched.add(request)
                 out.chunks.append(chunk)
                 used += 1
+                if not self.ordering and self.synced:  # EcoServe-SD: the rest of its group next
+                    used += self._batch_group_of(request, group, out, budget - used)
                 room = self.kv.admission_room_tokens()
         return used
+
+    def _batch_group_of(self, first: Request, group: tuple[int, int], out: SchedulerOutput, budget: int) -> int:
+        """Fig. 11's EcoServe-SD (FCFS queues): batch the queued GTs with `first`'s predicted RL, in
+        arrival order, until one does not fit ("If the KVC's available space cannot accommodate an
+        entire group, the group needs to split", §3.2.1). Returns the tokens."""
+        rl, used = self.predicted_rl(first), 0
+        for request in [r for r in self._generations.members(group) if self.predicted_rl(r) == rl]:
+            if used >= budget or len(self.running) >= self.config.max_num_seqs:
+                break
+            chunk = self.try_chunk(request, 1)
+            if chunk is None:
+                break
+            self._dequeue(self._generations, request)
+            self._batched.add(request)
+            out.chunks.append(chunk)
+            used += 1
+            self.group_batches += 1
+        return used
+
+    def counters(self) -> dict[str, int]:
+        return {"queued_drops": self.queued_drops, "group_batches": self.group_batches}
 
     def _fill_prompts(self, out: SchedulerOutput, budget: int) -> None:
         """Alg. 1 line 5: PTs until the TFS is reached: the running ones (their prompt KV is held),
@@ -308,15 +360,25 @@ class EcoServeScheduler(Scheduler):
         the request waits: the queue asks once, when the request joins it."""
         return self.kv.predicted_output_len(request)
 
+    def deadline(self, request: Request) -> float:
+        """§3.3: "Each task has a deadline to satisfy its SLO", the JCT SLO of §4: arrival +
+        SLO-scale x (t_p + t_g x l_g), l_g the RL the KV manager predicts for it (after a pause,
+        the tokens so far and L_new). A paused GT keeps its arrival, so it ranks ahead of fresh GTs
+        that arrived later: "This request won't wait long in the queue because it occupies a
+        certain KVC and will be given a higher priority in the queue ordering method" (§3.2.2).
+        With no JCT target in the request's SLO (ours): `next_token_deadline`."""
+        jct = request.slo.jct_target(self.kv.predicted_total_output_len(request))
+        return request.arrival_time + jct if jct is not None else self.next_token_deadline(request)
+
     def next_token_deadline(self, request: Request) -> float:
-        """When the request's next token is due under its SLO (inf: no target)."""
+        """When the request's next token is due under its TTFT/TPOT targets (inf: no target)."""
         slo = request.slo
         if request.first_token_time is None:
             return request.arrival_time + slo.ttft if slo.ttft is not None else math.inf
         return request.first_token_time + slo.tpot * request.num_output_tokens if slo.tpot is not None else math.inf
 
     def _deadline_bucket(self, request: Request, now: float) -> int:
-        return deadline_bucket(self.next_token_deadline(request) - now, self.deadline_buckets)
+        return deadline_bucket(self.deadline(request) - now, self.deadline_buckets)
 
     def _occupied_bucket(self, request: Request) -> int:
         """KV the request holds (§2.4: a waiting GT's prompt, and its generated tokens if it was

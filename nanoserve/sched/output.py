@@ -48,6 +48,9 @@ class SchedulerOutput:
     # Under pipeline parallelism, how the policy cuts the chunks into micro-batches (KunServe's
     # lookahead); None lets the executor cut by token count (nanoserve/parallel/pipeline.py).
     microbatches: list[list[ScheduledChunk]] | None = None
+    # Wall seconds the scheduler took to plan this step, on this machine's CPU (`Scheduler.schedule`):
+    # the simulator may charge it to the step (SimConfig.scheduling_time_scale).
+    plan_seconds: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -140,7 +140,7 @@ class SimExecutor(Executor):
     def __init__(self, clock: VirtualClock, cost: Roofline | CostModel, output_lens: Mapping[str, int],
                  copy_cost: Roofline | None = None, preempt_every_layers: int = EngineArgs.preempt_every_layers,
                  record_online_gaps: bool = False, host_store: HostKVStore | None = None,
-                 layerwise_copies: bool = False):
+                 layerwise_copies: bool = False, scheduling_time_scale: float | None = None):
         """`output_lens`: request id -> the output length its workload gave it. `copy_cost`
         prices KV copies when `cost` is a fitted CostModel (defaults to `cost` if a Roofline).
         `preempt_every_layers`: the safe-point spacing (the real engine's
@@ -150,8 +150,13 @@ class SimExecutor(Executor):
         landing when the virtual clock passes its end. Without one the copies are only priced
         (nobody polls for them). `layerwise_copies`: a step's copies stream layer by layer and a
         forward waits per layer (above); a pipeline stage, or a fitted profile with no model to
-        name its layers, waits for whole copies."""
+        name its layers, waits for whole copies. `scheduling_time_scale`: None prices the host's
+        work per step as the cost's flat overhead only; a factor also charges each step the wall
+        time its scheduler took to plan it (`SchedulerOutput.plan_seconds`) times the factor."""
         self.clock, self.cost = clock, cost
+        self.scheduling_time_scale = scheduling_time_scale
+        self.scheduling_seconds = 0.0  # charged so far by `scheduling_time_scale`
+        self.plan_wall_seconds = 0.0  # the schedulers' measured planning time, charged or not
         self.output_lens = output_lens
         self.host_store = host_store
         self.online_gaps: list[float] | None = [] if record_online_gaps else None
@@ -176,8 +181,20 @@ class SimExecutor(Executor):
         hides its host work then, under asynchronous scheduling: `Efficiency.host_overlap`)."""
         chunks = batch_of(batch)
         if isinstance(self.cost, Roofline):
-            return self.cost.iteration_seconds(chunks, sum(c.samples for c in batch.chunks), follows_step)
-        return self.cost.predict(chunks)
+            seconds = self.cost.iteration_seconds(chunks, sum(c.samples for c in batch.chunks), follows_step)
+        else:
+            seconds = self.cost.predict(chunks)
+        return seconds + self._scheduling_seconds(batch)
+
+    def _scheduling_seconds(self, batch: SchedulerOutput) -> float:
+        """The planning time charged to this step, in series with its forward (the scheduler runs
+        on the host before the step's inputs exist): 0 unless `scheduling_time_scale` is set."""
+        self.plan_wall_seconds += batch.plan_seconds
+        if self.scheduling_time_scale is None:
+            return 0.0
+        seconds = batch.plan_seconds * self.scheduling_time_scale
+        self.scheduling_seconds += seconds
+        return seconds
 
     # -- the link ------------------------------------------------------------------------------
     def copy_duration(self, copy: KVCopy) -> float:

@@ -95,7 +95,7 @@ def _summary(result: SimResult, request_class: str, records: list[RequestRecord]
         e2e_p50=percentile(e2es, 50), e2e_p99=percentile(e2es, 99),
         norm_latency_mean=sum(norm) / len(norm), norm_latency_p50=percentile(norm, 50),
         norm_latency_p99=percentile(norm, 99),
-        slo_attainment=sum(r.e2e is not None and slos[r.priority].attained(r.ttft, r.tpot)
+        slo_attainment=sum(r.e2e is not None and slos[r.priority].attained(r.ttft, r.tpot, r.e2e, r.output_len)
                            for r in records) / len(records),
         output_tokens=tokens,
         throughput_tok_s=tokens / duration if duration > 0 else math.nan,

@@ -106,6 +106,13 @@ class SimConfig:
     # and a fixed number of KV blocks (the real engine's), both overriding the names above.
     model_config: ModelConfig | None = None
     kv_blocks: int | None = None
+    # The host's scheduling time. None: every step pays the GPU's flat `iteration_overhead_s`
+    # whatever the policy (sim/hardware.py), so no policy's scheduling costs more than another's. A
+    # factor: each step also pays the wall time its scheduler took to plan it on this machine,
+    # times the factor (the target host's CPU time per unit of ours: 1.0 assumes it is as fast),
+    # in series with the forward; `SimResult.extra["scheduling_seconds"]` sums it. Measured time varies
+    # from run to run, so such runs are not bit-for-bit repeatable.
+    scheduling_time_scale: float | None = None
     # Stop this many virtual seconds after the first arrival, even with work left: a policy that
     # falls into overload may take hours to drain. Unfinished requests get records with
     # finish_reason None, e2e None and the TTFT they got (if any); SimResult.unfinished counts them.
@@ -202,6 +209,9 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
         # as the real engine refuses it (builder.check_async_scheduling)
         raise ValueError(f"host_overlap models asynchronous scheduling, which {config.policy!r} with the "
                          f"{name!r} KV manager cannot do")
+    scale = config.scheduling_time_scale
+    if scale is not None and (device.efficiency.host_overlap or scale < 0):
+        raise ValueError("scheduling_time_scale must be >= 0, and charges planning in series: not with host_overlap")
     host = None
     tier_blocks = config.prefix_cache_host_tokens // config.block_size
     if tier_blocks and (name != "paged" or not config.enable_prefix_caching):
@@ -227,7 +237,8 @@ def build(config: SimConfig, output_lens: Mapping[str, int], clock: VirtualClock
     executor = SimExecutor(clock, executor_cost or roofline, output_lens, copy_cost=roofline,
                            preempt_every_layers=config.preempt_every_layers,
                            record_online_gaps=config.record_online_token_gaps, host_store=host,
-                           layerwise_copies=config.layerwise_copies)
+                           layerwise_copies=config.layerwise_copies,
+                           scheduling_time_scale=config.scheduling_time_scale)
     engine = Engine(make_scheduler(sched_config, kv, policy_model, clock=clock), executor, None,
                     frozenset({EOS_TOKEN}), model_name=config.model,
                     calibrate_cost_model=config.calibrate_cost_model, stream_outputs=False)
@@ -353,7 +364,11 @@ def simulate(config: SimConfig, trace: list[TraceRequest], executor_cost: Roofli
                                      request.num_preemptions if request is not None else 0, None))
     stats = executor.stats
     extra = {"layerwise_preemptions": executor.preemption.num_preempted,
-             "discarded_forward_seconds": stats.discarded_seconds}
+             "discarded_forward_seconds": stats.discarded_seconds,
+             "scheduler_counters": engine.scheduler.counters(),
+             # wall seconds the policy took to plan the steps that ran (this machine's CPU), and
+             # what `scheduling_time_scale` charged of it to the virtual clock (0 when None)
+             "plan_wall_seconds": executor.plan_wall_seconds, "scheduling_seconds": executor.scheduling_seconds}
     return SimResult(config, records, usage, dict(engine.kv.events), steps=stats.steps,
                      busy_seconds=stats.busy_seconds, link_busy_seconds=stats.link_busy_seconds,
                      forward_stall_seconds=stats.forward_stall_seconds, duration=clock.now - start, extra=extra,
