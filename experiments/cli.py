@@ -11,6 +11,8 @@ workload fixed up front.
     python -m experiments conserve --no-calibration   # ablation: policies keep their fitted profile
     python -m experiments bros --seed 0 1 2        # three seeds, then each ratio's mean and range
     python -m experiments ecoserve --datasets bookcorpus --seed 1 --points bc.jsonl   # resumable
+    python -m experiments ecoserve --datasets alpaca --requests 2000 --no-ablation   # smaller, no Fig. 11
+    NANOSERVE_PROGRESS=1 nohup python -m experiments ecoserve > log &   # progress in the log too
 
 It prints a table per run, then our ratio next to the paper's claim, and notes on any gap.
 """
@@ -45,19 +47,27 @@ def main(argv: list[str] | None = None) -> int:
                              "does by default): an ablation")
     parser.add_argument("--datasets", nargs="+", metavar="NAME",
                         help="ecoserve only: the traces to sweep (sharegpt, alpaca, bookcorpus; default: all three)")
+    parser.add_argument("--requests", type=int, metavar="N",
+                        help="ecoserve only: requests per rate (default: 10,000 at paper scale, 150 at ci)")
+    parser.add_argument("--no-ablation", action="store_true",
+                        help="ecoserve only: skip Fig. 11's ablation at each trace's table rate")
     parser.add_argument("--points", metavar="FILE",
                         help="ecoserve only: a JSON-lines file of finished sweep points, read and appended to as "
                              "each point finishes, so that a stopped sweep resumes (with several seeds: FILE with "
                              "-seedN before its suffix)")
     args = parser.parse_args(argv)
-    if (args.datasets or args.points) and args.experiment != "ecoserve":
-        parser.error("--datasets and --points are for the ecoserve experiment")
+    if (args.datasets or args.points or args.requests or args.no_ablation) and args.experiment != "ecoserve":
+        parser.error("--datasets, --points, --requests and --no-ablation are for the ecoserve experiment")
     if args.no_calibration:
         os.environ["NANOSERVE_SIM_CALIBRATE"] = "0"  # read by every SimConfig the experiment builds
     started = time.perf_counter()
     results = {}
     for seed in dict.fromkeys(args.seed):
-        options = {"datasets": args.datasets} if args.datasets else {}
+        options: dict[str, object] = {"datasets": args.datasets} if args.datasets else {}
+        if args.requests:
+            options["requests"] = args.requests
+        if args.no_ablation:
+            options["ablation"] = False
         if args.points:
             points = Path(args.points)
             options["points"] = (points if len(args.seed) == 1

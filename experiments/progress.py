@@ -13,8 +13,9 @@ without simulated time.
         progress.done(result.duration)
     progress.close()
 
-`NANOSERVE_PROGRESS=0` turns the bar off (the tests set nothing: tqdm draws only on a terminal
-unless asked, `disable=None`).
+By default the bar is drawn only when stderr is a terminal (tqdm's `disable=None`: not in CI
+logs or under pytest); `NANOSERVE_PROGRESS=1` draws it anyway (a run under nohup, its log read
+with `tail`), `NANOSERVE_PROGRESS=0` never.
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ from tqdm import tqdm
 
 class Progress:
     def __init__(self, total: int, label: str):
-        disabled = os.environ.get("NANOSERVE_PROGRESS") == "0"
-        # disable=None: no bar when stderr is not a terminal (CI logs, pytest's capture)
-        self._bar = tqdm(total=total, desc=label, unit="point", disable=True if disabled else None, leave=False)
+        setting = os.environ.get("NANOSERVE_PROGRESS")
+        disable = {"0": True, "1": False}.get(setting or "")  # None: only on a terminal
+        self._bar = tqdm(total=total, desc=label, unit="point", disable=disable, leave=disable is None,
+                         mininterval=5.0 if disable is False else 0.1)
         self._started = time.perf_counter()
         self.simulated = 0.0  # virtual seconds simulated so far (resumed points add none)
 
