@@ -443,7 +443,7 @@ def _ssr_comparisons(dataset: Dataset, rows: list[dict]) -> list[Comparison]:
         ours = sum(by["EcoServe", rate] for rate in rates) / len(rates)
         theirs = sum(by[label, rate] for rate in rates) / len(rates)
         comparisons.append(Comparison(
-            f"{dataset.label} SSR (JCT SLO, scale {SLO_SCALE:g}), mean over the rates both ran: EcoServe / {label}",
+            f"Fig. 10 {dataset.label} SSR (JCT SLO x{SLO_SCALE:g}), mean over the rates both ran: EcoServe / {label}",
             ours / theirs if theirs else math.inf, f"{higher:.0%} higher SSR on average over the traces (OPT-13B)",
             1 + higher, f"{label} (EcoServe Fig. 10 j-l)"))
     return comparisons
@@ -464,15 +464,15 @@ def _comparisons(dataset: Dataset, sustained: dict[str, float]) -> list[Comparis
     eco = sustained["EcoServe"]
     name, figure = dataset.label, f"{FIGURE}, {dataset.label}"
     against = ("vLLM with the KVC swapping strategy", "FastGen with the recomputation strategy", "ORCA, batch 8")
-    comparisons = [Comparison(f"{name} sustained rate: EcoServe / {b.label}", eco / sustained[b.label],
+    comparisons = [Comparison(f"Fig. 10 {name} sustained rate: EcoServe / {b.label}", eco / sustained[b.label],
                               f"{claim} higher on {name} (three models); OPT-13B over the traces: {opt13b}", low,
                               f"{paper_name} ({figure})")
                    for b, (claim, low), opt13b, paper_name in zip((VLLM_2023, FASTGEN, ORCA), PAPER_PER_TRACE[name],
                                                                   PAPER_OPT13B, against)]
     comparisons += [
-        Comparison(f"{name} sustained rate: EcoServe / {VLLM_2023_RECOMPUTE.label}",
+        Comparison(f"Fig. 10 {name} sustained rate: EcoServe / {VLLM_2023_RECOMPUTE.label}",
                    eco / sustained[VLLM_2023_RECOMPUTE.label], "(not run by the paper)", None, "none"),
-        Comparison(f"{name} sustained rate: EcoServe (paper's RL error) / EcoServe (oracle RL)",
+        Comparison(f"Fig. 10 {name} sustained rate: EcoServe (paper's RL error) / EcoServe (oracle RL)",
                    eco / sustained["EcoServe (oracle RL)"],
                    "oracle reaches 8% higher on OPT-13B, averaged over the traces (0.93x)", None,
                    f"none ({FIGURE}: Oracle)"),
