@@ -342,6 +342,10 @@ def _row(dataset: Dataset, label: str, rate: float, result: SimResult) -> dict:
             "tbt_mean": sum(tbts) / max(1, len(tbts)),
             "throughput_tok_s": summary.throughput_tok_s, "preemptions": summary.preemptions,
             "steps": result.steps, "length_capped": sum(r.finish_reason == "length" for r in result.records),
+            # What the KV holds and how many requests a step decodes: exact allocation reserves
+            # prompt + padded RL, paged memory what was written (the gap's counters).
+            "kv_used_mean": sum(u for _, u in result.kv_usage) / max(1, len(result.kv_usage)),
+            "output_tokens_per_step": summary.output_tokens / max(1, result.steps),
             "plan_ms_per_step": 1e3 * result.extra["plan_wall_seconds"] / max(1, result.steps),
             "scheduling_share": result.extra["plan_wall_seconds"] / max(result.busy_seconds, 1e-9),
             "events": ({**result.events, **result.extra["scheduler_counters"]}
