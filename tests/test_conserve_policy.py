@@ -52,12 +52,12 @@ class FlaggedExecutor(TaggingExecutor):
         return super().execute(batch)
 
 
-def build(num_blocks=32, budget=64, max_seqs=8, threshold=0.0):
+def build(num_blocks=32, budget=64, max_seqs=8, threshold=0.0, options=None):
     clock = MockClock()
     store = HostKVStore(64, B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
     kv = CheckpointKV(BlockPool(num_blocks, B), store, CheckpointConfig(threshold=threshold, max_blocks_per_step=64))
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=num_blocks * B,
-                             policy="conserve")
+                             policy="conserve", policy_options=dict(options or {}))
     executor = FlaggedExecutor(store, num_blocks, B)
     engine = Engine(ConServeScheduler(config, kv, cost_model=COST, clock=clock), executor, tokenizer=None)
     return engine, executor, clock
@@ -81,12 +81,17 @@ def run_to_end(engine, clock, limit=500):
 
 
 # -- the scheduler (Alg. 1, §4.5) over the checkpointing manager, no model -------------------
-def test_offline_batching_mode_fills_the_token_budget():
-    engine, executor, _ = build(budget=40)
+@pytest.mark.parametrize("options, chunks", [
+    ({}, [16, 16, 16]),  # Alg. 1 line 21: SLOAWARESCHEDULE(Q_off, Inf), past max_num_batched_tokens
+    ({"offline_batch_tokens": 40}, [16, 16, 8]),  # capped (2,048 before issue 45): no time budget either
+])
+def test_offline_batching_mode_ignores_the_budget(options, chunks):
+    engine, executor, _ = build(budget=40, options=options)
     for i in range(3):
         add(engine, f"off{i}", 16, 4, "offline")
     engine.step()
-    assert [c.num_tokens for c in executor.batches[-1].chunks] == [16, 16, 8]  # no time budget
+    assert [c.num_tokens for c in executor.batches[-1].chunks] == chunks
+    assert engine.scheduler.num_offline_batching_steps == 1
 
 
 def test_online_tpot_budgets_offline_work_and_preempts_the_rest():

@@ -62,12 +62,12 @@ class RecordingExecutor(TaggingExecutor):
         return super().execute(SchedulerOutput(chunks=batch.chunks, preempted=batch.preempted))
 
 
-def build(num_blocks=24, budget=64, host_blocks=64, block_seconds=None, late=False):
+def build(num_blocks=24, budget=64, host_blocks=64, block_seconds=None, late=False, options=None):
     clock = MockClock()
     store = HostKVStore(host_blocks, B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
     kv = CheckpointKV(BlockPool(num_blocks, B), store, CheckpointConfig(threshold=0.0), block_seconds=block_seconds)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=num_blocks * B,
-                             policy="conserve")
+                             policy="conserve", policy_options=dict(options or {}))
     executor = RecordingExecutor(store, num_blocks, B, late)
     if late:  # the engine's idle settle waits for the stand-in stream, as for a real one
         store.synchronize = executor.stream.drain
@@ -171,12 +171,16 @@ class ConServeMachine(RuleBasedStateMachine):
     forward reads lands before it, the rest when the test says): after every step, the manager's
     invariants and parked requests waiting with their K/V on the device; at every drop of parked
     K/V, that it was for a request that needed the memory (online, running, or parked and older),
-    never to admit new offline work. The executor checks every position a forward reads."""
+    never to admit new offline work. The executor checks every position a forward reads.
+    `OPTIONS`: the policy's options (a subclass runs Fig. 8's no-prefetch bar, and the offline
+    batching mode capped as it was before issue 45)."""
+
+    OPTIONS: dict = {}
 
     def __init__(self):
         super().__init__()
         self.engine, self.executor, self.clock = build(num_blocks=16, budget=32, host_blocks=48,
-                                                       block_seconds=0.004, late=True)
+                                                       block_seconds=0.004, late=True, options=self.OPTIONS)
         self.scheduler, self.kv = self.engine.scheduler, self.engine.kv
         self.count = 0
         make_room = self.scheduler._make_room
@@ -230,3 +234,11 @@ class ConServeMachine(RuleBasedStateMachine):
 
 TestConServeMachine = ConServeMachine.TestCase
 TestConServeMachine.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
+
+
+class ConServeNoPrefetchCappedMachine(ConServeMachine):
+    OPTIONS = {"prefetch": False, "offline_batch_tokens": 32}
+
+
+TestConServeNoPrefetchCappedMachine = ConServeNoPrefetchCappedMachine.TestCase
+TestConServeNoPrefetchCappedMachine.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)

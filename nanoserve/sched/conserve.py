@@ -21,7 +21,16 @@ UNIFIEDSCHEDULE) serves, in this order:
    have been checkpointed" (§4.4): offline victims are again chosen by least to recompute, then
    newest;
 4. with no online request anywhere, the offline batching mode (Alg. 1 lines 20-22): no time
-   budget, only `max_num_batched_tokens`, and nothing is preempted for being over it.
+   budget, and nothing is preempted for being over it. §4.2: "the scheduler ignores the budget
+   limit and sets the largest batch size that can saturate GPU compute or memory capacity";
+   §4.3: "in offline batching mode, ConServe aggressively increases batch sizes and chunk sizes
+   and relies on layer-wise preemption to maintain responsiveness". So the step's token budget
+   is `offline_batch_tokens` (policy option), by default Alg. 1 line 21's Inf: the batch is
+   bounded by the KV memory and `max_num_seqs` alone, and a prompt's chunk is its whole rest.
+   assumption: "largest batch size that can saturate GPU compute or memory capacity" read as
+   "as large as memory allows" (Alg. 1 passes Inf); the option bounds it where a deployment
+   must (activation memory, which the simulator does not model). `offline_batch_tokens=2048`
+   is the rule before issue 45 (the engine's `max_num_batched_tokens`), kept as an ablation.
 
 An online request is never cut by the TTFT target (finishing its prompt sooner is what meets
 TTFT); while online requests decode, an online prompt's chunk is held to the TPOT target, but
@@ -60,6 +69,7 @@ time budget caps both, under `max_num_batched_tokens` and `max_num_seqs`.
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any, Literal
 
@@ -75,9 +85,27 @@ class ConServeScheduler(PriorityScheduler):
 
     MIN_ONLINE_CHUNK = 16  # tokens an online prompt chunk always gets, whatever the TPOT target
     PREEMPTS_RUNNING_BATCH = True  # Alg. 2 (Scheduler.PREEMPTS_RUNNING_BATCH)
+    OPTIONS = {
+        "offline_batch_tokens": "token budget of a step in the offline batching mode (Alg. 1 lines 20-22; "
+                                "default None: Inf, bounded by KV memory and max_num_seqs; 2048: before issue 45)",
+        "prefetch": "§4.4's background prefetching (default True); False: a checkpointed request is loaded in "
+                    "the step that resumes it, which waits for the loads (Fig. 8's '+ checkpointing' bar)",
+    }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        options = self.config.policy_options
+        self.offline_batch_tokens: int | None = options.get("offline_batch_tokens")
+        if self.offline_batch_tokens is not None and self.offline_batch_tokens < 1:
+            raise ValueError(f"offline_batch_tokens must be positive, got {self.offline_batch_tokens}")
+        self.prefetch: bool = bool(options.get("prefetch", True))
+        # Counters (`counters`): steps planned in the offline batching mode, those of them that
+        # took more tokens than `max_num_batched_tokens` (where the mode's budget matters), and
+        # offline admissions stopped because a resumed request's in-step loads did not fit the
+        # step's time target (without prefetch, the loads are in the step).
+        self.num_offline_batching_steps = self.num_offline_batching_big_steps = 0
+        self.num_restore_blocked = 0
+        self._offline_mode = False
         self.num_running_batch_preemptions = 0  # Alg. 2's requests to stop the batch in flight
         self._in_flight: tuple[SchedulerOutput, float] | None = None  # (batch, t_sched)
         # The targets of the online requests, by the phase each is in (its TTFT before its first
@@ -123,7 +151,33 @@ class ConServeScheduler(PriorityScheduler):
     def plan(self) -> SchedulerOutput:
         self._seconds = 0.0  # predicted time of this step's chunks, without the per-step constant
         self._tpot_target, self._target = self.iteration_target()
-        return super().plan()
+        out = super().plan()
+        if self._offline_mode and sum(c.num_tokens for c in out.chunks) > self.config.max_num_batched_tokens:
+            self.num_offline_batching_big_steps += 1
+        return out
+
+    def counters(self) -> dict[str, int]:
+        return {"running_batch_preemptions": self.num_running_batch_preemptions,
+                "offline_batching_steps": self.num_offline_batching_steps,
+                "offline_batching_big_steps": self.num_offline_batching_big_steps,
+                "parked_dropped": self.num_parked_dropped, "restore_blocked": self.num_restore_blocked}
+
+    def _start_step(self) -> None:
+        """The offline batching mode's budget (Alg. 1 line 21: SLOAWARESCHEDULE(Q_off, Inf)):
+        with no online request anywhere, the step's token budget is `offline_batch_tokens`
+        (None: no token budget at all; KV memory and `max_num_seqs` bound the batch)."""
+        super()._start_step()
+        self._offline_mode = self.offline_batching_mode()
+        if self._offline_mode:
+            self.num_offline_batching_steps += 1
+            # sys.maxsize, not math.inf: the budget is an int the passes subtract chunks from.
+            self._budget = self.offline_batch_tokens if self.offline_batch_tokens is not None else sys.maxsize
+
+    def offline_batching_mode(self) -> bool:
+        """No online request waiting or running (§4.2: "a model may not receive any new online
+        requests"). Both queues are online-first once the step has started."""
+        return not ((self.waiting and self.waiting[0].priority is RequestClass.ONLINE)
+                    or (self.running and self.running[0].priority is RequestClass.ONLINE))
 
     def iteration_target(self) -> tuple[float | None, float | None]:
         """(the TPOT target of decoding online requests, the step's time target), in seconds.
@@ -145,8 +199,12 @@ class ConServeScheduler(PriorityScheduler):
                 return want
             return max(self._fit(request.num_computed_tokens, want, self._tpot_target),
                        min(want, self.MIN_ONLINE_CHUNK))
-        return want if self._target is None else self._fit(request.num_computed_tokens, want, self._target,
-                                                           self.kv.restore_seconds(request))
+        if self._target is None:
+            return want
+        restore = self.kv.restore_seconds(request)
+        fit = self._fit(request.num_computed_tokens, want, self._target, restore)
+        self.num_restore_blocked += fit == 0 and restore > 0
+        return fit
 
     def _fit(self, prefix: int, want: int, target: float, extra: float = 0.0) -> int:
         """The largest chunk (at most `want` tokens over `prefix`) that keeps the step's predicted
@@ -239,8 +297,13 @@ class ConServeScheduler(PriorityScheduler):
         flight) stops offline admission for the step, as any request at the head of the queue
         would: new work admitted past it would take the memory it waits for and, once paused or
         preempted in turn, the host memory too (ours: measured, letting new work pass starved
-        preempted requests until the host store filled and checkpoints stopped)."""
-        if request.priority is not RequestClass.OFFLINE or self.kv.blocks_to_restore(request) == 0:
+        preempted requests until the host store filled and checkpoints stopped).
+
+        With the `prefetch` option off (Fig. 8's "+ incremental checkpointing" bar, §6.4.1),
+        every request is admitted in queue order and loads its checkpoint in the step that
+        resumes it, which waits for the loads (Fig. 4(c), without 4(d)'s background swap-in)."""
+        if (not self.prefetch or request.priority is not RequestClass.OFFLINE
+                or self.kv.blocks_to_restore(request) == 0):
             return "admit"
         copies = self.kv.prefetch(request)
         if copies is not None:
