@@ -101,8 +101,10 @@ def test_ecoserve_reports_fig_10s_ssr_and_fig_11s_ablation(ecoserve):
     assert len(ssr) == 3 and ssr[next(m for m in ssr if m.endswith(ORCA.label))] > 1.2
     ablation = ecoserve.extra["ablation"]
     systems = [s.label for s in ecoserve_experiment.ABLATION]
-    assert [(r["system"], r["scheduling"]) for r in ablation] == [(s, p) for p in ("flat", "measured") for s in systems]
-    by = {(r["system"], r["scheduling"]): r for r in ablation}
+    rates = ecoserve_experiment.ABLATION_RATES["ci"]
+    assert [(r["rate"], r["system"], r["scheduling"]) for r in ablation] == [
+        (rate, s, p) for rate in rates for p in ("flat", "measured") for s in systems]
+    by = {(r["system"], r["scheduling"]): r for r in ablation if r["rate"] == rates[0]}
     assert by["EcoServe", "flat"]["events"]["spills"] == 0  # long prompts decoupled (§3.2.1)
     assert by["EcoServe", "flat"]["events"]["prompt_admissions_available"] > 0
     assert by["EcoServe, long prompts coupled", "flat"]["events"]["spills"] > 0
@@ -110,7 +112,7 @@ def test_ecoserve_reports_fig_10s_ssr_and_fig_11s_ablation(ecoserve):
     assert by["EcoServe", "flat"]["events"]["hosted_placements"] > 0
     assert by[VLLM_2023.label, "measured"]["jct_lower_than_vllm"] == 0
     assert all(r["plan_ms_per_step"] > 0 for r in ablation)
-    assert sum(c.metric.startswith("Fig. 11") for c in ecoserve.comparisons) == 4
+    assert sum(c.metric.startswith("Fig. 11") for c in ecoserve.comparisons) == 4 * len(rates)
 
 
 def test_ecoserve_sweep_stops_a_system_only_past_twice_the_threshold(ecoserve):
