@@ -61,6 +61,7 @@ from functools import cache
 from typing import Any
 
 from experiments import Comparison, ExperimentResult, baselines, check_scale
+from experiments.progress import Progress
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import percentile, summarize
 from nanoserve.sim.models import ModelCost, model
@@ -486,6 +487,9 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
     runs: dict[str, SimResult] = {}
     table: dict[str, dict[str, float]] = {}
     comparisons: list[Comparison] = []
+    # (a seed takes minutes at paper scale, so it is not resumable: the bar only shows it moving)
+    progress = Progress(sum(len(main) * len(p.cvs) for p in setup.parts) + 2 + len(FIG6_SYSTEMS),
+                        f"ConServe seed {seed}")
     for part in setup.parts:
         rate = derived.fig5_rate if part.figure == FIG5 else setup.online_rate
         for cv in part.cvs:
@@ -495,6 +499,7 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
             labels = main + ([SCHED_ONLY, WITH_CKPT] if part.figure == FIG78 and cv == FIG8_CV else [])
             for label in labels:
                 result = simulate(systems[label], online if label == ONLINE_ONLY else mixed)
+                progress.done(result.duration)
                 runs[run_label(label, part, cv)] = result
                 stats[label] = table[run_label(label, part, cv)] = window_stats(result, setup.duration)
             comparisons += _comparisons(part, cv, stats)
@@ -504,8 +509,10 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
     stats6: dict[str, dict[str, float]] = {}
     for label in FIG6_SYSTEMS:
         result = simulate(systems[label], online6 if label == ONLINE_ONLY else mixed6)
+        progress.done(result.duration)
         runs[run_label(label, FIG6)] = result
         stats6[label] = fig6_stats(result, setup)
+    progress.close()
     comparisons += fig6_comparisons(stats6, derived.slo)
     parts = "; ".join(f"{p.figure}: {p.online_lengths.label}, CV {', '.join(f'{c:g}' for c in p.cvs)}"
                       for p in setup.parts)
