@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_conserve_resident import add, build, run_to_end
+from test_conserve_resident import add, build, offline_work_then_an_online_request_that_takes_its_memory, run_to_end
 
 from nanoserve.sim.simulation import SimConfig, simulate
 from nanoserve.sim.workloads import TraceRequest
@@ -39,14 +39,7 @@ def test_the_budget_holds_again_once_an_online_request_arrives():
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_without_prefetch_a_checkpointed_request_loads_in_the_step_that_resumes_it(prefetch):
     engine, executor, clock = build(num_blocks=20, block_seconds=0.01, options={"prefetch": prefetch})
-    for i in range(4):
-        add(engine, f"off{i}", 15, 60, "offline")
-    engine.step()
-    add(engine, "on1", 4, 6, "online")
-    for _ in range(3):
-        engine.step()
-    add(engine, "on2", 28, 4, "online")  # takes offline requests' memory
-    engine.step()
+    offline_work_then_an_online_request_that_takes_its_memory(engine)
     assert engine.kv.events["preemptions_with_checkpoint"] > 0
     run_to_end(engine, clock)
     events = engine.kv.events

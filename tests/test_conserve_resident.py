@@ -139,9 +139,9 @@ def test_paused_blocks_go_to_an_online_request_least_to_recompute_first_never_to
     assert executor.positions_checked > 0 and kv.num_used_blocks == 0
 
 
-def test_a_dropped_request_is_prefetched_ahead_over_several_steps_while_new_work_runs():
-    # One block's load takes 10 ms of link; the TPOT window (≤ 50 ms) moves a few per step.
-    engine, executor, clock = build(num_blocks=20, block_seconds=0.01)
+def offline_work_then_an_online_request_that_takes_its_memory(engine) -> None:
+    """Four offline requests fill the pool; one online request decodes beside them; a second,
+    long one needs the memory they hold, so some are preempted with checkpoints."""
     for i in range(4):
         add(engine, f"off{i}", 15, 60, "offline")
     engine.step()
@@ -150,6 +150,12 @@ def test_a_dropped_request_is_prefetched_ahead_over_several_steps_while_new_work
         engine.step()
     add(engine, "on2", 28, 4, "online")  # takes offline requests' memory
     engine.step()
+
+
+def test_a_dropped_request_is_prefetched_ahead_over_several_steps_while_new_work_runs():
+    # One block's load takes 10 ms of link; the TPOT window (≤ 50 ms) moves a few per step.
+    engine, executor, clock = build(num_blocks=20, block_seconds=0.01)
+    offline_work_then_an_online_request_that_takes_its_memory(engine)
     kv = engine.kv
     assert kv.events["preemptions_with_checkpoint"] > 0
     add(engine, "off-new", 4, 4, "offline")
