@@ -151,6 +151,12 @@ def test_batch_size_grows_without_rt_and_resets_on_slo_risk():
     assert sizes == [16, 32, 32, 32, 32]  # doubling (the default), up to max_num_seqs
     assert len(engine.executor.batches[0].chunks) == 8  # the first step held to the initial size
     assert len(engine.executor.batches[1].chunks) == 12
+    counts = scheduler.counters()
+    # Constraint (7) bound the first plan only (8 seats, 12 BE requests); the bound summed over
+    # plans is 8 + 16 + 32 * 3; no risk yet, no RT to replace.
+    assert (counts["plans"], counts["size_bound"], counts["slo_risk"], counts["be_replaced_rt"]) == (5, 1, 0, 0)
+    assert counts["batch_size_sum"] == 8 + 16 + 32 * 3 and counts["batch_size_below_max"] == 2
+    assert counts["be_held_sum"] == 8 + 12 * 4 and counts["rt_held_sum"] == 0
     # Two RT arrivals whose TTFT target each prompt meets alone (17 ms) but not together: at risk.
     for name in ("rt", "rt2"):
         engine.add_request([2] * 30, SamplingParams(max_tokens=2, ignore_eos=True), name, priority="online",
@@ -158,6 +164,7 @@ def test_batch_size_grows_without_rt_and_resets_on_slo_risk():
     engine.step()
     assert scheduler.slo_risk and scheduler.batch_size == 8
     assert [c.request.request_id for c in engine.executor.batches[-1].chunks] == ["rt"]  # lines 11-12
+    assert scheduler.counters()["slo_risk"] == 1
     engine.step()  # rt2 is late now: no batch saves it, so it no longer counts as risk
     assert not scheduler.slo_risk and scheduler.batch_size == 16
     assert {"rt", "rt2"} < {c.request.request_id for c in engine.executor.batches[-1].chunks}
@@ -263,6 +270,8 @@ def test_be_replaces_rt_that_can_afford_to_wait():
     engine.step()
     ids = [c.request.request_id for c in executor.batches[-1].chunks]
     assert ids == ["rt0", "be"]  # the most urgent RT stays, the BE request takes the other seat
+    counts = s.counters()
+    assert counts["be_replaced_rt"] == counts["be_replace_plans"] == 1 and counts["size_bound"] == 1
     run(engine)
 
 
@@ -304,6 +313,12 @@ def test_random_arrivals_finish_within_limits(arrivals, num_blocks, host_blocks,
         engine.kv.check_invariants()
     assert {rid: len(o.token_ids) for rid, o in finished.items()} == expected
     assert engine.kv.num_used_blocks == 0
+    counts = engine.scheduler.counters()  # each branch counted at most once per plan
+    assert counts["plans"] >= len(executor.batches)
+    for key in ("size_bound", "slo_risk", "batch_size_below_max", "be_replace_plans"):
+        assert 0 <= counts[key] <= counts["plans"], key
+    assert counts["be_replace_plans"] <= counts["be_replaced_rt"]
+    assert counts["rt_held_sum"] + counts["be_held_sum"] == sum(len(b.chunks) for b in executor.batches)
 
 
 # -- 6. a burst past capacity, then quiet ------------------------------------------------------

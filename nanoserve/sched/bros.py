@@ -82,6 +82,9 @@ Our additions, which the paper does not have:
   on the remaining time"; we let only a running RT request that cannot grow evict (younger) RT
   requests, because admissions that evicted RT requests threw away half-done prefills in a loop
   under memory pressure.
+- Counters of each branch (`counters`): plans, the batch size bound (7) meeting a candidate,
+  SLO-risk resets, RT requests a BE request replaced, the mean bound and batch composition, for
+  the experiments to show where each mechanism acts.
 - The cost model prices T_exec only, not §4.1's max(T_exec, T_swap) with a profiled linear
   T_swap: swap cost enters only through the BE ordering. The engine does overlap the copies
   (`EngineArgs.layerwise_kv_copies`, which the experiments turn on for BROS: a step's copies
@@ -100,6 +103,10 @@ from nanoserve.sched.base import Scheduler
 from nanoserve.sched.bros_batch import INF, WAITING, Batch, is_rt
 from nanoserve.sched.bros_queue import PulledQueues
 from nanoserve.sched.output import SchedulerOutput
+
+# The keys of `BROSScheduler.counters` (ours): how often each branch ran.
+COUNTERS = ("plans", "batch_size_sum", "batch_size_below_max", "rt_held_sum", "be_held_sum", "slo_risk", "size_bound",
+            "be_replaced_rt", "be_replace_plans")
 
 
 def _growth(spec: str) -> tuple[int, int]:
@@ -143,6 +150,8 @@ class BROSScheduler(Scheduler):
         self.whole_prompts = prefill == "whole"
         self.batch_size = self._initial_size()
         self.slo_risk = False  # whether the last plan hit lines 11-12 (for tests and stats)
+        # How often each branch of Alg. 1 and §4.2 ran (ours; `counters`).
+        self._counts = dict.fromkeys(COUNTERS, 0)
 
     def _initial_size(self) -> int:
         return max(1, min(self.initial_batch_size, self.config.max_num_seqs))
@@ -201,9 +210,31 @@ class BROSScheduler(Scheduler):
         if not batch.stop:
             if not (replay_be and self._replay_be(batch, draft)):
                 self._select_be(batch, replace=False, skip=set(batch.held))
+        self._count(draft, batch)
         self._adapt_batch_size(batch.risk)
         self.slo_risk = batch.risk
         return out
+
+    def _count(self, draft: Batch, batch: Batch) -> None:
+        """Tally this plan's branches (ours, for the experiments' reports): the draft's, where
+        Alg. 1's decisions are taken (the real pass replays or re-packs without the replaced)."""
+        counts = self._counts
+        counts["plans"] += 1
+        counts["batch_size_sum"] += self.batch_size
+        counts["batch_size_below_max"] += self.batch_size < self.config.max_num_seqs
+        counts["slo_risk"] += batch.risk
+        counts["size_bound"] += draft.size_bound
+        counts["be_replaced_rt"] += len(draft.replaced)
+        counts["be_replace_plans"] += bool(draft.replaced)
+        counts["rt_held_sum"] += len(batch.rt)
+        counts["be_held_sum"] += len(batch.be)
+
+    def counters(self) -> dict[str, int]:
+        """`COUNTERS`: plans; the sum over plans of the batch size bound (7) and of the RT and BE
+        requests given a chunk; plans whose bound was below max_num_seqs; plans with SLO risk (lines
+        11-12, which reset the bound); plans in which (7) met a candidate (`Batch.size_bound`);
+        RT requests a BE request replaced (lines 18-33), and the plans with any."""
+        return dict(self._counts)
 
     def _select_rt(self, batch: Batch, skip: AbstractSet[int] = frozenset(), cap: int | None = None) -> None:
         """Alg. 1 lines 5-15, up to `cap` RT requests (the batch size less the seats the draft
@@ -226,6 +257,7 @@ class BROSScheduler(Scheduler):
             if id(request) in skip or id(request) in gone:
                 continue
             if len(held) >= cap:
+                batch.size_bound = True  # constraint (7) binds: an RT request is left out
                 return
             computed = request.num_computed_tokens
             lacking = len(request.token_ids) - computed
@@ -296,6 +328,7 @@ class BROSScheduler(Scheduler):
             batch.unsettled |= batch.constrained  # a decision the real pass may take otherwise, not the last
             replaced = None
             if len(held) >= batch_size:
+                batch.size_bound = True  # constraint (7) binds: a BE request replaces an RT one or waits
                 replaced = self._replace_least_urgent_rt(batch) if replace else None
                 if replaced is None:
                     break

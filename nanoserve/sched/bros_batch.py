@@ -68,6 +68,9 @@ class Batch:
         self.admitted = 0  # waiting requests in the batch
         self.risk = False  # SLO risk: reset the batch size
         self.stop = False  # lines 11-12's early return: no BE work this step
+        # Constraint (7) met a candidate: a request was in hand while the batch held `batch_size`
+        # requests (then a BE request may replace an RT one, or the packing ends). Counted (ours).
+        self.size_bound = False
         # What the real pass needs to know to replay a draft (see BROSScheduler._replay_rt).
         self.rt_stop = False  # the RT packing's outcome
         self.seatless = False  # an RT request was passed over for lack of a seat

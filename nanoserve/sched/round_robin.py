@@ -15,6 +15,9 @@ turns, one class per iteration (Fig. 4): an RT batch, then a BE batch, then an R
                   "consistently interrupts the processing of RT requests whenever there are BE
                   requests", §7.2.2, and only then). The turn passes to the class that did not run.
 
+Counters (ours, `counters`): the iterations each class served, the requests and tokens in them,
+and the turns passed to the other class, to hold the batches against §2.2.
+
 Memory is the paged pool with recompute preemption (no bidirectional blocks). When a request
 cannot grow, the newest running request gives way, whatever its class, possibly the request
 itself, as in vLLM and fcfs: the oldest running request always advances. A request given a chunk
@@ -31,6 +34,8 @@ from nanoserve.sched.output import SchedulerOutput
 from nanoserve.slo import RequestClass
 
 CLASSES = (RequestClass.ONLINE, RequestClass.OFFLINE)  # RT, BE
+# The keys of `RoundRobinScheduler.counters` (ours).
+COUNTERS = ("rt_iterations", "be_iterations", "rt_chunks", "be_chunks", "rt_tokens", "be_tokens", "turn_passed")
 _OTHER = {RequestClass.ONLINE: RequestClass.OFFLINE, RequestClass.OFFLINE: RequestClass.ONLINE}
 
 
@@ -43,6 +48,8 @@ class RoundRobinScheduler(Scheduler):
         self.queues: dict[RequestClass, deque[Request]] = {cls: deque() for cls in CLASSES}
         self.turn = RequestClass.ONLINE  # the class the next iteration serves
         self.served_class: RequestClass | None = None  # the class the last plan served (tests, stats)
+        # Per-class batch composition, to hold against §2.2 (ours; `counters`).
+        self._counts = dict.fromkeys(COUNTERS, 0)
 
     # -- the two queues ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -70,11 +77,23 @@ class RoundRobinScheduler(Scheduler):
         out = SchedulerOutput()
         self._sync_queues()
         self.served_class = None
-        for cls in (self.turn, _OTHER[self.turn]):
+        turn = self.turn
+        for cls in (turn, _OTHER[turn]):
             if self._serve(cls, out):
                 self.served_class, self.turn = cls, _OTHER[cls]
                 break
+        if self.served_class is not None:
+            side = "rt" if self.served_class is RequestClass.ONLINE else "be"
+            self._counts[f"{side}_iterations"] += 1
+            self._counts[f"{side}_chunks"] += len(out.chunks)
+            self._counts[f"{side}_tokens"] += sum(c.num_tokens for c in out.chunks)
+            self._counts["turn_passed"] += self.served_class is not turn
         return out
+
+    def counters(self) -> dict[str, int]:
+        """`COUNTERS`: iterations each class served, the requests (chunks) and tokens they
+        carried, and the iterations whose class had nothing to run, so the other took its turn."""
+        return dict(self._counts)
 
     def _serve(self, cls: RequestClass, out: SchedulerOutput) -> bool:
         """Add one class's batch to `out` (fcfs within the class); whether it got any chunk."""
