@@ -268,3 +268,20 @@ def test_ecoserve_sweep_resumes_from_its_saved_points(tmp_path, monkeypatch):
                                     ablation=False)
     assert len(calls) == len(lines) - 3
     assert [c.ours for c in resumed.comparisons] == [c.ours for c in first.comparisons]
+
+
+def test_progress_counts_points_and_simulated_seconds(monkeypatch, capsys):
+    from experiments.progress import Progress
+
+    monkeypatch.setenv("NANOSERVE_PROGRESS", "1")  # drawn even though stderr is captured
+    progress = Progress(total=3, label="sweep")
+    progress.done(120.0)
+    progress.done()  # a point read back from a saved file: no simulated time
+    assert progress.simulated == 120.0
+    progress.close()
+    assert "sweep" in capsys.readouterr().err
+    monkeypatch.setenv("NANOSERVE_PROGRESS", "0")
+    quiet = Progress(total=1, label="quiet")
+    quiet.done(1.0)
+    quiet.close()
+    assert "quiet" not in capsys.readouterr().err
