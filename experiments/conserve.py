@@ -470,10 +470,12 @@ def configs(setup: Setup, slo: SLO) -> dict[str, SimConfig]:
     """Every system the experiment runs, by label (Fig. 8's bars and the capped offline batching
     mode run only where their figure needs them)."""
     base = _base_config(setup, slo)
-    conserve = replace(base, policy="conserve")
+    # Alg. 1's offline batching mode with no token budget (None: the scheduler's default is the
+    # engine's max_num_batched_tokens, which a real engine's buffers need).
+    conserve = replace(base, policy="conserve", policy_options={"offline_batch_tokens": None})
     return {**{b.label: b.sim_config(base) for b in BASELINES}, CONSERVE: conserve,
             SCHED_ONLY: replace(conserve, kv_manager="swap"),
-            WITH_CKPT: replace(conserve, policy_options={"prefetch": False}),
+            WITH_CKPT: replace(conserve, policy_options={"offline_batch_tokens": None, "prefetch": False}),
             CAPPED: replace(conserve, policy_options={"offline_batch_tokens": 2048})}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -101,5 +102,13 @@ def test_stateful_links_from_files_to_batches(fuzzed_server):
 
 
 def test_zz_no_kv_block_is_held_after_the_fuzzing(fuzzed_server):
-    fuzzed_server.wait_idle()
-    assert not leaks(fuzzed_server)
+    # A request whose handler was still on its way in (a slow client, a grammar compiling) may
+    # reach the engine just after the idle scrape: read again after the next idle, three times.
+    # A leak holds its blocks through every idle; a straggler finishes.
+    for _ in range(3):
+        fuzzed_server.wait_idle()
+        found = leaks(fuzzed_server)
+        if not found:
+            break
+        time.sleep(1.0)
+    assert not found

@@ -23,7 +23,7 @@ from nanoserve.slo import SLO, RequestClass
 
 
 def test_the_budget_holds_again_once_an_online_request_arrives():
-    engine, executor, _ = build(num_blocks=64, budget=32)
+    engine, executor, _ = build(num_blocks=64, budget=32, options={"offline_batch_tokens": None})
     for i in range(4):
         add(engine, f"off{i}", 20, 8, "offline")
     engine.step()
@@ -56,7 +56,7 @@ def _offline_pool_then_online(ttft: float) -> tuple[SimConfig, list[TraceRequest
     trace = [TraceRequest(0.0, 3000, 16, RequestClass.OFFLINE) for _ in range(12)]
     trace.append(TraceRequest(0.5, 512, 8, RequestClass.ONLINE))
     config = SimConfig(policy="conserve", gpu="A100-40G", model="Llama-2-7B", online_slo=SLO(ttft=ttft, tpot=0.1),
-                       host_kv_tokens=200_000)
+                       host_kv_tokens=200_000, policy_options={"offline_batch_tokens": None})
     return config, trace
 
 

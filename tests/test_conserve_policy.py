@@ -82,8 +82,8 @@ def run_to_end(engine, clock, limit=500):
 
 # -- the scheduler (Alg. 1, §4.5) over the checkpointing manager, no model -------------------
 @pytest.mark.parametrize("options, chunks", [
-    ({}, [16, 16, 16]),  # Alg. 1 line 21: SLOAWARESCHEDULE(Q_off, Inf), past max_num_batched_tokens
-    ({"offline_batch_tokens": 40}, [16, 16, 8]),  # capped (2,048 before issue 45): no time budget either
+    ({"offline_batch_tokens": None}, [16, 16, 16]),  # Alg. 1 line 21: SLOAWARESCHEDULE(Q_off, Inf)
+    ({}, [16, 16, 8]),  # the default: max_num_batched_tokens (a real engine's buffers); no time budget either
 ])
 def test_offline_batching_mode_ignores_the_budget(options, chunks):
     engine, executor, _ = build(budget=40, options=options)

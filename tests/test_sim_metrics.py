@@ -188,7 +188,7 @@ def test_to_json_round_trip(tmp_path) -> None:
     assert data["workload_note"] == "ShareGPT-like (synthetic)" and data["extra"] == {"seed": 0}
     run = data["results"]["fcfs"]
     assert run["config"]["policy"] == "fcfs"
-    assert run["config"]["online_slo"] == {"ttft": 1.0, "tpot": 0.1}
+    assert run["config"]["online_slo"] == {"ttft": 1.0, "tpot": 0.1, "jct_fixed": None, "jct_per_token": None}
     assert run["summaries"]["online"]["count"] == 4 and run["summaries"]["all"]["slo_attainment"] == 0.5
     assert run["events"] == {"preemptions": 1} and run["steps"] == 42
     assert run["busy_seconds"] == 8.0 and run["duration"] == 10.0

@@ -25,8 +25,10 @@ UNIFIEDSCHEDULE) serves, in this order:
    limit and sets the largest batch size that can saturate GPU compute or memory capacity";
    §4.3: "in offline batching mode, ConServe aggressively increases batch sizes and chunk sizes
    and relies on layer-wise preemption to maintain responsiveness". So the step's token budget
-   is `offline_batch_tokens` (policy option), by default Alg. 1 line 21's Inf: the batch is
+   is `offline_batch_tokens` (policy option); None is Alg. 1 line 21's Inf: the batch is
    bounded by the KV memory and `max_num_seqs` alone, and a prompt's chunk is its whole rest.
+   The default is `max_num_batched_tokens` (ours): a real engine sizes its step buffers, graphs
+   and the scheduling contract to it, so only the simulator's experiments lift it.
    assumption: "largest batch size that can saturate GPU compute or memory capacity" read as
    "as large as memory allows" (Alg. 1 passes Inf); the option bounds it where a deployment
    must (activation memory, which the simulator does not model). `offline_batch_tokens=2048`
@@ -87,7 +89,8 @@ class ConServeScheduler(PriorityScheduler):
     PREEMPTS_RUNNING_BATCH = True  # Alg. 2 (Scheduler.PREEMPTS_RUNNING_BATCH)
     OPTIONS = {
         "offline_batch_tokens": "token budget of a step in the offline batching mode (Alg. 1 lines 20-22; "
-                                "default None: Inf, bounded by KV memory and max_num_seqs; 2048: before issue 45)",
+                                "default: max_num_batched_tokens, what a real engine's buffers hold; null: "
+                                "Inf, bounded by KV memory and max_num_seqs, as the simulated experiments run it)",
         "prefetch": "§4.4's background prefetching (default True); False: a checkpointed request is loaded in "
                     "the step that resumes it, which waits for the loads (Fig. 8's '+ checkpointing' bar)",
     }
@@ -95,7 +98,10 @@ class ConServeScheduler(PriorityScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         options = self.config.policy_options
-        self.offline_batch_tokens: int | None = options.get("offline_batch_tokens")
+        # Absent: the engine's max_num_batched_tokens, the step size its buffers (and the
+        # scheduling contract) are built for; None (the simulator's experiments): no token budget.
+        self.offline_batch_tokens: int | None = options.get("offline_batch_tokens",
+                                                             self.config.max_num_batched_tokens)
         if self.offline_batch_tokens is not None and self.offline_batch_tokens < 1:
             raise ValueError(f"offline_batch_tokens must be positive, got {self.offline_batch_tokens}")
         self.prefetch: bool = bool(options.get("prefetch", True))
