@@ -152,20 +152,11 @@ def ideal_rate_ours(setup: Setup, lengths: LengthDist = RT_LENGTHS) -> float:
     """Requests per second an ideal server sustains for `lengths` on `setup`'s GPUs (ours; it only
     places the rates): EcoServe's `ideal_rate` (experiments/ecoserve.py) generalised from its fixed
     deployment to the setup's model, GPU and tensor parallelism, with the KV the runs have (what
-    the weights leave) and the batch capped by max_num_seqs. C = min(KV tokens / (p + o/2),
-    max_num_seqs) requests in flight, each decode step of C requests at context p + o/2 costs
-    t_step, a prompt costs its marginal prefill time t_p in such a step, so one request takes
-    t_p + o * t_step / C of GPU time."""
+    the weights leave) and the batch capped by max_num_seqs (`Roofline.ideal_request_rate`)."""
     config = _config(setup)
     roofline = Roofline(gpu(setup.gpu), model(setup.model), setup.tp)
     kv_tokens = kv_blocks(config, roofline) * config.block_size
-    p, o = lengths.mean_prompt, lengths.mean_output
-    held = p + o / 2
-    in_flight = max(1, min(config.max_num_seqs, int(kv_tokens // held)))
-    decodes = [(round(held), 1)] * in_flight
-    t_step = roofline.iteration_seconds(decodes)
-    t_prefill = roofline.iteration_seconds(decodes + [(0, round(p))]) - t_step
-    return 1.0 / (t_prefill + o * t_step / in_flight)
+    return roofline.ideal_request_rate(lengths.mean_prompt, lengths.mean_output, kv_tokens, config.max_num_seqs)
 
 
 def run_rates(setup: Setup) -> tuple[float, ...]:

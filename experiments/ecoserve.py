@@ -125,17 +125,10 @@ def jct_slo(lengths: LengthDist, scale: float = SLO_SCALE) -> SLO:
 
 def ideal_rate(lengths: LengthDist) -> float:
     """Requests per second an ideal server sustains on `BASE`'s roofline for these mean lengths
-    (ours; it only places the sweep's rates): C = KV tokens / (p + o/2) requests in flight, each
-    decode step of C requests at context p + o/2 costs t_step, a prompt costs its marginal
-    prefill time t_p in such a step, so one request takes t_p + o * t_step / C of GPU time."""
+    (ours; it only places the sweep's rates): `Roofline.ideal_request_rate` with `BASE`'s KV."""
     roofline = Roofline(gpu(BASE.gpu), model(BASE.model))
-    p, o = lengths.mean_prompt, lengths.mean_output
-    held = p + o / 2
-    in_flight = max(1, int(BASE.kv_bytes / ModelCost(roofline.model).kv_bytes_per_token // held))
-    decodes = [(round(held), 1)] * in_flight
-    t_step = roofline.iteration_seconds(decodes)
-    t_prefill = roofline.iteration_seconds(decodes + [(0, round(p))]) - t_step
-    return 1.0 / (t_prefill + o * t_step / in_flight)
+    kv_tokens = BASE.kv_bytes / ModelCost(roofline.model).kv_bytes_per_token
+    return roofline.ideal_request_rate(lengths.mean_prompt, lengths.mean_output, kv_tokens)
 
 
 def _scaled_rates(lengths: LengthDist) -> dict[str, tuple[float, ...]]:

@@ -106,6 +106,22 @@ class Roofline:
         chunk = [(prefix_len, num_new)]
         return self.num_layers * (self.layer_seconds(chunk) - self.layer_overhead(chunk))
 
+    def ideal_request_rate(self, mean_prompt: float, mean_output: float, kv_tokens: float,
+                           max_in_flight: int | None = None) -> float:
+        """Requests per second an ideal server sustains for these mean lengths (the experiments
+        place their rates by it): C = KV tokens / (p + o/2) requests in flight (at most
+        `max_in_flight`), each decode step of C requests at context p + o/2 costs t_step, a prompt
+        costs its marginal prefill time t_p in such a step, so one request takes t_p + o * t_step
+        / C of GPU time."""
+        p, o = mean_prompt, mean_output
+        held = p + o / 2
+        in_flight = int(kv_tokens // held)
+        in_flight = max(1, in_flight if max_in_flight is None else min(max_in_flight, in_flight))
+        decodes = [(round(held), 1)] * in_flight
+        t_step = self.iteration_seconds(decodes)
+        t_prefill = self.iteration_seconds(decodes + [(0, round(p))]) - t_step
+        return 1.0 / (t_prefill + o * t_step / in_flight)
+
     def kv_copy_seconds(self, num_tokens: int, link: str = "pcie") -> float:
         """Moving `num_tokens` tokens' K/V of this model's layers (on this GPU's share) over
         "pcie", "nvlink", "network", or within the device ("hbm": read and write)."""
