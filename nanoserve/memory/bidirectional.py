@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from nanoserve.memory.bidirectional_blocks import BidirectionalBlocks
@@ -61,6 +61,8 @@ class BidirectionalBlockManager:
         self._attach(BidirectionalBlocks(num_blocks, block_size, host))
         # (generation, pins, fewest positions) of a fresh RT sequence that could not grow; see `_known_rt_miss`.
         self._rt_miss: tuple[int, frozenset, int] | None = None
+        # False in a `what_if` twin: a trial's moves and loads are never executed, so not built.
+        self._builds_copies = True
         # Event counters, so callers and tests can see which mechanism ran.
         self.preemptions = 0  # RT pages placed on a block with a live BE page
         self.overwrites = 0  # BE pages that lost slots to an RT page
@@ -75,9 +77,11 @@ class BidirectionalBlockManager:
 
     def what_if(self, host: HostKVStore | HostLedger) -> BidirectionalBlockManager:
         """A throwaway manager to try a mutation on, over `host` (a ledger, not the store): its
-        pool is `BidirectionalBlocks.what_if`'s copy, its counters and memo copies of these."""
+        pool is `BidirectionalBlocks.what_if`'s copy, its counters and memo copies of these. It
+        plans and applies as this one would, but returns no moves or loads (nobody runs them)."""
         twin = copy.copy(self)
         twin._attach(self.pool.what_if(host))
+        twin._builds_copies = False
         return twin
 
     # -- the pool's state and queries -----------------------------------------------------
@@ -169,6 +173,8 @@ class BidirectionalBlockManager:
             return fits
         if best_effort and self.placement.be_restore_out_of_reach(seq_id):
             return False
+        if self._swapped_out_whole_beyond_reach(seq_id, num_tokens, best_effort):
+            return False
         # Growth after a restore depends on where the restore puts the pages and which host
         # blocks it frees: run both on a throwaway copy rather than predict them.
         trial = self.what_if(HostLedger(pool.host.num_free_blocks, self.block_size, pool.host.num_blocks))
@@ -204,6 +210,28 @@ class BidirectionalBlockManager:
                 return False
             num_tokens = max(num_tokens, state.num_tokens)
         return num_tokens >= miss[2]
+
+    def _swapped_out_whole_beyond_reach(self, seq_id: SeqId, num_tokens: int, best_effort: bool) -> bool:
+        """Whether a sequence with no page on the device cannot come back and grow to
+        `num_tokens`, settled by asking the same of a new sequence (one plan, no what-if copy of
+        the pool). In overload BROS asks `can_grow` of every swapped-out request it passes, each
+        step; most say no, and this answers them at a fraction of the what-if's cost.
+
+        Necessary, so exact when it says no: the restore places the pages in order, each by the
+        same ranking a new sequence's pages would take, and the growth after it takes the next
+        blocks of that ranking (BE: FindBlock page by page, rooms as a new sequence's fills; RT:
+        FindPreemptBlock, saving the BE slots under each page's fill, `_known_rt_miss`). So it
+        needs every block a new sequence of that many positions would, the same saves, and the
+        host room for them while its own host blocks are still held."""
+        state = self.pool.seqs[seq_id]
+        if any(block is not None for block in state.pages):
+            return False
+        num_tokens = max(num_tokens, state.num_tokens)
+        if self.can_allocate(_PROBE, num_tokens, best_effort=best_effort):
+            return False
+        if not best_effort:
+            self._note_rt_miss(_PROBE, num_tokens)  # the next waiting RT request asks no search
+        return True
 
     def _note_rt_miss(self, seq_id: SeqId, num_tokens: int) -> None:
         pool = self.pool
@@ -361,6 +389,10 @@ class BidirectionalBlockManager:
         pool = self.pool
         state, plan = pool.seqs[seq_id], _Plan()
         target: int | None
+        rt_blocks: Iterator[int] = iter(())
+        if not state.best_effort:  # RT pages leave whole, so each takes the next of one ranking
+            lost = sum(1 for page in range(len(state.pages)) if pool.preemption_table.get((seq_id, page)) is not None)
+            rt_blocks = iter(self.placement.rt_targets(lost, set(), NOBODY) or [])
         for page, block in enumerate(state.pages):
             entry = pool.preemption_table.get((seq_id, page))
             if entry is None:
@@ -375,7 +407,7 @@ class BidirectionalBlockManager:
                 be_targets = self.placement.be_targets([room], taken)
                 target = be_targets[0] if be_targets else None
             else:
-                target = next(iter(self.placement.rt_targets(1, taken, NOBODY) or []), None)
+                target = next(rt_blocks, None)
                 plan.saves += pool.be_positions_under(target, NOBODY, 0, fill) if target is not None else []
             if target is None:
                 return None
@@ -393,6 +425,8 @@ class BidirectionalBlockManager:
 
     def _copies_to(self, seq_id: SeqId, page: int, target: int) -> list[KVCopy]:
         """Bring all of `page` into block `target`: move what is on the device, load the rest."""
+        if not self._builds_copies:
+            return []
         pool = self.pool
         state, entry = pool.seqs[seq_id], pool.preemption_table.get((seq_id, page))
         kept = pool.resident(seq_id, page) if state.pages[page] != target else []
