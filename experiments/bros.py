@@ -62,11 +62,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from experiments import Comparison, ExperimentResult, check_scale
 from experiments.baselines import FASTGEN, ROUND_ROBIN, VLLM_2023, VLLM_2023_RECOMPUTE, Baseline
+from experiments.points import SavedPoints
+from experiments.progress import Progress
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.models import model
 from nanoserve.sim.roofline import Roofline
@@ -305,19 +308,26 @@ def fig13_rate(setup: Setup) -> float:
     return dict(zip(setup.rates, run_rates(setup)))[FIG13_PAPER_RATE]
 
 
-def run_fig13(setup: Setup, seed: int, runs: dict[str, SimResult]) -> list[dict[str, float | str]]:
+def run_fig13(setup: Setup, seed: int, runs: dict[str, SimResult],
+              points: _Points | None = None) -> list[dict[str, float | str]]:
     """Fig. 13's ablation: BROS with and without the bidirectional KV cache at the paper's 10
-    req/s, on the same RT trace and BE batches as the sweep (the sweep's BROS run is reused when
-    `runs` has it)."""
+    req/s, on the same RT trace and BE batches as the sweep (the sweep's BROS run, or its saved
+    row, is reused when there is one)."""
+    points = points or _Points(None)
     rate = fig13_rate(setup)
     trace, be = rt_trace(setup, rate, seed), be_batches(setup, seed + 2)
     rows = []
     for name, changes in FIG13_SYSTEMS.items():
-        result = runs.get(f"{setup.panel} {BROS} @ {rate:g} req/s") if not changes else None
-        if result is None:
-            result = simulate(_config(setup, BROS, **changes), trace, closed_loop=be)
-            runs[f"Fig. 13 {setup.panel} BROS, {name} @ {rate:g} req/s"] = result
-        rows.append({"panel": setup.panel, "system": name, "rate": rate, **rt_stats(result, setup.slo)})
+        stats = None
+        if not changes:  # "With Bi-cache" is BROS as the sweep ran it
+            swept = runs.get(f"{setup.panel} {BROS} @ {rate:g} req/s")
+            stats = (rt_stats(swept, setup.slo) if swept is not None
+                     else points.get(_Points.key(setup, BROS, rate, seed)))
+        if stats is None:
+            stats = points.point(_Points.key(setup, BROS, rate, seed, f"Fig. 13 {name}"), setup, runs,
+                                 f"Fig. 13 {setup.panel} BROS, {name} @ {rate:g} req/s",
+                                 lambda: simulate(_config(setup, BROS, **changes), trace, closed_loop=be))  # noqa: B023
+        rows.append({"panel": setup.panel, "system": name, "rate": rate, **stats})
     return rows
 
 
@@ -391,31 +401,66 @@ def compare(sweep: list[dict[str, float | str]], setups: Sequence[Setup], scale:
     return comparisons
 
 
+class _Points(SavedPoints):
+    """BROS's finished runs (`experiments/points.py`), so that a paper-scale run (over an hour per
+    seed) resumes where it stopped (ours). A point is keyed by panel, system, rate, seed and the
+    RT trace's length, and holds `rt_stats`' row; `point` simulates the missing ones."""
+
+    # Bumped when a change makes saved points stale.
+    VERSION = 1
+
+    @classmethod
+    def key(cls, setup: Setup, system: str, rate: float, seed: int, what: str = "Fig. 10") -> str:
+        return f"{setup.panel}|{system}|{rate!r}|seed {seed}|{setup.duration:g} s|{what}|v{cls.VERSION}"
+
+    def point(self, key: str, setup: Setup, runs: dict[str, SimResult], name: str,
+              simulate_it: Callable[[], SimResult], progress: Progress | None = None) -> dict[str, float]:
+        """The saved row under `key`, or `simulate_it`'s (kept in `runs` under `name`, and saved)."""
+        row = self.get(key)
+        if row is None:
+            result = simulate_it()
+            runs[name] = result
+            row = rt_stats(result, setup.slo)
+            self.add(key, row)
+        if progress is not None:
+            progress.done(row["duration_s"] if name in runs else 0.0)
+        return row
+
+
 def run(scale: str = "paper", seed: int = 0, panels: Sequence[str] | None = None,
-        ablation: bool = True, rate_rule: str = "capacity", fig13: bool = True) -> ExperimentResult:
+        ablation: bool = True, rate_rule: str = "capacity", fig13: bool = True,
+        points: str | Path | None = None) -> ExperimentResult:
     """Every panel of Fig. 10(a)-(c) (paper scale; `panels` picks some, e.g. ("a",)), or the ci
     setup, at the rates of `rate_rule` (`run_rates`); then, with `ablation`, BROS's variants on
     the first setup at its top rate, and with `fig13`, Fig. 13's With / No Bi-cache (panel (b) at
-    paper scale, run even when `panels` leaves (b) out)."""
+    paper scale, run even when `panels` leaves (b) out). `points`: a JSON-lines file of finished
+    runs (`_Points`), read and appended to as each finishes, so that a stopped run resumes."""
     check_scale(scale)
     base_setups = [SETUPS["ci"]] if scale == "ci" else [PANELS[p] for p in (panels or PANELS)]
     setups = [replace(s, rate_rule=rate_rule) for s in base_setups]
     runs: dict[str, SimResult] = {}
     sweep: list[dict[str, float | str]] = []
+    saved = _Points(points)
+    total = sum(len(s.rates) for s in setups) * len(POLICIES)
+    progress = Progress(total, f"BROS Fig. 10 seed {seed}")
     for setup in setups:
         be = be_batches(setup, seed + 2)
         for paper_rate, rate in zip(setup.rates, run_rates(setup)):
             trace = rt_trace(setup, rate, seed)
             for label in POLICIES:
-                result = simulate(_config(setup, label), trace, closed_loop=be)
-                runs[f"{setup.panel} {label} @ {rate:g} req/s"] = result
+                stats = saved.point(_Points.key(setup, label, rate, seed), setup, runs,
+                                    f"{setup.panel} {label} @ {rate:g} req/s",
+                                    lambda: simulate(_config(setup, label), trace, closed_loop=be),  # noqa: B023
+                                    progress)
                 sweep.append({"panel": setup.panel, "system": label, "rate": rate, "paper_rate": paper_rate,
-                              **rt_stats(result, setup.slo)})
+                              **stats})
+    progress.close()
     comparisons = compare(sweep, setups, scale)
-    fig13_rows = run_fig13(replace(fig13_setup(scale), rate_rule=rate_rule), seed, runs) if fig13 else []
+    fig13_rows = run_fig13(replace(fig13_setup(scale), rate_rule=rate_rule), seed, runs, saved) if fig13 else []
     if fig13_rows:
         comparisons += compare_fig13(fig13_rows, scale)
-    ablation_rows = run_ablation(setups[0], seed, CI_ABLATION if scale == "ci" else None) if ablation else []
+    ablation_rows = (run_ablation(setups[0], seed, CI_ABLATION if scale == "ci" else None, saved)
+                     if ablation else [])
     alone = be_batch_alone_seconds(setups[0], seed + 2)
     title_setups = "; ".join(f"{s.panel}: {s.model} TP={s.tp} on {s.gpu}, RT Poisson "
                              f"{', '.join(f'{r:g}' for r in run_rates(s))} req/s (rates by '{s.rate_rule}')"
@@ -445,17 +490,22 @@ ABLATION_COLUMNS = ("rt_norm_latency", "rt_ttft_attainment", "rt_tpot_attainment
 CI_ABLATION = ("B0=8, x2", "B0=8, +1", "B0=256, x2", "copies waited for whole")
 
 
-def run_ablation(setup: Setup, seed: int, only: Sequence[str] | None = None) -> list[dict[str, float | str]]:
+def run_ablation(setup: Setup, seed: int, only: Sequence[str] | None = None,
+                 points: _Points | None = None) -> list[dict[str, float | str]]:
     """BROS's variants (`ablation_variants`, §4.2's lost symbols and ours; no figure) at `setup`'s
     top rate, on the same RT trace and BE batches as the main runs; `only` names some."""
+    points = points or _Points(None)
     rate = run_rates(setup)[-1]
     trace, be = rt_trace(setup, rate, seed), be_batches(setup, seed + 2)
     rows = []
-    for name, changes in ablation_variants().items():
-        if only is not None and name not in only:
-            continue
-        stats = rt_stats(simulate(_config(setup, BROS, **changes), trace, closed_loop=be), setup.slo)
+    variants = {name: changes for name, changes in ablation_variants().items() if only is None or name in only}
+    progress = Progress(len(variants), f"BROS §4.2 ablation seed {seed}")
+    for name, changes in variants.items():
+        stats = points.point(_Points.key(setup, BROS, rate, seed, f"§4.2 {name}"), setup, {}, name,
+                             lambda: simulate(_config(setup, BROS, **changes), trace, closed_loop=be),  # noqa: B023
+                             progress)
         rows.append({"panel": setup.panel, "variant": name, "rate": rate, **{k: stats[k] for k in ABLATION_COLUMNS}})
+    progress.close()
     return rows
 
 

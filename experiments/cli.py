@@ -12,6 +12,7 @@ workload fixed up front.
     python -m experiments bros --seed 0 1 2        # three seeds, then each ratio's mean and range
     python -m experiments ecoserve --datasets bookcorpus --seed 1 --points bc.jsonl   # resumable
     python -m experiments ecoserve --datasets alpaca --requests 2000 --no-ablation   # smaller, no Fig. 11
+    python -m experiments bros --panels b --seed 1 --points bros-b.jsonl   # one panel of Fig. 10, resumable
     NANOSERVE_PROGRESS=1 nohup python -m experiments ecoserve > log &   # progress in the log too
 
 It prints a table per run, then our ratio next to the paper's claim, and notes on any gap.
@@ -50,14 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, metavar="N",
                         help="ecoserve only: requests per rate (default: 10,000 at paper scale, 150 at ci)")
     parser.add_argument("--no-ablation", action="store_true",
-                        help="ecoserve only: skip Fig. 11's ablation at each trace's table rate")
+                        help="ecoserve: skip Fig. 11's ablation at each trace's table rate; bros: skip §4.2's")
     parser.add_argument("--points", metavar="FILE",
-                        help="ecoserve only: a JSON-lines file of finished sweep points, read and appended to as "
-                             "each point finishes, so that a stopped sweep resumes (with several seeds: FILE with "
-                             "-seedN before its suffix)")
+                        help="ecoserve and bros: a JSON-lines file of finished runs, read and appended to as each "
+                             "finishes, so that a stopped sweep resumes (with several seeds: FILE with -seedN "
+                             "before its suffix)")
+    parser.add_argument("--panels", nargs="+", metavar="PANEL", choices=("a", "b", "c"),
+                        help="bros only: Fig. 10's panels to run (a, b, c; default: all three at paper scale)")
     args = parser.parse_args(argv)
-    if (args.datasets or args.points or args.requests or args.no_ablation) and args.experiment != "ecoserve":
-        parser.error("--datasets, --points, --requests and --no-ablation are for the ecoserve experiment")
+    if (args.datasets or args.requests) and args.experiment != "ecoserve":
+        parser.error("--datasets and --requests are for the ecoserve experiment")
+    if (args.points or args.no_ablation) and args.experiment not in ("ecoserve", "bros"):
+        parser.error("--points and --no-ablation are for the ecoserve and bros experiments")
+    if args.panels and args.experiment != "bros":
+        parser.error("--panels is for the bros experiment")
     if args.no_calibration:
         os.environ["NANOSERVE_SIM_CALIBRATE"] = "0"  # read by every SimConfig the experiment builds
     started = time.perf_counter()
@@ -68,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             options["requests"] = args.requests
         if args.no_ablation:
             options["ablation"] = False
+        if args.panels:
+            options["panels"] = args.panels
         if args.points:
             points = Path(args.points)
             options["points"] = (points if len(args.seed) == 1

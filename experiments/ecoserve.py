@@ -64,7 +64,6 @@ system still runs `TABLE_RATE`, whose runs fill the per-request tables and plots
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +71,7 @@ from pathlib import Path
 
 from experiments import Comparison, ExperimentResult, check_scale
 from experiments.baselines import FASTGEN, ORCA, VLLM_2023, VLLM_2023_RECOMPUTE, Baseline
+from experiments.points import SavedPoints
 from experiments.progress import Progress
 from nanoserve.memory.predictor import PAPER_PREDICTION_ERROR, NoisyOraclePredictor, OraclePredictor
 from nanoserve.sim.hardware import gpu
@@ -292,21 +292,11 @@ class _Sweep:
     runs: dict[str, SimResult]
 
 
-class _Points:
-    """Finished sweep points in a JSON-lines file, so that a sweep too long for one sitting (10k
-    BookCorpus requests per rate: hours per seed) resumes where it stopped (ours). A point is
-    keyed by dataset, system, rate, seed and requests per rate, and holds its row; the code that
-    simulated it is whatever the checkout was, so keep the file with the commit that wrote it.
-    ShareGPT's table rate is always simulated: its runs fill the per-request tables."""
-
-    def __init__(self, path: str | Path | None):
-        self.path = None if path is None else Path(path)
-        self.rows: dict[str, dict] = {}
-        if self.path is not None and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    entry = json.loads(line)
-                    self.rows[entry["key"]] = entry["row"]
+class _Points(SavedPoints):
+    """EcoServe's sweep points (`experiments/points.py`), so that a sweep too long for one
+    sitting (10k BookCorpus requests per rate: hours per seed) resumes where it stopped (ours). A
+    point is keyed by dataset, system, rate, seed and requests per rate. ShareGPT's table rate is
+    always simulated: its runs fill the per-request tables."""
 
     # Bumped when a change makes saved points stale (v2: decoupled long prompts, the JCT SLO).
     VERSION = 2
@@ -314,18 +304,6 @@ class _Points:
     @classmethod
     def key(cls, dataset: Dataset, system: System, rate: float, seed: int, n: int) -> str:
         return f"{dataset.label}|{system.label}|{rate!r}|seed {seed}|{n} requests|v{cls.VERSION}"
-
-    def get(self, key: str) -> dict | None:
-        return self.rows.get(key)
-
-    def add(self, key: str, row: dict) -> None:
-        """Save a finished point; one already saved (ShareGPT's table rate, simulated again) is not
-        written twice."""
-        saved_before = key in self.rows
-        self.rows[key] = row
-        if self.path is not None and not saved_before:
-            with self.path.open("a") as f:
-                f.write(json.dumps({"key": key, "row": row}) + "\n")
 
 
 def _row(dataset: Dataset, label: str, rate: float, result: SimResult) -> dict:

@@ -1,0 +1,45 @@
+"""Finished points of a long experiment, saved as they finish so that a stopped run resumes
+(ours). A paper-scale sweep runs for hours on a laptop; each of its points (one system at one
+rate on one seed) is a simulation whose numbers fit in a row. The experiment names a point by a
+key that holds everything the row depends on (its trace, system, rate, seed, and a version
+bumped when a code change makes saved rows stale); this file keeps the rows, one JSON object per
+line, appended as each point finishes.
+
+    saved = SavedPoints("sharegpt-seed1.jsonl")     # None: nothing read, nothing written
+    row = saved.get(key)
+    if row is None:
+        row = numbers_of(simulate(...))
+        saved.add(key, row)
+
+The code that simulated a saved row is whatever the checkout was when it ran, so keep the file
+with the commit that wrote it (benchmarks/results/ does).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class SavedPoints:
+    """Rows by key, read from a JSON-lines file and appended to it as points finish."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = None if path is None else Path(path)
+        self.rows: dict[str, dict] = {}
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    entry = json.loads(line)
+                    self.rows[entry["key"]] = entry["row"]
+
+    def get(self, key: str) -> dict | None:
+        return self.rows.get(key)
+
+    def add(self, key: str, row: dict) -> None:
+        """Save a finished point; a key already saved (a point simulated again because its run,
+        not just its row, was needed) is not written twice."""
+        saved_before = key in self.rows
+        self.rows[key] = row
+        if self.path is not None and not saved_before:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"key": key, "row": row}) + "\n")
