@@ -54,6 +54,22 @@ def test_four_replicas_merge_smallest_first_and_stop_when_enough():
         assert not any(plan.fetched.values())
 
 
+def test_ties_in_size_go_to_groups_holding_a_throttled_instance():
+    """Fig. 6 leaves ties open; ours: a throttled instance's group merges first, so the drop
+    enlarges the pool where the queue is (ties otherwise go to the lowest id)."""
+    cluster = Cluster.replicas(4, [5] * 8)
+    plan = plan_drop(cluster.groups, cluster.layer_bytes, 40, prefer=frozenset({3}))
+    assert [sorted(m.merged.instances) for m in plan.merges] == [[0, 3]]
+    both = plan_drop(cluster.groups, cluster.layer_bytes, 40, prefer=frozenset({1, 3}))
+    assert [sorted(m.merged.instances) for m in both.merges] == [[1, 3]]
+    # Size still comes first: a throttled member of a larger group waits for the replicas.
+    groups = [pipeline((0, 1), 8), Group.replica(2, 8), Group.replica(3, 8)]
+    later = plan_drop(groups, [5] * 8, 40, prefer=frozenset({0}))
+    assert [sorted(m.merged.instances) for m in later.merges] == [[2, 3]]
+    for p in (plan, both, later):
+        p.check_invariants()
+
+
 def test_one_instance_group_merges_with_a_two_stage_group_drop_only():
     groups = [Group.replica(0, 6), pipeline((1, 2), 6)]  # 1 holds [0, 3), 2 holds [3, 6)
     plan = plan_drop(groups, [1] * 6, 1)

@@ -4,6 +4,7 @@ the ci-scale run of the paper's comparison (experiments/kunserve.py)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -99,6 +100,54 @@ def test_drop_grows_a_pair_by_the_dropped_layers_and_restore_gives_it_back():
     # Each member pulled back the half it had dropped, over the network, before serving again.
     pull = gpu(GPU).link_seconds(HALF * COST.layer_bytes, "network")
     assert [m.clock.now for m in cluster.members.values()] == pytest.approx([pull, pull])
+
+
+def test_a_member_s_max_num_seqs_follows_its_pool_through_a_drop_and_a_restore():
+    """Issue 46: the replica's 256 fill ~96% of its KV at BurstGPT's lengths, so a drop's
+    added KV would go unused under a fixed cap: the cap scales with the pool, and comes back."""
+    cluster = SimCluster(cluster_config(drop=True), [])
+    replica = cluster.members[0].engine.kv.num_blocks
+    cluster._apply(cluster.regrouper.drop({0: 1}, cluster._loads(), cluster._call), 0.0)
+    for member in cluster.members.values():
+        pool = member.engine.kv.num_blocks
+        assert member.engine.scheduler.config.max_num_seqs == round(256 * pool / replica) > 256
+    loads = cluster._loads()
+    cluster._apply(cluster.regrouper.restore(cluster.regrouper.restorable(loads), loads, cluster._call), 0.0)
+    assert [m.engine.scheduler.config.max_num_seqs for m in cluster.members.values()] == [256, 256]
+    fixed = SimCluster(cluster_config(drop=True, seqs_follow_pool=False), [])
+    fixed._apply(fixed.regrouper.drop({0: 1}, fixed._loads(), fixed._call), 0.0)
+    assert [m.engine.scheduler.config.max_num_seqs for m in fixed.members.values()] == [256, 256]
+
+
+def test_the_drop_frees_what_every_queued_request_lacks_and_merges_the_throttled_first():
+    """§4.1: "we first compute the memory demand of all queuing requests (R)"; among groups of
+    one size, the throttled instance's merges first (ties were to the lowest id)."""
+    requests = [TraceRequest(0.0, 160, 8)] * 6
+    cluster = SimCluster(cluster_config(instances=4, drop=True), requests)
+    for request_id in cluster.ids:
+        spec = cluster.trace[request_id]
+        cluster.members[2].engine.add_request([1] * spec.prompt_len, SamplingParams(max_tokens=8), request_id)
+    loads = cluster._loads()
+    assert loads[2].queued_blocks == 6 * 10 and loads[2].head_blocks == 10  # 160 tokens: 10 blocks each
+    short = {2: 5}  # as if 5 blocks short at the head
+    queue_shortfall = loads[2].virtual_blocks - loads[2].total_blocks  # negative: the instance is empty
+    assert cluster.regrouper.blocks_to_free(short, loads) == max(5, queue_shortfall) == 5
+    tight = {2: replace(loads[2], used_blocks=loads[2].total_blocks - 20)}
+    assert cluster.regrouper.blocks_to_free(short, tight) == tight[2].virtual_blocks - tight[2].total_blocks > 5
+    head = SimCluster(cluster_config(instances=4, drop=True, drop_demand="head"), [])
+    assert head.regrouper.blocks_to_free(short, tight) == 5
+    cluster._apply(cluster.regrouper.drop(short, loads, cluster._call), 0.0)
+    assert [sorted(g.instances) for g in cluster.regrouper.groups if g.size > 1] == [[0, 2]]  # not [0, 1]
+
+
+def test_round_robin_dispatch_reads_no_load():
+    from nanoserve.cluster.round_robin_dispatch import RoundRobinDispatcher
+
+    cluster = SimCluster(cluster_config("fcfs", 3, dispatch="round-robin"), [TraceRequest(0.0, 64, 8)] * 7)
+    assert isinstance(cluster.dispatcher, RoundRobinDispatcher)
+    assert [cluster.dispatch(i, 0.0) for i in cluster.ids] == [0, 1, 2, 0, 1, 2, 0]
+    with pytest.raises(ValueError, match="dispatch"):
+        cluster_config("fcfs", 2, dispatch="random")
 
 
 @pytest.mark.parametrize("background", [True, False])
@@ -197,10 +246,11 @@ def test_stages_price_their_own_layers_and_overlap_the_members_batches():
 
 
 def test_ci_experiment_kunserve(monkeypatch, tmp_path):
+    from experiments.kunserve import PAPER_ERA, STRONGER, VLLM, VLLM_PP
+
     monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "0")  # per step is too slow here; layout changes still check
     result = run_experiment("kunserve", scale="ci", seed=0)
-    assert set(result.runs) == {f"BurstGPT: {label}" for label in ("KunServe", "vLLM (fcfs)", "vLLM-PP",
-                                                                          "InferCept-like", "Llumnix-like")}
+    assert set(result.runs) == {f"BurstGPT: {label}" for label in ("KunServe", *PAPER_ERA, *STRONGER)}
     result.runs = {label.removeprefix("BurstGPT: "): run for label, run in result.runs.items()}
     count = len(result.runs["KunServe"].records)
     assert count > 300
@@ -210,30 +260,43 @@ def test_ci_experiment_kunserve(monkeypatch, tmp_path):
         assert all(r.finish_reason == "stop" and r.ttft is not None for r in run.records)
     kun = result.runs["KunServe"]
     assert kun.events["drops"] >= 1 and kun.events["restores"] >= 1
-    assert result.runs["vLLM (fcfs)"].events["throttled_steps"] > 0  # the bursts throttle vLLM's KV
+    assert result.runs[VLLM].events["throttled_steps"] > 0  # the bursts throttle vLLM's KV
+    # max_num_seqs follows a dropped member's pool: it ran more at once than a replica may.
+    assert kun.extra["peak_running"] > 256 == result.runs[VLLM].extra["peak_running"]
     stats = {label: summarize(run)["all"] for label, run in result.runs.items()}
-    # Robust across seeds 0-6: the static pipelines lose to KunServe's dropped-on-demand ones.
-    assert stats["vLLM-PP"].ttft_p99 >= 1.3 * stats["KunServe"].ttft_p99
-    assert stats["vLLM-PP"].ttft_p50 >= 1.2 * stats["KunServe"].ttft_p50
+    # Robust across seeds 0-6 (the burst rule): the static pipelines lose to KunServe's
+    # dropped-on-demand ones at the median (1.18x at least) and in TPOT (1.42x at least); their
+    # P99 does not always (0.90x at seed 2).
+    assert stats[VLLM_PP].ttft_p50 >= 1.1 * stats["KunServe"].ttft_p50
+    assert stats[VLLM_PP].tpot_p50 >= 1.3 * stats["KunServe"].tpot_p50
     # Until a drop, KunServe's instances serve as vLLM's do: the medians stay close. (The P99
     # against vLLM is not asserted: it swings either way with the seed, see the notes.)
-    assert stats["KunServe"].ttft_p50 == pytest.approx(stats["vLLM (fcfs)"].ttft_p50, rel=0.25)
+    assert stats["KunServe"].ttft_p50 == pytest.approx(stats[VLLM].ttft_p50, rel=0.25)
     claims = [c for c in result.comparisons if c.metric.startswith("BurstGPT P99 TTFT")]
-    assert len(claims) == 5 and all(c.paper_low == 12.7 and math.isfinite(c.ours) for c in claims)
-    # InferCept-like swaps its victims out and back over the link, copies under the forwards.
-    infercept = result.runs["InferCept-like"]
-    assert infercept.events["preemptions"] > 0 and infercept.link_busy_seconds > 0
-    assert infercept.forward_stall_seconds <= infercept.link_busy_seconds
+    assert len(claims) == len(PAPER_ERA) + len(STRONGER) + 1 and all(math.isfinite(c.ours) for c in claims)
+    # Only the paper-era rows (and memory's part) are held to 12.7x; ours have no paper number.
+    assert {c.metric.split(": ")[1].split(" / ")[0] for c in claims if c.paper_low == 12.7} == {*PAPER_ERA, VLLM}
+    assert all(c.paper_low is None for c in claims if any(label in c.metric for label in STRONGER))
+    # Beside every ratio, each run's KV held and GPU busy share.
+    rows = {row["system"]: row for row in result.extra["policies"]}
+    assert set(rows) == set(result.runs) | {"vLLM, 10x KV"}
+    assert all(0 < row["held_kv"] <= 1 and 0 < row["compute_use"] <= 1 for row in rows.values())
+    assert result.extra["datasets"]["BurstGPT"]["rate_rule"] == "burst"
+    # InferCept swaps its victims out and back over the link, copies under the forwards.
+    for label in ("InferCept", "InferCept-like, least-loaded, no swap budget (ours)"):
+        infercept = result.runs[label]
+        assert infercept.events["preemptions"] > 0 and infercept.link_busy_seconds > 0
+        assert infercept.forward_stall_seconds <= infercept.link_busy_seconds
     llumnix = result.runs["Llumnix-like"]
     assert llumnix.events["migrations"] > 0 and llumnix.events["migrated_blocks"] > 0
     assert result.notes and "synthetic" in result.workload
     # Fig. 12's series: every run's KV demand from the first arrival, mean TTFT per window.
     timeline = result.extra["timeline"]["BurstGPT"]
     assert set(timeline["kv_demand"]) == set(timeline["ttft_mean"]) == set(result.runs) | {"vLLM, 10x KV"}
-    vllm_demand = timeline["kv_demand"]["vLLM (fcfs)"]
+    vllm_demand = timeline["kv_demand"][VLLM]
     assert vllm_demand[0][0] >= 0 and max(d for _, d in vllm_demand) > 1  # the bursts throttle: over capacity
     assert 0.5 < max(d for _, d in timeline["kv_demand"]["vLLM, 10x KV"]) < 10  # over one replica's KV
-    windows = timeline["ttft_mean"]["vLLM (fcfs)"]
+    windows = timeline["ttft_mean"][VLLM]
     assert len(windows) > 5 and all(v > 0 for _, v in windows)
     pytest.importorskip("matplotlib")
     paths = save_plots(result, tmp_path)
@@ -260,3 +323,18 @@ def test_a_negative_restore_fraction_never_restores():
     assert cluster.regrouper.restorable(cluster._loads()) == []
     cluster._monitor(1000.0)
     assert cluster.regrouper.groups[0].size == 2 and cluster.events["restores"] == 0
+
+
+def test_the_burst_rule_bisects_to_the_rate_whose_typical_burst_fills_the_kv(monkeypatch):
+    """Issue 46's rule, from §2.2: the base rate at which a typical x2 burst accumulates one
+    replica's KV (`burst_peak`); the highest probe at or under `burst_fill` is kept."""
+    from experiments import kunserve
+
+    scale = replace(kunserve.SCALES["ci"], burst_fill=0.5)
+    assert kunserve.bursts(scale, 0) and {w.factor for w in kunserve.bursts(scale, 0)} == {2.0}  # §2.2: 2x
+    monkeypatch.setattr(kunserve, "burst_peak", lambda rate, scale, seed, lengths: rate / 8)
+    rate, probes = kunserve.rate_for_burst.__wrapped__(scale, 0)
+    assert rate / 8 <= 0.5 and rate == max(r for r, peak in probes if peak <= 0.5)
+    assert any(peak > 0.5 for _, peak in probes) and 4.0 - rate < 4.0 / 2 ** (kunserve.BISECTION_STEPS - 3)
+    with pytest.raises(ValueError, match="rate_rule"):
+        replace(scale, rate_rule="tuned")

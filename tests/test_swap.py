@@ -114,8 +114,27 @@ def test_registered_with_a_host_store():
     assert isinstance(make_kv_manager("swap", KVBuildContext(8, B, None, store)), SwapKV)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="host KV store"):
         make_kv_manager("swap", KVBuildContext(8, B, None, None))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="no options"):
+    with pytest.raises(ValueError, match="only the option swap_budget_blocks"):
         make_kv_manager("swap", KVBuildContext(8, B, None, store, {"x": 1}))  # type: ignore[arg-type]
+    budgeted = make_kv_manager("swap", KVBuildContext(8, B, None, store, {"swap_budget_blocks": 2}))  # type: ignore[arg-type]
+    assert isinstance(budgeted, SwapKV) and budgeted.swap_budget_blocks == 2
+
+
+def test_swap_budget_recomputes_victims_past_it_and_renews_each_step():
+    """InferCept's per-iteration budget: a step swaps out at most `swap_budget_blocks` blocks;
+    a victim past it is preempted by recompute; the next step has the whole budget again."""
+    store = HostKVStore(16, B, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
+    kv = SwapKV(BlockPool(12, B), store, swap_budget_blocks=3)
+    first, second, third = (computed(kv, 10, rid) for rid in ("r0", "r1", "r2"))  # 3 blocks each
+    assert kv.step_copies([]) == []
+    kept, saves = kv.preempt(first)
+    assert kept == 10 and len(saves) == 1 and kv.is_swapped(first)
+    assert kv.preempt(second) == (0, []) and not kv.is_swapped(second)  # 3 + 3 > 3: recomputed
+    assert kv.events["swap_budget_fallbacks"] == 1 and kv.events["swap_fallbacks"] == 0
+    kv.step_copies([])  # the next step
+    kept, _ = kv.preempt(third)
+    assert kept == 10 and kv.is_swapped(third)
+    kv.check_invariants()
 
 
 # -- state machine: grow, swap out, swap in, release, with copies in flight -----------------

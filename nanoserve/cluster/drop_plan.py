@@ -11,8 +11,10 @@ where there were two (Fig. 3 (d): GPU0 drops the second half of the layers, GPU1
 
 Paper → code (`plan_drop`, Fig. 6):
 
-- line 1, `freed = 0`; line 2, the min-heap of groups by size: `_Queued`, ties to the group with
-  the smallest instance id (groups are disjoint, so the order is total and plans deterministic).
+- line 1, `freed = 0`; line 2, the min-heap of groups by size: `_Queued`, ties to a group with a
+  throttled instance (`prefer`; ours: the figure leaves ties open, and a merge that enlarges the
+  throttled instance's pool serves its queue where it is), then to the group with the smallest
+  instance id (groups are disjoint, so the order is total and plans deterministic).
 - line 3, `while |Q| >= 2 and freed < R`; we also stop when the two smallest groups have more
   instances than the model has layers (a stage keeps a layer; every other pair is no smaller).
 - line 4, pop the two smallest. Lines 5-7, their duplicated layers: each group holds exactly one
@@ -51,6 +53,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -155,25 +158,29 @@ class DropPlan:
 
 @dataclass(frozen=True, order=True)
 class _Queued:
-    """A heap entry (Fig. 6 line 2): smallest group first, ties to the smallest instance id."""
+    """A heap entry (Fig. 6 line 2): smallest group first, ties to a group holding a preferred
+    (throttled) instance, then to the smallest instance id."""
 
     size: int
+    not_preferred: bool
     first_instance: int
     group: Group = field(compare=False)
 
     @classmethod
-    def of(cls, group: Group) -> _Queued:
-        return cls(group.size, min(group.instances), group)
+    def of(cls, group: Group, prefer: AbstractSet[int] = frozenset()) -> _Queued:
+        return cls(group.size, not any(i in prefer for i in group.instances), min(group.instances), group)
 
 
-def plan_drop(groups: Sequence[Group], layer_bytes: Sequence[int], bytes_to_free: int) -> DropPlan:
-    """Fig. 6: merge the smallest pipeline groups until `bytes_to_free` weight bytes are freed.
+def plan_drop(groups: Sequence[Group], layer_bytes: Sequence[int], bytes_to_free: int,
+              prefer: AbstractSet[int] = frozenset()) -> DropPlan:
+    """Fig. 6: merge the smallest pipeline groups until `bytes_to_free` weight bytes are freed;
+    among groups of one size, those holding an instance of `prefer` (the throttled ones) first.
     Infeasible requests come back with every merge Fig. 6 could make and `feasible` False."""
     before = Cluster(tuple(layer_bytes), tuple(groups))
     before.check_invariants()
     prefix, held = _prefix(before.layer_bytes), before.holdings()
     freed = 0  # line 1
-    queue = [_Queued.of(g) for g in before.groups]  # line 2
+    queue = [_Queued.of(g, prefer) for g in before.groups]  # line 2
     heapq.heapify(queue)
     merges: list[Merge] = []
     merged_groups: dict[int, Group] = {}  # first instance -> group made by a merge, still queued
@@ -187,7 +194,7 @@ def plan_drop(groups: Sequence[Group], layer_bytes: Sequence[int], bytes_to_free
         held_before = sum(_bytes(prefix, r) for q in (first, second) for r in q.group.stages)
         merges.append(Merge(first.group, second.group, merged, held_before - _bytes(prefix, range(before.num_layers))))
         freed += merges[-1].freed_bytes  # line 9
-        heapq.heappush(queue, _Queued.of(merged))  # line 10
+        heapq.heappush(queue, _Queued.of(merged, prefer))  # line 10
         merged_groups.pop(first.first_instance, None)
         merged_groups.pop(second.first_instance, None)
         merged_groups[min(first.first_instance, second.first_instance)] = merged

@@ -2,10 +2,15 @@
 §4.2, §4.4): when to drop and restore, and the four phases that carry out a change of layout
 on the instances (cluster/member.py does each instance's part).
 
-- Drop (§3, §4.1). The monitor reports the blocks each throttled instance is short; their sum in
-  bytes (one block of every layer's K and V) is Fig. 6's R. `plan_drop` merges the smallest
-  groups until R is freed, or as far as it can (an infeasible plan still runs every merge it
-  found: the paper would also scale out, §4.4).
+- Drop (§3, §4.1). The monitor reports which instances are throttled (their head-of-line
+  request cannot start). Fig. 6's R is "the memory demand of all queuing requests" (§4.1):
+  with `drop_demand="queue"` (the default), the blocks each throttled instance's whole queue
+  lacks (held plus every queued request's, over its capacity), summed, in bytes (one block of
+  every layer's K and V). assumption: "all queuing requests" are the throttled instances'
+  (a queue that fits its own instance asks for no drop); "head" is the head-of-line shortfall
+  alone (the rule before issue 46, an ablation). `plan_drop` merges the smallest groups,
+  throttled ones first among equals, until R is freed, or as far as it can (an infeasible plan
+  still runs every merge it found: the paper would also scale out, §4.4).
 - Restore (§4.4). A group splits back into replicas once its demand is at most
   `restore_fraction` (default 50%) of what its members hold without the drop, and each member's
   own requests fit its replica again.
@@ -29,6 +34,8 @@ from nanoserve.cluster.member import Manifest, Relayout
 if TYPE_CHECKING:
     from nanoserve.cluster.load import InstanceLoad
 
+# Fig. 6's R (`Regrouper.blocks_to_free`): every queued request's blocks (§4.1), or the head's.
+DROP_DEMANDS = ("queue", "head")
 CallAll = Callable[[Mapping[int, tuple]], dict[int, object]]  # instance -> message, in one round
 
 
@@ -61,7 +68,10 @@ def split_pool(pool: int, used: Mapping[int, int], members: Sequence[int]) -> di
 
 class Regrouper:
     def __init__(self, num_instances: int, layer_bytes: Sequence[int], block_bytes: int,
-                 chunk_bytes: int = 32 << 20, restore_fraction: float = 0.5):
+                 chunk_bytes: int = 32 << 20, restore_fraction: float = 0.5, drop_demand: str = "queue"):
+        if drop_demand not in DROP_DEMANDS:
+            raise ValueError(f"drop_demand must be one of {', '.join(DROP_DEMANDS)}, not {drop_demand!r}")
+        self.drop_demand = drop_demand
         self.layer_bytes = tuple(layer_bytes)
         self.block_bytes = block_bytes  # one KV block with every layer (a replica's block)
         self.chunk_bytes = chunk_bytes
@@ -71,10 +81,20 @@ class Regrouper:
 
     # -- when ------------------------------------------------------------------------------
     def drop(self, short: Mapping[int, int], loads: Mapping[int, InstanceLoad], call: CallAll) -> LayoutChange | None:
-        plan = plan_drop(self.groups, self.layer_bytes, sum(short.values()) * self.block_bytes)
+        """Fig. 6 for the throttled instances of `short` (instance -> head-of-line blocks short)."""
+        plan = plan_drop(self.groups, self.layer_bytes, self.blocks_to_free(short, loads) * self.block_bytes,
+                         prefer=frozenset(short))
         if not plan.merges:
             return None  # nothing left to merge: the throttled instances preempt as usual
         return self._run("drop", plan.after.groups, loads, call)
+
+    def blocks_to_free(self, short: Mapping[int, int], loads: Mapping[int, InstanceLoad]) -> int:
+        """Fig. 6's R in blocks: "the memory demand of all queuing requests" (§4.1) on the
+        throttled instances, or their head-of-line shortfall (`drop_demand="head"`)."""
+        if self.drop_demand == "head":
+            return sum(short.values())
+        return sum(max(blocks, loads[i].virtual_blocks - loads[i].total_blocks) if i in loads else blocks
+                   for i, blocks in short.items())
 
     def restorable(self, loads: Mapping[int, InstanceLoad]) -> list[Group]:
         out = []

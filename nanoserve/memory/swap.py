@@ -22,6 +22,12 @@ Ours, not vLLM's: when the host has no room for a victim, vLLM aborts the reques
 to the lack of CPU swap space"); here it is preempted by recompute instead (`events` counts these
 as `swap_fallbacks`), so a small `host_kv_tokens` degrades to vLLM's recompute.
 
+Option `swap_budget_blocks` (InferCept's per-iteration swap budget, for KunServe's paper-era
+InferCept row): a step swaps out at most this many blocks; a victim past the budget is
+preempted by recompute instead (`swap_budget_fallbacks`). InferCept (Abhyankar et al., ICML'24)
+bounds each iteration's swapping to what its forward hides, and discards the rest. None (the
+default): no budget, as vLLM swaps.
+
 Everything else is `PagedKV` over a `BlockPool`: on-demand blocks, nothing copied while a request
 runs. Copies are whole blocks, the partly filled last one included, as vLLM swaps blocks.
 
@@ -77,7 +83,7 @@ class SwapKV(PagedKV):
 
     host_store: HostKVStore  # always set: a swap manager cannot do without one
 
-    def __init__(self, pool: BlockPool, store: HostKVStore):
+    def __init__(self, pool: BlockPool, store: HostKVStore, swap_budget_blocks: int | None = None):
         if pool.block_size != store.block_size:
             raise ValueError("device and host blocks must hold the same number of slots")
         super().__init__(pool)
@@ -87,6 +93,11 @@ class SwapKV(PagedKV):
         self._loading: dict[str, int] = {}  # request -> its swap-in's ticket, while it holds the blocks
         self.swap_outs = self.swap_ins = self.blocks_swapped_out = self.blocks_swapped_in = 0
         self.swap_fallbacks = 0
+        if swap_budget_blocks is not None and swap_budget_blocks < 0:
+            raise ValueError(f"swap_budget_blocks must be >= 0, not {swap_budget_blocks}")
+        self.swap_budget_blocks = swap_budget_blocks
+        self._swapped_this_step = 0  # blocks swapped out since the step began (`step_copies`)
+        self.swap_budget_fallbacks = 0
 
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self._swapped
@@ -103,6 +114,11 @@ class SwapKV(PagedKV):
             self.swap_fallbacks += tokens > 0
             self.release(request)
             return 0, []
+        if self.swap_budget_blocks is not None and self._swapped_this_step + count > self.swap_budget_blocks:
+            self.swap_budget_fallbacks += 1  # past the step's budget: discarded, recomputed later
+            self.release(request)
+            return 0, []
+        self._swapped_this_step += count
         host_blocks = self.host_store.allocate(rid, count)
         save = KVCopy("save", device_slots(table[:count], self.block_size), self.host_store.slots_of(host_blocks),
                       blocking=True)
@@ -112,6 +128,10 @@ class SwapKV(PagedKV):
         self.swap_outs += 1
         self.blocks_swapped_out += count
         return tokens, [save]
+
+    def step_copies(self, running: list[Request], window: float | None = None) -> list[KVCopy]:
+        self._swapped_this_step = 0  # a new step: its swap budget is whole again
+        return super().step_copies(running, window)
 
     # -- resume: swap in, then grow ----------------------------------------------------------------
     def can_reserve(self, request: Request, num_tokens: int) -> bool:
@@ -178,7 +198,8 @@ class SwapKV(PagedKV):
     def events(self) -> dict[str, int]:
         return {**super().events,  # the prefix cache's
                 "swap_outs": self.swap_outs, "swap_ins": self.swap_ins, "blocks_swapped_out": self.blocks_swapped_out,
-                "blocks_swapped_in": self.blocks_swapped_in, "swap_fallbacks": self.swap_fallbacks}
+                "blocks_swapped_in": self.blocks_swapped_in, "swap_fallbacks": self.swap_fallbacks,
+                "swap_budget_fallbacks": self.swap_budget_fallbacks}
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
@@ -208,9 +229,12 @@ class SwapKV(PagedKV):
 
 
 def build(ctx: KVBuildContext) -> SwapKV:
-    """The registry's builder for "swap" (see nanoserve/memory/__init__.py). No options."""
+    """The registry's builder for "swap" (see nanoserve/memory/__init__.py). Option:
+    `swap_budget_blocks` (module docstring)."""
     if ctx.host_store is None:
         raise ValueError("the swap KV manager needs a host KV store")
-    if ctx.options:
-        raise ValueError(f"the swap KV manager takes no options, got {sorted(ctx.options)}")
-    return SwapKV(BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=ctx.prefix_caching), ctx.host_store)
+    unknown = set(ctx.options) - {"swap_budget_blocks"}
+    if unknown:
+        raise ValueError(f"the swap KV manager takes only the option swap_budget_blocks, got {sorted(unknown)}")
+    return SwapKV(BlockPool(ctx.num_blocks, ctx.block_size, enable_prefix_caching=ctx.prefix_caching), ctx.host_store,
+                  ctx.options.get("swap_budget_blocks"))

@@ -14,6 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.memory.blocks import BlockPool, NoFreeBlocksError
@@ -247,6 +248,14 @@ class Scheduler(ABC):
         layout changes: a pool of its own, or its share of a pipeline group's). The running
         requests' blocks must already be reserved in `kv`."""
         self.kv = kv
+
+    def limit_sequences(self, max_num_seqs: int) -> None:
+        """Run at most `max_num_seqs` sequences from now on (a KunServe member whose pool a drop
+        enlarged or a restore gave back: the cap follows the KV, as the config's did for the
+        replica). Running requests over a lowered cap finish; no new one starts until under it."""
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
+        self.config = replace(self.config, max_num_seqs=max_num_seqs)
 
     def use_pipeline(self, num_stages: int, microbatches_per_step: int) -> None:
         """The executor under this policy became a pipeline of `num_stages` stages (a cluster

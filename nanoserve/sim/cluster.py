@@ -45,6 +45,7 @@ from nanoserve.cluster.cluster import PREFIX_SLACK, Dispatcher, ThrottleMonitor
 from nanoserve.cluster.instance import load_of
 from nanoserve.cluster.load import InstanceLoad
 from nanoserve.cluster.regroup import LayoutChange, Regrouper
+from nanoserve.cluster.round_robin_dispatch import RoundRobinDispatcher
 from nanoserve.memory.prefix_cache import block_hashes
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
@@ -56,6 +57,7 @@ from nanoserve.sim.models import ModelCost
 from nanoserve.sim.simulation import MAX_IDLE_STEPS, RequestRecord, SimConfig, SimResult, build
 from nanoserve.sim.workloads import TraceRequest, prompt_token_ids
 
+DISPATCHERS = ("least-loaded", "round-robin")  # ClusterConfig.dispatch
 DEMAND_POINTS = 5000  # kv_demand_series samples kept per run
 
 
@@ -84,8 +86,18 @@ class ClusterConfig:
     # routes by prefix, within this slack of the least load (cluster.Dispatcher; ours). None:
     # by load alone.
     prefix_slack: float | None = PREFIX_SLACK
+    # Fig. 6's R: "queue", every queued request's blocks on the throttled instances (§4.1), or
+    # "head", the head-of-line shortfall (cluster/regroup.py `Regrouper.blocks_to_free`).
+    drop_demand: str = "queue"
+    # A member's max_num_seqs follows its pool after a layout change (`SimMember.seq_limit`).
+    seqs_follow_pool: bool = True
+    # "least-loaded": cluster.Dispatcher (Llumnix's virtual usage, §3); "round-robin":
+    # cluster/round_robin_dispatch.py, the paper-era baselines' balancer (an assumption there).
+    dispatch: str = "least-loaded"
 
     def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCHERS:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCHERS)}, not {self.dispatch!r}")
         if self.instance.tp != 1:
             raise ValueError("each simulated instance is one GPU (tp = 1)")
         if self.instance.enable_prefix_caching and (self.drop or self.static_pipeline_stages > 1
@@ -126,13 +138,17 @@ class SimCluster:
                                         if config.token_count_cut else None)
             engine.use_executor(executor)
             self.pipelines.append(executor.pipeline)
-            self.members[i] = SimMember(i, engine, executor, clock, config.instance, config.link, self.members)
+            self.members[i] = SimMember(i, engine, executor, clock, config.instance, config.link, self.members,
+                                        config.seqs_follow_pool)
         self.roofline = roofline
         cost = ModelCost(roofline.model)
         self.block_bytes = cost.kv_bytes_per_token * config.instance.block_size  # a replica's block
         self.regrouper = Regrouper(config.num_instances, [cost.layer_bytes] * roofline.model.num_layers,
-                                   self.block_bytes, restore_fraction=config.restore_fraction)
-        self.dispatcher = Dispatcher(config.prefix_slack if config.prefix_slack is not None else PREFIX_SLACK)
+                                   self.block_bytes, restore_fraction=config.restore_fraction,
+                                   drop_demand=config.drop_demand)
+        self.dispatcher: Dispatcher | RoundRobinDispatcher = (
+            Dispatcher(config.prefix_slack if config.prefix_slack is not None else PREFIX_SLACK)
+            if config.dispatch == "least-loaded" else RoundRobinDispatcher())
         self.monitor = ThrottleMonitor()
         self.changes: list[tuple[float, LayoutChange]] = []
         self.events = {"throttled_steps": 0, "drops": 0, "restores": 0, "requeued": 0, "restores_cancelled": 0}
@@ -145,6 +161,10 @@ class SimCluster:
         self.usage: list[tuple[float, float]] = []  # (time, blocks used / blocks), after each step
         # (time, KV demand / blocks): blocks held plus every queued request's blocks.
         self.demand: list[tuple[float, float]] = []
+        # (time, (blocks held + head-of-line blocks) / blocks): §2.2's measure ("a standard approach
+        # [41] that counts ... the in-processing requests and head-of-line queuing requests").
+        self.head_demand: list[tuple[float, float]] = []
+        self.peak_running: dict[int, int] = dict.fromkeys(range(config.num_instances), 0)  # per instance
         if config.static_pipeline_stages > 1:
             # Fig. 6 from replicas merges the two smallest groups first, so asking it to free
             # N - N/k copies of the layers pairs the instances up into N/k groups of k (k = 2^j).
@@ -292,6 +312,9 @@ class SimCluster:
         # §2.2 counts the head-of-line request; a queue that waits for compute (or max_num_seqs),
         # not for KV, would hide behind its head, so every queued request counts here.
         self.demand.append((now, sum(load.virtual_blocks for load in loads.values()) / total))
+        self.head_demand.append((now, sum(load.demand_blocks for load in loads.values()) / total))
+        for i, load in loads.items():
+            self.peak_running[i] = max(self.peak_running[i], load.num_running)
         short = self.monitor.short_blocks(list(loads.values()))
         if short:
             self.events["throttled_steps"] += 1
@@ -381,10 +404,16 @@ class SimCluster:
             "weight_pull_bytes": sum(m.pulled_bytes for m in members),
             # Over the arrivals' span: the drain after the last arrival is not the trace's load.
             "kv_demand_mean": time_average([(t, d) for t, d in self.demand if t <= last_arrival]),
+            # The same over §2.2's measure (held plus the heads of the queues), and the KV held.
+            "kv_head_demand_mean": time_average([(t, d) for t, d in self.head_demand if t <= last_arrival]),
+            "kv_held_mean": time_average([(t, u) for t, u in self.usage if t <= last_arrival]),
             # (time, KV demand / blocks) after each step, thinned for plots (Fig. 12's first column).
             "kv_demand_series": downsample(sorted(self.demand), DEMAND_POINTS),
             # The longest K/V stall each layout change caused on each instance (§4.2's exchange).
             "kv_exchange_stall_seconds": sum(m.exchange_seconds for m in members),
+            # The most requests any instance ran at once, and its cap then (max_num_seqs follows a
+            # member's pool after a drop: `ClusterConfig.seqs_follow_pool`).
+            "peak_running": max(self.peak_running.values(), default=0),
         }
         # Busy: GPU-seconds the stages computed (an executor's own count would add waits for a
         # stage). The link: each instance's device-host copies (none over paged KV).

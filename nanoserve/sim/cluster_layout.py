@@ -136,13 +136,15 @@ class SimMember:
     layout change. `peers` is every member of the cluster, by id (this one included)."""
 
     def __init__(self, instance_id: int, engine: Engine, executor: PipelineExecutor, clock: VirtualClock,
-                 config: SimConfig, link: str, peers: Mapping[int, SimMember]):
+                 config: SimConfig, link: str, peers: Mapping[int, SimMember], seqs_follow_pool: bool = True):
         self.id, self.engine, self.executor, self.clock = instance_id, engine, executor, clock
         self.roofline, self.link, self.peers = executor.cost, link, peers
         self.cost = ModelCost(self.roofline.model)
         self.device_bytes = self.roofline.gpu.memory_bytes * config.gpu_memory_utilization
         self.layout = GroupLayout.of(Group.replica(instance_id, self.roofline.model.num_layers))
         self.replica_blocks = engine.kv.num_blocks
+        # max_num_seqs scales with the pool a layout change gives (`seq_limit`), or stays.
+        self.replica_max_num_seqs, self.seqs_follow_pool = config.max_num_seqs, seqs_follow_pool
         # A capacity fixed by the experiment (kv_bytes, kv_blocks) is not what the weights leave,
         # so a drop could not say what it frees: such instances serve only as replicas.
         self.fixed_capacity = config.kv_bytes is not None or config.kv_blocks is not None
@@ -254,9 +256,19 @@ class SimMember:
         kv = PagedKV(BlockPool(blocks, size))
         tables = reserve_manifest(kv, self._relayout.manifests.get(self.id, ()), self.engine.scheduler.running, size)
         self.engine.scheduler.use_kv_manager(kv)
+        self.engine.scheduler.limit_sequences(self.seq_limit(blocks))
         self.layout = new
         self.schedule_for_layout()
         return tables
+
+    def seq_limit(self, blocks: int) -> int:
+        """max_num_seqs for a pool of `blocks`: the replica's scaled by the pool over the replica's
+        (issue 46: the replica's cap of 256 fills ~96% of its KV at BurstGPT's mean lengths, so a
+        fixed cap would leave a drop's added KV unused). assumption: the cap follows the KV
+        linearly; `seqs_follow_pool=False` keeps the replica's (the rule before)."""
+        if not self.seqs_follow_pool:
+            return self.replica_max_num_seqs
+        return max(1, round(self.replica_max_num_seqs * blocks / self.replica_blocks))
 
     def schedule_for_layout(self) -> None:
         """KunServe's scheduler (sched/kunserve.py) runs in its pipeline-parallel mode: FCFS's
