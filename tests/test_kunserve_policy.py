@@ -210,3 +210,28 @@ def test_a_pipelined_step_is_cut_into_microbatches_of_equal_cost():
             if chunk.samples:
                 chunk.request.append_token(7, 0.0)
     assert cut_steps > 0 and two_way > 0
+
+
+def test_a_pipelined_member_looks_ahead_m_budgets_into_the_queue():
+    """§4.3 (issue 46): a cluster member in a group looks ahead over the running and waiting
+    requests, m token budgets deep, and cuts that into at most m cost-balanced micro-batches;
+    the engine's own PP (no `step_tokens`) keeps FCFS's one budget, re-cut."""
+    def scheduled(step_tokens, options=None):
+        config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16, max_model_len=256, policy="kunserve",
+                                 policy_options=options or {})
+        scheduler = make_scheduler(config, BlockPool(256, 4))
+        scheduler.use_pipeline(2, 4, step_tokens)
+        for i in range(10):
+            scheduler.add_request(Request(f"r{i}", [1 + i] * 20, SamplingParams(max_tokens=4)))
+        out = scheduler.schedule()
+        assert len(out.microbatches) <= 4
+        pieces: dict[str, int] = {}
+        for mb in out.microbatches:  # the cut covers the step's chunks exactly (a request may be cut)
+            for c in mb:
+                pieces[c.request.request_id] = pieces.get(c.request.request_id, 0) + c.num_tokens
+        assert pieces == {c.request.request_id: c.num_tokens for c in out.chunks}
+        return out.num_tokens, len(out.microbatches)
+
+    assert scheduled(4 * 32) == (128, 4)  # six requests and a piece of the seventh, four micro-batches of 32
+    assert scheduled(None)[0] == 32  # FCFS's step, re-cut
+    assert scheduled(4 * 32, {"pipeline_step_tokens": 32})[0] == 32  # the option wins: the ablation

@@ -257,10 +257,12 @@ class Scheduler(ABC):
             raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
         self.config = replace(self.config, max_num_seqs=max_num_seqs)
 
-    def use_pipeline(self, num_stages: int, microbatches_per_step: int) -> None:
+    def use_pipeline(self, num_stages: int, microbatches_per_step: int, step_tokens: int | None = None) -> None:
         """The executor under this policy became a pipeline of `num_stages` stages (a cluster
         member joined a group, or left one: 1), running `microbatches_per_step` micro-batches a
-        step. Default: nothing, a policy that does not cut micro-batches itself."""
+        step, `step_tokens` tokens at most across them (None: the token budget; the executor's
+        activations must hold each micro-batch). Default: nothing, a policy that does not cut
+        micro-batches itself."""
 
     def stall(self, request: Request) -> None:
         """Take a running request out of the batch, keeping its K/V: it waits for its K/V to

@@ -80,9 +80,14 @@ class FCFSScheduler(Scheduler):
         the pass, as a request outside the step has nothing after it inside it either."""
         return self.tokens_lacking(request)
 
+    def step_token_budget(self) -> int:
+        """Tokens this step may schedule: the config's budget. A subclass may look further
+        (KunServe's pipelined lookahead keeps several micro-batches' worth in flight)."""
+        return self.config.max_num_batched_tokens
+
     def plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.step_token_budget()
         self.running = self.kv.order(self.running)
 
         i, share = 0, self.running_share()

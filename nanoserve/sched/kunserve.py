@@ -44,12 +44,20 @@ ratio that `num_stages` pipeline stages would see for the whole lookahead, and f
 chunking into as many micro-batches, so the gain can be reported (`last_bubble_ratio`, `stats`).
 
 Under pipeline parallelism (`SchedulerConfig.pipeline_microbatches` = m > 1,
-nanoserve/parallel/pipeline.py) the step is FCFS's (the token budget says how much is in flight) and
-the lookahead's balancing cuts it into up to m micro-batches of equal cost, each of at least
+nanoserve/parallel/pipeline.py) the step looks ahead over the running and then the waiting
+requests (§4.3: "we can re-form the microbatches across them by looking ahead all requests
+queued"), FCFS's pass with up to m token budgets in flight (a KunServe cluster member's
+group gives m x the budget, so each of the m micro-batches can be as large as a step alone;
+the engine's own PP keeps one budget, the activations it profiled), and the
+lookahead's balancing cuts it into up to m micro-batches of equal cost, each of at least
 MIN tokens (Fig. 11 lines 4-5, "Don't chunk if with few tokens": a decode step of 87 requests
 is not cut into four micro-batches of 22, each re-reading every weight);
 `SchedulerOutput.microbatches` hands that cut to the executor, which would otherwise cut by
-token count (`_plan_pipelined`). Assumption: the paper profiles MIN offline and says only that
+token count (`_plan_pipelined`). Assumption: the paper looks ahead over "all requests
+queued" and stops splitting at MIN; a step here keeps at most m micro-batches in flight, so the
+lookahead reaches `pipeline_step_tokens` tokens into the queue (issue 46; before, the step was
+FCFS's one budget re-cut, `pipeline_step_tokens` = the budget, an ablation).
+Assumption: the paper profiles MIN offline and says only that
 it "ensures that each microbatch has sufficient tokens to fully utilize the GPU"; our default is
 the share of one of the m micro-batches of a full step, budget / m, and `pipeline_min_tokens`
 (a policy option) sets it (benchmarks/pipeline.py --sim sweeps it). Under an asynchronous
@@ -224,7 +232,9 @@ class KunServeScheduler(FCFSScheduler):
     default half the token budget, so that a micro-batch is usually no more than one step.
     `pipeline_min_tokens`: MIN when a pipelined step is cut (default: budget / m)."""
 
-    OPTIONS = {"pipeline_min_tokens": "Fig. 11's MIN when a pipelined step is cut (default: budget / micro-batches)"}
+    OPTIONS = {"pipeline_min_tokens": "Fig. 11's MIN when a pipelined step is cut (default: budget / micro-batches)",
+               "pipeline_step_tokens": "tokens a pipelined step looks ahead over (default: micro-batches x budget; "
+                                       "the budget: FCFS's step re-cut, the rule before issue 46)"}
     ASYNC_SCHEDULING = False  # its lookahead cuts known tokens only (and its arena runs layers in Python)
 
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
@@ -233,6 +243,9 @@ class KunServeScheduler(FCFSScheduler):
         self.pipeline_min_tokens: int | None = config.policy_options.get("pipeline_min_tokens")
         if self.pipeline_min_tokens is not None and self.pipeline_min_tokens < 1:
             raise ValueError(f"pipeline_min_tokens must be >= 1, got {self.pipeline_min_tokens}")
+        self.pipeline_step_tokens: int | None = config.policy_options.get("pipeline_step_tokens")
+        if self.pipeline_step_tokens is not None and self.pipeline_step_tokens < 1:
+            raise ValueError(f"pipeline_step_tokens must be >= 1, got {self.pipeline_step_tokens}")
         self.use_pipeline(num_stages, config.pipeline_microbatches)  # > 1 micro-batches: a pipelined executor
         self.min_tokens = min_tokens if min_tokens is not None else max(1, config.max_num_batched_tokens // 2)
         self._allotted: dict[Hashable, int] | None = None  # this step's share per request
@@ -244,13 +257,17 @@ class KunServeScheduler(FCFSScheduler):
         self.stats = {"steps": 0, "microbatches": 0, "request_cuts": 0,
                       "bubble_ratio_sum": 0.0, "token_count_bubble_ratio_sum": 0.0}
 
-    def use_pipeline(self, num_stages: int, microbatches_per_step: int) -> None:
+    def use_pipeline(self, num_stages: int, microbatches_per_step: int, step_tokens: int | None = None) -> None:
         """§4.4: a member that joined a pipeline group cuts its steps into micro-batches of
-        balanced cost for that many stages; alone again, it runs one forward a step."""
+        balanced cost for that many stages, looking ahead `step_tokens` into the queue; alone
+        again, it runs one forward a step."""
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.num_stages = num_stages
         self.microbatches_per_step = microbatches_per_step
+        self.step_tokens = step_tokens
 
     def lookahead(self) -> list[MicroBatch]:
         """The queued work (running requests in serving order, then as many waiting ones as
@@ -285,10 +302,19 @@ class KunServeScheduler(FCFSScheduler):
         self._allotted = {rid: n for rid, _, n in mbs[0]} if mbs else {}
         return super().plan()
 
+    def step_token_budget(self) -> int:
+        """One device: the budget. A pipelined step: the option `pipeline_step_tokens`, else
+        what `use_pipeline` gave (a cluster member's group: m budgets), else the budget."""
+        budget = self.config.max_num_batched_tokens
+        if self.microbatches_per_step <= 1:
+            return budget
+        return self.pipeline_step_tokens or self.step_tokens or budget
+
     def _plan_pipelined(self) -> SchedulerOutput:
-        """Under pipeline parallelism: FCFS's step (the token budget says how much work is in
-        flight), cut by the lookahead's balancing into up to m micro-batches of equal cost and
-        at least MIN tokens, where token-count chunking would give them equal tokens."""
+        """Under pipeline parallelism: the lookahead over the running and waiting requests
+        (FCFS's pass under `step_token_budget`), cut by the lookahead's balancing into up to m
+        micro-batches of equal cost and at least MIN tokens, where token-count chunking would
+        give them equal tokens."""
         self._allotted = None
         out = super().plan()
         work = [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]

@@ -271,15 +271,18 @@ class SimMember:
         return max(1, round(self.replica_max_num_seqs * blocks / self.replica_blocks))
 
     def schedule_for_layout(self) -> None:
-        """KunServe's scheduler (sched/kunserve.py) runs in its pipeline-parallel mode: FCFS's
-        step, cut by the lookahead's balancing (§4.3, Fig. 10-11) into micro-batches of equal
-        cost, as many as the engine builder gives a pipeline of this depth (two per stage). In
+        """KunServe's scheduler (sched/kunserve.py) runs in its pipeline-parallel mode: a
+        lookahead over the running and waiting requests, m token budgets deep, cut by its
+        balancing (§4.3, Fig. 10-11) into micro-batches of equal cost, as many (m) as the engine
+        builder gives a pipeline of this depth (two per stage). In
         a group they enter the stages back to back. Alone, the same FCFS step runs as one
         forward (`PipelineExecutor` ignores the cut on one stage): an instance that dropped
         nothing serves as vLLM does (§4.4: "normal execution cannot simply apply our lookahead
         scheduling"). Its other mode, a step of one lookahead micro-batch, is for one device."""
-        stages = len(self.layout.members)
-        self.engine.scheduler.use_pipeline(stages, member_microbatches(stages))
+        stages, m = len(self.layout.members), member_microbatches(len(self.layout.members))
+        # §4.3's lookahead over the queue: m micro-batches in flight, each up to a step's budget.
+        lookahead = m * self.engine.scheduler.config.max_num_batched_tokens if stages > 1 else None
+        self.engine.scheduler.use_pipeline(stages, m, lookahead)
 
     # -- phase 4 ----------------------------------------------------------------------------
     def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
