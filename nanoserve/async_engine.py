@@ -1,9 +1,12 @@
-"""The engine behind the server: one background thread runs `Engine.step()` in a loop, and
+"""The engine behind the server: one background thread runs the engine's `step()` in a loop, and
 asyncio handlers talk to it through queues.
 
     handler ──generate()──► inbox ──► engine thread: add/abort, step(), ──► per-request queue
        ▲                                                                        │
        └───────────────────────── async for output in stream ◄──────────────────┘
+
+The engine is any `ServingEngine` (serving.py): one `Engine`, or KunServe's cluster behind its
+adapter (`ClusterEngine`, `nanoserve serve --instances N`); this loop calls only the interface.
 
 Only the engine thread touches the engine's mutable state. Handlers validate and tokenize in
 their own task (pure functions of the config and tokenizer), so a bad request is refused before
@@ -40,9 +43,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from nanoserve.engine import Engine, EngineStats
+from nanoserve.cluster_stats import ClusterStats
+from nanoserve.engine_stats import EngineStats
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
+from nanoserve.serving import ServingEngine
 from nanoserve.slo import SLO, RequestClass
 from nanoserve.tokenizer import Tokenizer
 
@@ -78,7 +83,7 @@ class _Abort:
 @dataclass(frozen=True)
 class _Call:
     """Run `fn(engine)` on the engine thread between steps; its result or error goes to `future`."""
-    fn: Callable[[Engine], Any]
+    fn: Callable[[ServingEngine], Any]
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
@@ -88,7 +93,7 @@ Message = _Add | _Abort | _Call
 
 class AsyncEngine:
     @classmethod
-    def build(cls, make_engine: Callable[[], Engine]) -> AsyncEngine:
+    def build(cls, make_engine: Callable[[], ServingEngine]) -> AsyncEngine:
         """`AsyncEngine(make_engine())`, run on a thread of its own that has ended when this
         returns: the way to start a server's engine (the module docstring says why). Built there,
         the AsyncEngine takes the CUDA device build_engine set on that thread. Exceptions from
@@ -96,7 +101,7 @@ class AsyncEngine:
         with ThreadPoolExecutor(1, thread_name_prefix="nanoserve-build") as pool:  # joined on exit
             return pool.submit(lambda: cls(make_engine())).result()
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: ServingEngine):
         self.engine = engine
         self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -106,6 +111,7 @@ class AsyncEngine:
         # built on (build_engine set it), or Triton and the copy streams would use cuda:0.
         self._cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._stats = engine.stats()
+        self._cluster_stats = engine.cluster_stats()
         # Called from the engine thread with each step's wall-clock seconds (the server's metrics).
         # Told of each step that ran: its wall-clock seconds and the tokens it scheduled.
         self.step_observers: list[Callable[[float, int], None]] = []
@@ -146,6 +152,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its latest step."""
         return self._stats
+
+    def cluster_stats(self) -> ClusterStats | None:
+        """The cluster's snapshot taken with `stats` (None: the engine is not a cluster)."""
+        return self._cluster_stats
 
     @property
     def is_running(self) -> bool:
@@ -201,7 +211,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
-    async def call(self, fn: Callable[[Engine], T]) -> T:
+    async def call(self, fn: Callable[[ServingEngine], T]) -> T:
         """`fn(engine)`, run on the engine thread between two steps (the engine's state is that
         thread's alone); raises what it raises."""
         loop = asyncio.get_running_loop()
@@ -210,7 +220,7 @@ class AsyncEngine:
         return await future
 
     async def reset_prefix_cache(self) -> int:
-        """`Engine.reset_prefix_cache` between steps; returns the blocks forgotten."""
+        """`ServingEngine.reset_prefix_cache` between steps; returns the blocks forgotten."""
         return await self.call(lambda engine: engine.reset_prefix_cache())
 
     # -- the engine thread ---------------------------------------------------------------
@@ -297,7 +307,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if not self.engine.has_unfinished_requests():
-                self._stats = self.engine.stats()
+                self._publish_stats()
                 continue
             try:
                 started = time.perf_counter()
@@ -311,10 +321,14 @@ class AsyncEngine:
                 outputs = []
             for out in outputs:
                 self._deliver(out.request_id, out)
-            self._stats = self.engine.stats()
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.stats()
+        self._cluster_stats = self.engine.cluster_stats()
 
     def _fail_all(self, error: EngineError) -> None:
-        for request_id in list(self.engine.requests):
+        for request_id in self.engine.unfinished_request_ids():
             self.engine.abort_request(request_id)
             self._deliver(request_id, error)
         for request_id in list(self._sinks):

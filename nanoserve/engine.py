@@ -36,10 +36,10 @@ import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from nanoserve.config import SchedulerConfig
+from nanoserve.engine_stats import EngineStats
 from nanoserve.executor import Executor, ExecutorOutput, MicrobatchPipeline
 from nanoserve.grammar import CompiledGrammar, GrammarBackend, GrammarCompiler, make_backend
 from nanoserve.memory.manager import KVManager
@@ -48,6 +48,7 @@ from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import Scheduler
 from nanoserve.sched.output import SchedulerOutput
+from nanoserve.serving import ServingEngine
 from nanoserve.slo import PRIORITIES, SLO, ClassMetrics, RequestClass
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -61,44 +62,6 @@ class Handover(NamedTuple):
     detokenizer: IncrementalDetokenizer | None
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    requests_finished_total: int
-    kv_events: dict[str, int] = field(default_factory=dict)  # the memory manager's mechanism counters
-    # Per request class (keyed by RequestClass; "online"/"offline" look up the same entries):
-    # finished, SLO attainment, TTFT/TPOT p50/p99, tok/s.
-    per_class: dict[RequestClass, dict] = field(default_factory=dict)
-    # Wall-clock seconds of the steps that ran a batch, and what the policy's cost model predicted
-    # for them: the SLO-budgeting policies are only as good as this ratio is close to 1.
-    step_seconds_total: float = 0.0
-    predicted_step_seconds_total: float = 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Share of the KV cache's blocks in use (0..1)."""
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens the prefix cache supplied over those looked up, since start (0 before any)."""
-        queries = self.kv_events.get("prefix_cache_queries", 0)
-        return self.kv_events.get("prefix_cache_hits", 0) / queries if queries else 0.0
-
-    @property
-    def cost_model_ratio(self) -> float | None:
-        """Measured over predicted step time (None before any step ran)."""
-        if self.predicted_step_seconds_total <= 0:
-            return None
-        return self.step_seconds_total / self.predicted_step_seconds_total
-
-
 class _StoppedExecutor(Executor):
     """The executor of an engine after `shutdown`: it has no model to run."""
 
@@ -109,7 +72,10 @@ class _StoppedExecutor(Executor):
 STOPPED = _StoppedExecutor()
 
 
-class Engine:
+class Engine(ServingEngine):
+    """One model replica (or one tensor/pipeline-parallel group) and its scheduler: the
+    `ServingEngine` (serving.py) a server drives; `tokenize` and `validate` come from there."""
+
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer | None,
                  eos_token_ids: frozenset[int] = frozenset(), model_name: str = "model",
                  calibrate_cost_model: bool = False, stream_outputs: bool = True,
@@ -182,33 +148,6 @@ class Engine:
         return self.scheduler.kv
 
     # -- requests --------------------------------------------------------------------------
-    def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise ValueError if a request could never be served. The message is client-facing."""
-        limit = self.config.max_model_len
-        if params.prompt_logprobs is not None and not self.executor.supports_prompt_logprobs():
-            raise ValueError("prompt_logprobs is not supported by this engine's executor "
-                             "(pipeline parallelism computes no prompt logits)")
-        if params.structured_outputs is not None:
-            self.grammar_backend().check(params.structured_outputs)  # ValueError naming the field
-        if num_prompt_tokens < 1:
-            raise ValueError("the prompt must contain at least one token")
-        if num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                f"{params.max_tokens} in the completion). Please reduce the prompt or max_tokens."
-            )
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
-        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
-        if any(not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab) for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return list(prompt)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, prompt_text: str | None = None,
                     priority: RequestClass | str = RequestClass.ONLINE, slo: SLO | None = None) -> Request:
@@ -389,6 +328,12 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or bool(self._awaiting_grammar)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def supports_prompt_logprobs(self) -> bool:
+        return self.executor.supports_prompt_logprobs()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`: after weights change, or to

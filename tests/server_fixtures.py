@@ -24,6 +24,7 @@ from nanoserve.async_engine import AsyncEngine
 from nanoserve.builder import build_engine
 from nanoserve.config import EngineArgs
 from nanoserve.server import create_app
+from nanoserve.serving import ServingEngine
 
 MAX_MODEL_LEN = 2048
 KV_CACHE_TOKENS = 8192
@@ -105,12 +106,14 @@ def leaks(live: LiveServer) -> list[str]:
 
 
 @contextlib.contextmanager
-def live_server(app_kwargs: dict | None = None, **engine_kwargs) -> Iterator[LiveServer]:
+def live_server(app_kwargs: dict | None = None, make_engine: Callable[[EngineArgs], ServingEngine] = build_engine,
+                **engine_kwargs) -> Iterator[LiveServer]:
     """Build the engine, serve it on a free port, and stop everything on exit. `app_kwargs` go
-    to `create_app` (max_queued, request_timeout, state_dir)."""
+    to `create_app` (max_queued, request_timeout, state_dir); `make_engine` builds the engine
+    from the EngineArgs (default: one `Engine`; a cluster's front, test_server_cluster.py)."""
     args = EngineArgs(**{"device": "cpu", "kv_cache_tokens": KV_CACHE_TOKENS, "max_model_len": MAX_MODEL_LEN,
                          **engine_kwargs})
-    engine = AsyncEngine.build(lambda: build_engine(args))
+    engine = AsyncEngine.build(lambda: make_engine(args))
     app = create_app(engine, **(app_kwargs or {}))  # its lifespan starts and stops the engine thread
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

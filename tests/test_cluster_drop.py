@@ -158,8 +158,48 @@ def test_throttling_during_the_pull_cancels_it_and_the_answers_hold(llama_dir, e
     assert_matches(expected, finished, copies=2)
 
 
+def test_queued_requests_move_to_the_group_a_drop_enlarged(llama_dir):
+    """§3: after a drop "KunServe re-schedules queued requests". Three instances of 6 blocks,
+    three 3-block prompts each: after the first step each runs two and queues one, all three
+    throttled. Fig. 6 frees enough by merging instances 0 and 1 alone, so instance 2 keeps its
+    6 blocks; its never-started request goes back through the dispatcher, which sends it to the
+    enlarged pair, and its answer is still the unthrottled engine's."""
+    prompts = [[i + 2] * 40 for i in range(9)]
+    reference = LLM(str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=4096).generate(
+        prompts, SHORT, use_tqdm=False)
+    moved_while_queued = []
+
+    def watch(cluster: Cluster, outputs) -> None:
+        for request_id, _, to in cluster.redispatched:
+            if request_id in cluster.placement and cluster.placement[request_id] == to:
+                moved_while_queued.append(request_id)
+
+    with Cluster(small_pools(llama_dir), 3, drop=True) as cluster:
+        ids = [f"q-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            cluster.add_request(request_id, prompt, SHORT)
+        assert [cluster.placement[i] for i in ids] == [0, 1, 2] * 3  # spread before any step
+        finished, started = {}, time.monotonic()
+        while len(finished) < len(ids):
+            assert time.monotonic() - started < DEADLINE_S, "cluster hung"
+            outputs = cluster.step()
+            finished.update({o.request_id: o for o in outputs if o.finished})
+            watch(cluster, outputs)
+        drop = cluster.layout_changes[0]
+        redispatched = list(cluster.redispatched)
+    assert drop.kind == "drop" and [g.instances for g in drop.after] == [(0, 1), (2,)]
+    assert redispatched == [("q-8", 2, 0)], redispatched  # instance 2's queued request, to the pair
+    assert moved_while_queued  # it was placed there before it finished
+    for request_id, ref in zip(ids, reference):
+        out = finished[request_id]
+        assert_close_greedy(ref, out, request_id, max_tokens=SHORT.max_tokens)
+    assert finished["q-8"].metrics.queue_time > 0  # its arrival travelled with it
+
+
 def test_four_instances_regroup_in_pairs_and_come_back(llama_dir, expected):
-    with Cluster(small_pools(llama_dir), 4, drop=True) as cluster:
+    # Queued requests stay where they are: re-dispatched (§3), instances 2 and 3's would move
+    # to the first pair and leave them unthrottled (the test above).
+    with Cluster(small_pools(llama_dir), 4, drop=True, redispatch_queued=False) as cluster:
         finished = run_burst(cluster, copies=2)
         changes = cluster.layout_changes
         groups = cluster.regrouper.groups
@@ -206,7 +246,7 @@ def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expect
         assert cluster.dead == {1}
         assert [c.kind for c in cluster.layout_changes][-1] == "recover"
         assert cluster.retried, "instance 1's requests must be retried on instance 0"
-        assert all(cluster.placement[r] == 0 for r in cluster.retried)
+        assert all(instance == 0 for _, instance in cluster.retried)
         assert [g.instances for g in cluster.regrouper.groups] == [(0,)]
     assert_matches(expected, finished)  # survivors recomputed, retries restarted: same answers
 

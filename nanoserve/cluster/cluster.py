@@ -22,15 +22,22 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
   layers and regrouping instances into pipelines, and restores them when the burst has passed
   (cluster/regroup.py), pulling the weights back while the pipelines serve (cluster/restore.py). A
   dead instance's group recovers from the host copy and its requests are retried on the live
-  instances (§4.4).
+  instances (§4.4). After a drop, "KunServe re-schedules queued requests" (§3): the requests
+  still queued, never started, on throttled instances the drop did not enlarge (Fig. 6 merges
+  the smallest groups, not necessarily every throttled one) go back through the dispatcher,
+  which now sees the enlarged pools (`redispatched`; sim/cluster.py does the same).
+  `abort_request` stops a request on whichever instance holds it. cluster/cluster_engine.py
+  serves the cluster behind the OpenAI server (`nanoserve serve --instances N --drop`).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
 import subprocess
 import sys
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
@@ -43,12 +50,15 @@ from nanoserve.cluster.load import InstanceLoad, PeerLost
 from nanoserve.cluster.prefix_routing import RoutedPrefixes
 from nanoserve.cluster.regroup import Regrouper
 from nanoserve.cluster.restore import BackgroundRestore
+from nanoserve.cluster.submission import Submission
+from nanoserve.cluster_stats import ClusterStats
+from nanoserve.engine_stats import EngineStats
 from nanoserve.memory import resolve_prefix_caching
 from nanoserve.memory.prefix_cache import BlockHash, block_hashes
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched import POLICY_MEMORY
-from nanoserve.slo import RequestClass
+from nanoserve.slo import SLO, RequestClass
 
 if TYPE_CHECKING:
     from nanoserve.cluster.regroup import LayoutChange
@@ -56,6 +66,7 @@ if TYPE_CHECKING:
 
 
 PREFIX_SLACK = 0.1  # assumption: "loads are close" is within 10 points of KV usage of the least loaded
+THROTTLE_HISTORY = 10_000  # the monitor's latest reports kept (`throttle_events`): a server runs for long
 
 
 class Dispatcher:
@@ -124,10 +135,13 @@ class Cluster:
     (§4.2: about what the link moves in one stage's execution time; the default suits gloo over
     loopback, ~2 GiB/s measured here, so ~15 ms a chunk, and CPU steps of 50-300 ms), and the
     weights a background restore pulls per step (`background_restore`, §4.4; off: the restore
-    loads them while every member waits)."""
+    loads them while every member waits). `redispatch_queued`: after a drop, move the queued
+    requests of throttled instances it did not enlarge (§3; off: they wait where they are, an
+    ablation, as sim/cluster.py's `SimConfig.redispatch_queued`)."""
 
     def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 32 << 20,
-                 restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True):
+                 restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True,
+                 redispatch_queued: bool = True):
         if num_instances < 1:
             raise ValueError("a cluster needs at least one instance")
         if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
@@ -140,6 +154,7 @@ class Cluster:
         self.prefix_caching = not drop and resolve_prefix_caching(self.args.kv_manager or POLICY_MEMORY[args.policy],
                                                                   args.enable_prefix_caching)
         self.drop_enabled = drop
+        self.redispatch_queued = redispatch_queued
         authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         host, port = self._listener.address
@@ -167,10 +182,18 @@ class Cluster:
         self.regrouper = Regrouper(num_instances, layer_bytes, block_bytes, chunk_bytes, restore_fraction)
         self.dispatcher = Dispatcher()
         self.monitor = ThrottleMonitor()
-        self.placement: dict[str, int] = {}  # request id -> instance
-        self._submitted: dict[str, tuple[list[int], SamplingParams, str]] = {}  # unfinished, for retries
-        self.throttle_events: list[dict[int, int]] = []  # the monitor's reports, one per throttled step
-        self.retried: list[str] = []  # requests restarted on a live instance after theirs died
+        self.placement: dict[str, int] = {}  # unfinished request id -> the instance that holds it
+        self.dispatched: Counter[int] = Counter()  # instance -> requests sent to it, over the cluster's life
+        self._submitted: dict[str, Submission] = {}  # unfinished, for retries
+        self._ids = itertools.count()
+        # The monitor's reports, one per throttled step (the latest THROTTLE_HISTORY of them).
+        self.throttle_events: deque[dict[int, int]] = deque(maxlen=THROTTLE_HISTORY)
+        self.throttled_steps = 0
+        self.throttled: frozenset[int] = frozenset()  # instances throttled after the latest step
+        self.retried: list[tuple[str, int]] = []  # (request, new instance): restarted after theirs died
+        self.redispatched: list[tuple[str, int, int]] = []  # (request, from, to): moved after a drop (§3)
+        self._engine_stats: dict[int, EngineStats] = {}  # each instance's after its latest step
+        self.last_step_tokens = 0  # tokens the latest step scheduled, every instance's together
         self.dead: set[int] = set()
         self.background_restore = background_restore
         self.pending_restore: BackgroundRestore | None = None
@@ -201,47 +224,81 @@ class Cluster:
         return replies
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    priority: RequestClass | str = RequestClass.ONLINE) -> int:
-        """Route the request; returns the instance it went to."""
+                    priority: RequestClass | str = RequestClass.ONLINE, *, slo: SLO | None = None,
+                    prompt_text: str | None = None, arrival_time: float | None = None) -> int:
+        """Route the request; returns the instance it went to. `slo` overrides its class's
+        targets; `prompt_text` is the text behind the token ids; `arrival_time` (time.monotonic,
+        the instances' clock) defaults to when the instance takes it."""
+        if request_id in self._submitted:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return self._dispatch(Submission(request_id, list(token_ids), params, RequestClass(priority), slo,
+                                         prompt_text, arrival_time))
+
+    def _dispatch(self, submission: Submission) -> int:
+        token_ids = submission.token_ids
         blocks = -(-len(token_ids) // self.args.block_size)
         # The blocks an instance's cache could supply (the last token is always computed).
         hashes = block_hashes(token_ids, self.args.block_size, [], (len(token_ids) - 1) // self.args.block_size) \
             if self.prefix_caching else []
         instance = self.dispatcher.pick(list(self.loads.values()), blocks, hashes)
-        self._call(instance, "add", request_id, token_ids, params, priority)
-        self.placement[request_id] = instance
-        self._submitted[request_id] = (token_ids, params, priority)
+        self._call(instance, "add", submission)
+        self.placement[submission.request_id] = instance
+        self.dispatched[instance] += 1
+        self._submitted[submission.request_id] = submission
         return instance
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop the request on the instance that holds it, which frees its KV there (a request
+        waiting for its K/V after a drop too); its final output, or None for an unknown or
+        finished id, or one whose instance is gone (its requests are not retried then)."""
+        if self._submitted.pop(request_id, None) is None:
+            return None
+        instance = self.placement.pop(request_id)
+        reply = self.call_all({instance: ("abort", request_id)})[instance]
+        return None if isinstance(reply, InstanceGone) else _raise(reply)
+
+    def reset_prefix_cache(self) -> int:
+        """Every live instance forgets its cached prefixes; the blocks forgotten, all together."""
+        replies = self.call_all({i: ("reset_prefix_cache",) for i in self.loads})
+        return sum(_raise(reply) for reply in replies.values() if not isinstance(reply, InstanceGone))
 
     def step(self) -> list[RequestOutput]:
         """One step of every instance; then the monitor's look at the loads, and a drop, a
         restore or a recovery if one is due."""
         outputs: list[RequestOutput] = []
         replies = self.call_all({i: ("step",) for i in self.loads})
+        self.last_step_tokens, self.throttled = 0, frozenset()
         for instance, reply in replies.items():
             if isinstance(reply, (InstanceGone, PeerLost)):
                 continue
-            produced, self.loads[instance] = _raise(reply)
+            produced, self.loads[instance], self._engine_stats[instance], tokens = _raise(reply)
+            self.last_step_tokens += tokens
             self.dispatcher.reported(instance)
             outputs.extend(produced)
             for out in produced:
                 if out.finished:
                     self._submitted.pop(out.request_id, None)
+                    self.placement.pop(out.request_id, None)
         gone = {i for i, reply in replies.items() if isinstance(reply, InstanceGone)}
         lost = {i for i, reply in replies.items() if isinstance(reply, PeerLost)}
         if gone or lost:
             self._recover(gone, lost)
             return outputs
         short = self.monitor.short_blocks(list(self.loads.values()))
+        self.throttled = frozenset(short)
         if short:
             self.throttle_events.append(short)
+            self.throttled_steps += 1
         if any(load.exchanging for load in self.loads.values()):
             return outputs  # one layout change at a time
         if self.drop_enabled and short:
             if self.pending_restore is not None:  # demand is back: the pulled weights are not used
                 self._end_pull(list(self.pending_restore.groups), [])
-            if self.regrouper.drop(short, self.loads, self.call_all) is not None:
+            change = self.regrouper.drop(short, self.loads, self.call_all)
+            if change is not None:
                 self._refresh_loads()
+                if self.redispatch_queued:
+                    self._redispatch(set(short) - enlarged(change))
         elif self.drop_enabled:
             groups = self.regrouper.restorable(self.loads)
             if self.background_restore:
@@ -281,8 +338,24 @@ class Cluster:
                                    "groups": len(kept), "outcome": "switched" if kept else "cancelled"})
         self.pending_restore = None
 
+    def _redispatch(self, throttled: AbstractSet[int]) -> None:
+        """§3: the never-started requests queued on `throttled` instances (those the drop did
+        not enlarge) go back through the dispatcher, which sees every instance's load after the
+        drop; they keep their arrival time. Where the dispatcher sends one back to where it was,
+        it waits there as before."""
+        replies = self.call_all({i: ("take_queued",) for i in sorted(throttled) if i in self.loads})
+        taken = [(i, submission) for i, reply in replies.items() if not isinstance(reply, InstanceGone)
+                 for submission in _raise(reply)]
+        if not taken:
+            return
+        self._refresh_loads()  # their queues without them
+        for source, submission in taken:
+            self.redispatched.append((submission.request_id, source, self._dispatch(submission)))
+
     def _refresh_loads(self) -> None:
         for instance, reply in self.call_all({i: ("load",) for i in self.loads}).items():
+            if isinstance(reply, InstanceGone):
+                continue  # the next step finds it gone and recovers
             self.loads[instance] = _raise(reply)
             self.dispatcher.reported(instance)  # the fresh load holds what was booked for it
 
@@ -302,14 +375,36 @@ class Cluster:
         self._refresh_loads()
         for request_id, instance in list(self.placement.items()):
             if instance in gone and request_id in self._submitted:
-                self.retried.append(request_id)
-                self.add_request(request_id, *self._submitted[request_id])
+                self.retried.append((request_id, self._dispatch(self._submitted[request_id])))
 
     def has_unfinished_requests(self) -> bool:
-        return any(load.num_running or load.num_waiting for load in self.loads.values())
+        return bool(self._submitted) or any(load.num_running or load.num_waiting for load in self.loads.values())
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._submitted)
+
+    def settled(self) -> bool:
+        """No layout work is left for steps to do: no KV exchange, no background pull, no
+        group that a step could restore (an idle cluster restores at its next step)."""
+        return (self.pending_restore is None and not any(load.exchanging for load in self.loads.values())
+                and all(g.size == 1 for g in self.regrouper.groups))
+
+    def engine_stats(self) -> list[EngineStats]:
+        """Each instance's `EngineStats` after its latest step (a dead one's last: its counters
+        still count)."""
+        return list(self._engine_stats.values())
+
+    def stats(self) -> ClusterStats:
+        loads = self.loads
+        return ClusterStats(
+            {i: load.used_blocks for i, load in loads.items()}, {i: load.total_blocks for i, load in loads.items()},
+            {i: load.num_running for i, load in loads.items()}, {i: load.num_waiting for i, load in loads.items()},
+            self.throttled, frozenset(i for g in self.regrouper.groups if g.size > 1 for i in g.instances),
+            dict(Counter(change.kind for change in self.layout_changes)), self.throttled_steps,
+            len(self.redispatched), len(self.retried), len(self.dead))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-        ids = [f"cluster-{len(self.placement) + i}" for i in range(len(prompts))]
+        ids = [f"cluster-{next(self._ids)}" for _ in prompts]
         for request_id, prompt in zip(ids, prompts):
             self.add_request(request_id, prompt, params)
         finished: dict[str, RequestOutput] = {}
@@ -345,6 +440,12 @@ class InstanceGone(RuntimeError):
     def __init__(self, instance: int):
         super().__init__(f"instance {instance} is gone")
         self.instance = instance
+
+
+def enlarged(change: LayoutChange) -> set[int]:
+    """The instances of the groups a layout change made (their pools changed)."""
+    before = set(change.before)
+    return {i for group in change.after if group not in before for i in group.instances}
 
 
 def _raise(reply: object) -> Any:

@@ -8,10 +8,13 @@ the engine arguments and the cluster's gloo world (instance id = rank; a drop's 
 activations and KV point to point in it), builds its engine, then answers messages until told
 to stop:
 
-    ("add", request_id, token_ids, params, priority)  -> None
-    ("step",)                                         -> (outputs, InstanceLoad)
+    ("add", Submission)                               -> None
+    ("step",)                                         -> (outputs, InstanceLoad, EngineStats, tokens stepped)
     ("load",)                                         -> InstanceLoad
-    ("abort", request_id)                             -> None
+    ("abort", request_id)                             -> its final RequestOutput, or None if unknown
+    ("take_queued",)                                  -> [Submission]: never-started requests leave (§3)
+    ("facts",)                                        -> EngineFacts (what the cluster's front checks with)
+    ("reset_prefix_cache",)                           -> blocks forgotten
     ("manifest",) ("reweigh", Relayout) ("allocate", pools) ("exchange", manifests, chunk_bytes)
                                                       -> a drop's or restore's phases (cluster/member.py)
     ("recover",)                                      -> requests requeued (a group peer died)
@@ -33,8 +36,10 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from nanoserve.cluster.engine_facts import EngineFacts
 from nanoserve.cluster.load import InstanceLoad, PeerLost
 from nanoserve.cluster.member import ClusterMember
+from nanoserve.cluster.submission import Submission
 from nanoserve.engine import Engine
 
 
@@ -86,8 +91,10 @@ def serve(connection: Connection, instance_id: int) -> None:
         reply: object
         try:
             if kind == "add":
-                request_id, token_ids, params, priority = rest
-                engine.add_request(token_ids, params, request_id, priority=priority)
+                submission: Submission = rest[0]
+                engine.add_request(submission.token_ids, submission.params, submission.request_id,
+                                   arrival_time=submission.arrival_time, prompt_text=submission.prompt_text,
+                                   priority=submission.priority, slo=submission.slo)
                 reply = None
             elif kind == "step":
                 try:
@@ -97,13 +104,18 @@ def serve(connection: Connection, instance_id: int) -> None:
                         raise
                     reply = PeerLost(f"instance {instance_id}: a pipeline peer is gone: {exc}")
                 else:
-                    reply = (outputs, load_of(member))
+                    reply = (outputs, load_of(member), engine.stats(), member.step_tokens)
             elif kind == "load":
                 reply = load_of(member)
             elif kind == "abort":
                 member.unstall(rest[0])
-                engine.abort_request(rest[0])
-                reply = None
+                reply = engine.abort_request(rest[0])
+            elif kind == "take_queued":
+                reply = member.take_queued()
+            elif kind == "facts":
+                reply = EngineFacts.of(engine)
+            elif kind == "reset_prefix_cache":
+                reply = engine.reset_prefix_cache()
             elif kind == "stop":
                 engine.shutdown()
                 connection.send(None)

@@ -38,6 +38,7 @@ import torch
 from nanoserve.cluster.drop_plan import Group
 from nanoserve.cluster.group import GroupExecutor, GroupLayout, StageModules
 from nanoserve.cluster.kv_exchange import KVMove, block_bytes, chunk_moves, recv_chunk, send_chunk
+from nanoserve.cluster.submission import Submission
 from nanoserve.engine import Engine
 from nanoserve.memory.arena import MemoryArena
 from nanoserve.memory.arena_kv import ArenaKV
@@ -124,6 +125,7 @@ class ClusterMember:
         self._released: dict[int, set[int]] = {}  # owner -> logical blocks given to a restore's pull
         self._pull_chunk = 0  # weight bytes a background restore copies per step
         self.weights_copied = 0  # by the latest layout change itself (not in the background)
+        self.step_tokens = 0  # tokens its engine's latest step scheduled (0: the engine did not step)
 
     def phase(self, kind: str) -> Callable[..., object] | None:
         """The method that runs the layout-change message `kind` the cluster sends
@@ -154,13 +156,28 @@ class ClusterMember:
         its peers' batches."""
         group = self.group
         taken = group.steps if group is not None else 0
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        ran = self.engine.has_unfinished_requests()
+        outputs = self.engine.step() if ran else []
+        self.step_tokens = self.engine.last_step_tokens if ran else 0
         if group is not None and group.steps == taken:
             group.execute(SchedulerOutput([]))
         self.advance()  # the step's activations went first
         if self.arena is not None and self.arena.restoring:
             self.arena.fill_restore(self._pull_chunk)  # §4.4: "prioritizing the pipeline network"
         return outputs
+
+    def take_queued(self) -> list[Submission]:
+        """§3, "KunServe re-schedules queued requests" after a drop: the requests queued here
+        that never started (no step ran any of them: no KV, no output) leave this engine, in
+        queue order, for the cluster to dispatch again. They leave as aborted (every policy
+        forgets a request that way; detaching is not for all of them), an output no client sees;
+        their arrival time and SLO travel with them."""
+        taken = [Submission(r.request_id, list(r.prompt_token_ids), r.params, r.priority, r.slo, r.prompt,
+                            r.arrival_time)
+                 for r in self.engine.scheduler.waiting if r.first_scheduled_time is None]
+        for submission in taken:
+            self.engine.abort_request(submission.request_id)
+        return taken
 
     # -- what the cluster reads (cluster/instance.py load_of) -------------------------------------
     @property

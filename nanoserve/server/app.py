@@ -40,6 +40,7 @@ from nanoserve.server.auth import APIKeyMiddleware
 from nanoserve.server.batches import BatchService
 from nanoserve.server.body_limit import MAX_BODY_BYTES, BodyLimitMiddleware
 from nanoserve.server.chat_output import ChatOutputFormat
+from nanoserve.server.cluster_collector import ClusterCollector
 from nanoserve.server.engine_collector import EngineCollector
 from nanoserve.server.errors import APIError, install_error_handlers, model_not_found, validation_error
 from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -78,6 +79,7 @@ class OpenAIServer:
         self.metrics.registry.register(EngineCollector(
             self.model_name, engine.stats, lambda: engine.is_running, lambda: self.admission.queued,
             lambda: self.admission.rejected))
+        self.metrics.registry.register(ClusterCollector(self.model_name, engine.cluster_stats))
         self.request_timeout = request_timeout  # seconds; a body's `timeout` may only shorten it
         self.created = R.now()
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from nanoserve.engine import EngineStats
+from nanoserve.engine_stats import EngineStats
 from nanoserve.server.metrics import VLLM
 from nanoserve.slo import RequestClass
 

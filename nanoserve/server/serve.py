@@ -8,6 +8,14 @@
 
 Any OpenAI client works: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")`.
 
+KunServe's cluster: `--instances N` serves N data-parallel replicas of the model, each in its own
+process, behind a dispatcher that sends each request to the instance whose KV it fills least
+(nanoserve/cluster/); with `--drop`, a throttled instance drops layers and regroups with a peer
+into a pipeline, the memory freed becoming KV, and restores when the burst has passed
+(kunserve.txt). /metrics then has the cluster's gauges too (nanoserve_cluster_...).
+
+    nanoserve serve --instances 2 --drop
+
 Parallelism: `--tp 2` (tensor) or `--pp 2` (pipeline), or both, start the extra processes on
 this machine. Under torchrun every rank runs this command (tensor size = ranks / --pp); rank 0
 serves and the others execute its steps:
@@ -23,13 +31,15 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 
 from nanoserve.async_engine import AsyncEngine
 from nanoserve.builder import build_engine
-from nanoserve.config import Topology
+from nanoserve.cluster.cluster_engine import ClusterEngine
+from nanoserve.config import EngineArgs, Topology
 from nanoserve.device import resolve_device
 from nanoserve.engine_flags import add_engine_arguments, engine_args_from
 from nanoserve.parallel.launch import torchrun_rank
@@ -38,6 +48,7 @@ from nanoserve.server import create_app
 from nanoserve.server.admission import Admission
 from nanoserve.server.app import CORSOptions
 from nanoserve.server.body_limit import MAX_BODY_BYTES
+from nanoserve.serving import ServingEngine
 
 log = logging.getLogger("nanoserve.serve")
 
@@ -72,7 +83,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between the engine's stats lines in the log while it works (0: none)")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--instances", type=int, default=1,
+                        help="serve N replicas of the model, each in its own process, behind KunServe's dispatcher "
+                             "(1: one engine in this process)")
+    parser.add_argument("--drop", action="store_true",
+                        help="KunServe: a memory-throttled instance drops layers and serves in a pipeline with a peer, "
+                             "restoring when the burst has passed (needs --instances 2 or more)")
     add_engine_arguments(parser)
+
+
+def check_cluster_flags(instances: int, drop: bool, engine_args: EngineArgs, torchrun: bool) -> None:
+    """Refuse a cluster the flags cannot make, before anything is built (SystemExit, the message)."""
+    if instances < 1:
+        raise SystemExit(f"--instances must be at least 1, not {instances}")
+    if drop and instances < 2:
+        raise SystemExit("--drop needs --instances 2 or more: an instance drops layers that a peer holds, "
+                         "and the two serve them as a pipeline")
+    if instances > 1 and engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size != 1:
+        raise SystemExit("--instances runs each replica in one process; it does not combine with --tp or --pp")
+    if instances > 1 and torchrun:
+        raise SystemExit("--instances starts its own processes; run it without torchrun")
+    if drop and engine_args.kv_manager not in (None, "arena"):
+        raise SystemExit(f"--drop keeps weights and KV in one arena (--kv-manager arena); it does not run on "
+                         f"--kv-manager {engine_args.kv_manager}")
 
 
 class DrainingServer(uvicorn.Server):
@@ -109,6 +142,7 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(args)
     launched = torchrun_rank()
+    check_cluster_flags(args.instances, args.drop, engine_args, launched is not None)
     if launched is not None:
         rank, world = launched
         stages = engine_args.pipeline_parallel_size
@@ -121,7 +155,10 @@ def serve(args: argparse.Namespace) -> None:
             return
     # Built on a thread that ends first: the engine thread's OpenMP pool is then the only one
     # (nanoserve/async_engine.py says why that matters on a CPU).
-    async_engine = AsyncEngine.build(lambda: build_engine(engine_args))
+    make_engine: Callable[[], ServingEngine] = (
+        (lambda: ClusterEngine.start(engine_args, args.instances, drop=args.drop)) if args.instances > 1
+        else (lambda: build_engine(engine_args)))
+    async_engine = AsyncEngine.build(make_engine)
     engine = async_engine.engine
     keys = [*(args.api_key or []), *([os.environ["NANOSERVE_API_KEY"]] if os.environ.get("NANOSERVE_API_KEY") else [])]
     cors = CORSOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
@@ -133,8 +170,10 @@ def serve(args: argparse.Namespace) -> None:
     _request_log(enabled=not args.no_request_log)
     name = (args.served_model_name or [async_engine.model_name])[0]
     stats = async_engine.stats()
-    log.info("model %s: max_model_len %d, KV cache %d blocks of %d tokens", name, async_engine.max_model_len,
-             stats.kv_blocks_total, engine_args.block_size)
+    log.info("model %s: max_model_len %d, KV cache %d blocks of %d tokens%s", name, async_engine.max_model_len,
+             stats.kv_blocks_total, engine_args.block_size,
+             f" on {args.instances} instances{' with KunServe drops' if args.drop else ''}"
+             if args.instances > 1 else "")
     log.info("serving on http://%s:%d/v1  (health: /health, metrics: /metrics)%s", args.host, args.port,
              f"; {len(keys)} API key(s) required" if keys else "")
     async_engine.start()
@@ -147,4 +186,4 @@ def serve(args: argparse.Namespace) -> None:
         DrainingServer(config, app.state.server.admission).run()
     finally:
         async_engine.shutdown()  # also when uvicorn exits on Ctrl-C or fails to bind
-        engine.shutdown()  # and its tensor-parallel workers
+        engine.shutdown()  # and its tensor-parallel workers, or the cluster's instances

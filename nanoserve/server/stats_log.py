@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from nanoserve.engine import EngineStats
+from nanoserve.engine_stats import EngineStats
 
 log = logging.getLogger("nanoserve.stats")
 
