@@ -245,6 +245,23 @@ def test_stages_price_their_own_layers_and_overlap_the_members_batches():
     assert two.run([(batch, 1)], 0.0) == pytest.approx(max(2 * a + hop, a + hop + b) + b)
 
 
+def test_a_pipeline_s_bubble_ratio_is_its_stages_idle_share_while_it_has_work():
+    """§5.3's bubble time: two equal micro-batches through two equal stages keep the pipe busy
+    for three stage-times and each stage for two (one idle at fill, one at drain): 1/3. An
+    idle gap between runs is no bubble."""
+    roofline = Roofline(gpu(GPU), model(MODEL))
+    pipe = StagePipeline(roofline, [range(HALF), range(HALF, 2 * HALF)], "nvlink", [0.0, 0.0])
+    batch = [(0, 256)]
+    first, last = (Roofline(roofline.gpu, roofline.model, layers=HALF, last_stage=k == 1) for k in range(2))
+    a = first.num_layers * first.layer_seconds(batch)
+    b = last.num_layers * last.layer_seconds(batch) + last.head_seconds(1)
+    done = pipe.run([(batch, 1), (batch, 1)], 0.0)
+    assert pipe.occupied_seconds() == pytest.approx(done)
+    assert pipe.bubble_ratio() == pytest.approx(1 - 2 * (a + b) / (2 * done))
+    pipe.run([(batch, 1)], done + 100.0)  # much later: the gap is not counted
+    assert pipe.occupied_seconds() == pytest.approx(done + (pipe.free[1] - done - 100.0))
+
+
 def test_ci_experiment_kunserve(monkeypatch, tmp_path):
     from experiments.kunserve import PAPER_ERA, STRONGER, VLLM, VLLM_PP
 
@@ -338,3 +355,19 @@ def test_the_burst_rule_bisects_to_the_rate_whose_typical_burst_fills_the_kv(mon
     assert any(peak > 0.5 for _, peak in probes) and 4.0 - rate < 4.0 / 2 ** (kunserve.BISECTION_STEPS - 3)
     with pytest.raises(ValueError, match="rate_rule"):
         replace(scale, rate_rule="tuned")
+
+
+def test_fig14_runs_each_technique_on_the_same_trace(monkeypatch):
+    """Fig. 14's rows in the paper's order, on one trace: percentiles ordered, vLLM (DP) with no
+    pipeline (no bubble), the variants with drops measuring their pipelines' bubbles."""
+    from experiments import kunserve
+
+    monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "0")
+    monkeypatch.setitem(kunserve.SCALES, "ci", replace(kunserve.SCALES["ci"], bursts=1))
+    rows = kunserve.fig14("ci", 0, "BurstGPT")
+    assert [r["variant"] for r in rows] == list(kunserve.FIG14_VARIANTS)
+    assert len({r["rate_per_instance"] for r in rows}) == 1
+    for r in rows:
+        assert r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"] <= r["ttft_p99.9"]
+        assert (r["bubble_ratio"] is None) == (r["drops"] == 0)
+    assert rows[0]["drops"] == 0 and rows[0]["bubble_ratio"] is None

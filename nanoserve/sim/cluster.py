@@ -414,6 +414,9 @@ class SimCluster:
             # The most requests any instance ran at once, and its cap then (max_num_seqs follows a
             # member's pool after a drop: `ClusterConfig.seqs_follow_pool`).
             "peak_running": max(self.peak_running.values(), default=0),
+            # §5.3's bubble time over the pipelined groups (KunServe's after a drop, vLLM-PP's):
+            # the stages' idle share while their pipe had work; None where none ran.
+            "pipeline_bubble_ratio": _bubble_ratio([p for p in self.pipelines if len(p.stages) > 1]),
         }
         # Busy: GPU-seconds the stages computed (an executor's own count would add waits for a
         # stage). The link: each instance's device-host copies (none over paged KV).
@@ -433,6 +436,11 @@ def _tail(records: list[RequestRecord], placement: Mapping[str, int]) -> tuple[i
         return None, 0.0
     instance, count = Counter(placement[r.request_id] for r in slowest).most_common(1)[0]
     return instance, count / len(slowest)
+
+
+def _bubble_ratio(pipelines: Sequence[StagePipeline]) -> float | None:
+    span = sum(p.occupied_seconds() * len(p.stages) for p in pipelines)
+    return 1.0 - sum(sum(p.busy) for p in pipelines) / span if span > 0 else None
 
 
 def time_average(series: list[tuple[float, float]]) -> float:

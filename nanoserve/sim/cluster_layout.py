@@ -69,12 +69,29 @@ class StagePipeline:
         self.free = list(free_at)
         self.busy = [0.0] * len(stages)  # seconds each stage computed
         self.link = link
+        self.spans: list[tuple[float, float]] = []  # (first stage starts, last leaves) per `run`
+
+    def occupied_seconds(self) -> float:
+        """Seconds some micro-batch was in the pipeline (the union of the runs' spans): the time
+        a bubble ratio is measured over (idle periods with no work in the pipe are not bubbles)."""
+        total, end = 0.0, -math.inf
+        for start, stop in sorted(self.spans):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
+
+    def bubble_ratio(self) -> float:
+        """§5.3's "bubble time (defined as the ratio of idle GPU cycles)" while the pipe had work:
+        1 - (the stages' busy seconds) / (stages x occupied seconds)."""
+        span = self.occupied_seconds() * len(self.stages)
+        return 1.0 - sum(self.busy) / span if span > 0 else 0.0
 
     def run(self, microbatches: Sequence[tuple[list[tuple[int, int]], int]], start: float) -> float:
         """Push (batch, sampled rows) micro-batches, all ready at `start`, through the stages in
         order; returns when the last leaves the last stage."""
         gpu, hidden = self.stages[0].gpu, self.stages[0].model.hidden_size
-        done = start
+        done, first = start, max(start, self.free[0])
         for batch, rows in microbatches:
             ready = start
             for k, stage in enumerate(self.stages):
@@ -85,6 +102,8 @@ class StagePipeline:
                 if k + 1 < len(self.stages):  # the activations go to the next stage's GPU
                     ready += gpu.link_seconds(sum(c for _, c in batch) * hidden * BYTES, self.link)
             done = ready
+        if microbatches:
+            self.spans.append((first, done))
         return done
 
 
