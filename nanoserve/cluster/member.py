@@ -113,6 +113,7 @@ class ClusterMember:
         self.luts: dict[int, list[int]] = {}
         self.stage = StageModules(self.runner.model)
         self.replica_blocks = engine.kv.num_blocks  # KV capacity with every layer held
+        self.replica_max_num_seqs = engine.scheduler.config.max_num_seqs  # scaled with the pool in a group
         # One block of K and V for every layer: the unit of the cluster's "blocks short".
         self.replica_block_bytes = self.arena.block_pages * self.arena.config.page_bytes if self.arena else 0
         self._relayout: Relayout | None = None
@@ -271,6 +272,10 @@ class ClusterMember:
             self.engine.use_executor(self.group)
         tables = reserve_manifest(kv, self._relayout.manifests.get(self.id, ()), self.engine.scheduler.running, size)
         self.engine.scheduler.use_kv_manager(kv)
+        # max_num_seqs follows the pool, as the simulator's members do (sim/cluster_layout.py
+        # `SimMember.seq_limit`): a fixed cap would leave the drop's added KV unused.
+        self.engine.scheduler.limit_sequences(max(1, round(self.replica_max_num_seqs * kv.num_blocks
+                                                           / self.replica_blocks)))
         self.layout = new
         return tables
 
