@@ -28,15 +28,16 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
   which now sees the enlarged pools (`redispatched`; sim/cluster.py does the same).
   `abort_request` stops a request on whichever instance holds it. cluster/cluster_engine.py
   serves the cluster behind the OpenAI server (`nanoserve serve --instances N --drop`).
+- Where the instances run is the launcher's business (cluster/instance_launcher.py): by default
+  `LocalInstances` starts them as processes of this machine; `TorchrunInstances`
+  (cluster/torchrun_instances.py) makes them the ranks of a torchrun world across machines,
+  rank 0 being this front. The control channel, the messages and the gloo world are the same.
 """
 from __future__ import annotations
 
 import itertools
-import os
 import secrets
-import socket
 import subprocess
-import sys
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -46,7 +47,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nanoserve.cluster.instance_launcher import InstanceLauncher
 from nanoserve.cluster.load import InstanceLoad, PeerLost
+from nanoserve.cluster.local_instances import LocalInstances
 from nanoserve.cluster.prefix_routing import RoutedPrefixes
 from nanoserve.cluster.regroup import Regrouper
 from nanoserve.cluster.restore import BackgroundRestore
@@ -137,11 +140,12 @@ class Cluster:
     weights a background restore pulls per step (`background_restore`, §4.4; off: the restore
     loads them while every member waits). `redispatch_queued`: after a drop, move the queued
     requests of throttled instances it did not enlarge (§3; off: they wait where they are, an
-    ablation, as sim/cluster.py's `SimConfig.redispatch_queued`)."""
+    ablation, as sim/cluster.py's `SimConfig.redispatch_queued`). `launcher`: how the instances
+    are started or reached (default `LocalInstances`: processes of this machine)."""
 
     def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 32 << 20,
                  restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True,
-                 redispatch_queued: bool = True):
+                 redispatch_queued: bool = True, launcher: InstanceLauncher | None = None):
         if num_instances < 1:
             raise ValueError("a cluster needs at least one instance")
         if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
@@ -155,21 +159,18 @@ class Cluster:
                                                                   args.enable_prefix_caching)
         self.drop_enabled = drop
         self.redispatch_queued = redispatch_queued
+        self.launcher = launcher if launcher is not None else LocalInstances()
         authkey = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        host, port = self._listener.address
-        world = (f"tcp://127.0.0.1:{_free_port()}", num_instances)
-        self.processes: list[subprocess.Popen] = []
+        self._listener = Listener((self.launcher.listen_host(), 0), authkey=authkey)
         self._connections: dict[int, Connection] = {}
         try:
-            for i in range(num_instances):
-                self.processes.append(subprocess.Popen([sys.executable, "-m", "nanoserve.cluster.instance",
-                                                        f"{host}:{port}", authkey.hex(), str(i), str(os.getpid())]))
+            world = (self.launcher.start(self._listener.address, authkey, num_instances), num_instances)
             for _ in range(num_instances):
                 connection = self._listener.accept()
                 self._connections[connection.recv()] = connection
             device = self.args.device or ("cuda" if torch.cuda.is_available() else None)
-            placed = instance_devices(device, num_instances, torch.cuda.device_count())
+            placed = instance_devices(device, num_instances, torch.cuda.device_count()) \
+                if self.launcher.assigns_devices() else [(device, 1)] * num_instances
             for i, connection in self._connections.items():
                 instance_device, sharing = placed[i]
                 connection.send((replace(self.args, device=instance_device), world, peer_timeout_s, sharing))
@@ -198,6 +199,12 @@ class Cluster:
         self.background_restore = background_restore
         self.pending_restore: BackgroundRestore | None = None
         self.restore_pulls: list[dict[str, object]] = []  # per background restore: steps, bytes, outcome
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The instance processes this front started, `processes[i]` instance i's (under torchrun
+        only instance 0's: the others are torchrun's ranks)."""
+        return self.launcher.processes
 
     @property
     def layout_changes(self) -> list[LayoutChange]:
@@ -368,7 +375,7 @@ class Cluster:
         for instance in gone:
             self.loads.pop(instance, None)
             self.dispatcher.prefixes.forget(instance)
-            self.processes[instance].kill()
+            self.launcher.kill(instance)
         if not self.loads:
             raise RuntimeError(f"every instance of the cluster is gone (last: {sorted(gone)})")
         self.regrouper.recover(self.dead, lost, self.loads, self.call_all)
@@ -421,11 +428,7 @@ class Cluster:
                 connection.recv()
             except (OSError, EOFError):
                 pass  # already gone
-        for process in self.processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        self.launcher.stop(30)
         self._connections = {}
         self._listener.close()
 
@@ -453,9 +456,3 @@ def _raise(reply: object) -> Any:
     if isinstance(reply, BaseException):
         raise reply
     return reply
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

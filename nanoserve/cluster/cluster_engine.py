@@ -5,6 +5,9 @@ it drives one engine (`nanoserve serve --instances N [--drop]`):
     AsyncEngine ──add/abort/step──► ClusterEngine ──► Cluster ──► instance 0 .. N-1 (processes)
       handlers ──tokenize/validate─┘  (here, in the server's process: nothing is queued for a bad request)
 
+Under torchrun the instances are the ranks (cluster/torchrun_instances.py) and this front is
+rank 0's; nothing else here changes.
+
 The instances run the engines; this front holds what the server asks of an engine without a
 round trip: the tokenizer (loaded here from the same model directory), the facts the instances
 report when they start (`EngineFacts`: the context length, sampling defaults, ...), and the
@@ -22,6 +25,7 @@ from typing import Any
 from nanoserve.builder import model_path
 from nanoserve.cluster.cluster import Cluster
 from nanoserve.cluster.engine_facts import EngineFacts
+from nanoserve.cluster.instance_launcher import InstanceLauncher
 from nanoserve.cluster_stats import ClusterStats
 from nanoserve.config import EngineArgs, SchedulerConfig
 from nanoserve.engine_stats import EngineStats
@@ -35,11 +39,14 @@ from nanoserve.tokenizer import Tokenizer
 
 class ClusterEngine(ServingEngine):
     @classmethod
-    def start(cls, args: EngineArgs, num_instances: int, drop: bool = False) -> ClusterEngine:
-        """Start `num_instances` instances of `args` (with KunServe's drop if `drop`) and the front."""
+    def start(cls, args: EngineArgs, num_instances: int, drop: bool = False,
+              launcher: InstanceLauncher | None = None) -> ClusterEngine:
+        """Start `num_instances` instances of `args` (with KunServe's drop if `drop`) and the front;
+        `launcher`: where they run (default: processes of this machine; `TorchrunInstances`: the
+        ranks of a torchrun world)."""
         path = model_path(args)  # first here: the embedded model converts once, before the instances look
         tokenizer = Tokenizer.from_dir(path, args.chat_template) if (path / "tokenizer.json").exists() else None
-        cluster = Cluster(args, num_instances, drop=drop)
+        cluster = Cluster(args, num_instances, drop=drop, launcher=launcher)
         try:
             return cls(cluster, tokenizer)
         except BaseException:

@@ -1,9 +1,9 @@
 """One serving instance of a KunServe cluster (nanoserve/cluster/cluster.py): a whole engine, its
 own model replica and KV cache, in its own process.
 
-    python -m nanoserve.cluster.instance ADDRESS AUTHKEY_HEX INSTANCE_ID PARENT_PID
+    python -m nanoserve.cluster.instance ADDRESS AUTHKEY_HEX INSTANCE_ID PARENT_PID [--torchrun]
 
-It connects back to the cluster over a local socket (`multiprocessing.connection`), receives
+It connects back to the cluster over a socket (`multiprocessing.connection`), receives
 the engine arguments and the cluster's gloo world (instance id = rank; a drop's pipelines send
 activations and KV point to point in it), builds its engine, then answers messages until told
 to stop:
@@ -22,6 +22,12 @@ to stop:
                                                       -> a restore in the background (cluster/restore.py)
     ("stop",)                                         -> None, then exits
 
+Under torchrun (cluster/torchrun_instances.py) the ranks 1..N-1 run `serve` in their own
+processes and instance 0 is this module started by rank 0 with `--torchrun`. With `torchrun` an
+instance takes its node's GPU LOCAL_RANK, as tensor-parallel ranks do, instead of the device the
+front names, and its gloo world meets under the prefix the front names in torchrun's store
+(MASTER_ADDR:MASTER_PORT, which every rank reaches) instead of at a tcp:// init method.
+
 A step runs one engine step (if there is work, or if its group's peers have some) and reports
 the instance's load, so the dispatcher and the throttling monitor always see the state after
 the step. A step that fails because a group peer is gone answers `PeerLost`; the cluster then
@@ -29,7 +35,9 @@ sends "recover".
 """
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Protocol
@@ -40,7 +48,9 @@ from nanoserve.cluster.engine_facts import EngineFacts
 from nanoserve.cluster.load import InstanceLoad, PeerLost
 from nanoserve.cluster.member import ClusterMember
 from nanoserve.cluster.submission import Submission
+from nanoserve.device import resolve_device
 from nanoserve.engine import Engine
+from nanoserve.parallel.launch import rank_device
 
 
 class LoadSource(Protocol):
@@ -77,13 +87,14 @@ def load_of(member: LoadSource) -> InstanceLoad:
                         member.restore_pulled_bytes)
 
 
-def serve(connection: Connection, instance_id: int) -> None:
+def serve(connection: Connection, instance_id: int, torchrun: bool = False) -> None:
     from nanoserve.builder import build_engine_and_runner, shared_device_args
 
     args, world, timeout_s, sharing = connection.recv()
+    if torchrun and (device := resolve_device(args.device)).type == "cuda":
+        args = replace(args, device=str(rank_device(device, instance_id)))
     engine, runner = build_engine_and_runner(shared_device_args(args, sharing))
-    dist.init_process_group("gloo", init_method=world[0], rank=instance_id, world_size=world[1],
-                            timeout=timedelta(seconds=timeout_s))
+    join_world(world, instance_id, timedelta(seconds=timeout_s), torchrun)
     member = ClusterMember(instance_id, engine, runner)
     connection.send((load_of(member), member.layer_bytes(), member.replica_block_bytes))
     while True:
@@ -129,6 +140,19 @@ def serve(connection: Connection, instance_id: int) -> None:
         connection.send(reply)
 
 
+def join_world(world: tuple[str, int], instance_id: int, timeout: timedelta, torchrun: bool) -> None:
+    """Join the instances' gloo world (instance id = rank): `world` is (a tcp:// init method, or
+    under torchrun a prefix in torchrun's store, size)."""
+    name, size = world
+    if not torchrun:
+        dist.init_process_group("gloo", init_method=name, rank=instance_id, world_size=size, timeout=timeout)
+        return
+    # A client of torchrun's store, which its agent (or rank 0, the front) hosts: no rank hosts one here.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(name, store), rank=instance_id, world_size=size,
+                            timeout=timeout)
+
+
 if __name__ == "__main__":
     from nanoserve.parallel.launch import exit_with_parent
 
@@ -137,4 +161,4 @@ if __name__ == "__main__":
     host, port = address.rsplit(":", 1)
     with Client((host, int(port)), authkey=bytes.fromhex(authkey)) as conn:
         conn.send(int(instance_arg))
-        serve(conn, int(instance_arg))
+        serve(conn, int(instance_arg), torchrun="--torchrun" in sys.argv[5:])

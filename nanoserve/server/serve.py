@@ -16,6 +16,13 @@ into a pipeline, the memory freed becoming KV, and restores when the burst has p
 
     nanoserve serve --instances 2 --drop
 
+Across machines, under torchrun: one instance a rank (`--instances` = the world size); rank 0
+runs the dispatcher, the monitor and this server, and starts instance 0 beside it; the other
+ranks serve as instances 1..N-1 (nanoserve/cluster/torchrun_instances.py):
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr HOST0 --master-port 29500 \
+        -m nanoserve serve --instances 2 --drop DIR        # and --node-rank 1 on HOST1
+
 Parallelism: `--tp 2` (tensor) or `--pp 2` (pipeline), or both, start the extra processes on
 this machine. Under torchrun every rank runs this command (tensor size = ranks / --pp); rank 0
 serves and the others execute its steps:
@@ -39,6 +46,8 @@ import uvicorn
 from nanoserve.async_engine import AsyncEngine
 from nanoserve.builder import build_engine
 from nanoserve.cluster.cluster_engine import ClusterEngine
+from nanoserve.cluster.instance_launcher import InstanceLauncher
+from nanoserve.cluster.torchrun_instances import TorchrunInstances, serve_instance_rank
 from nanoserve.config import EngineArgs, Topology
 from nanoserve.device import resolve_device
 from nanoserve.engine_flags import add_engine_arguments, engine_args_from
@@ -85,15 +94,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--instances", type=int, default=1,
                         help="serve N replicas of the model, each in its own process, behind KunServe's dispatcher "
-                             "(1: one engine in this process)")
+                             "(1: one engine in this process; under torchrun one a rank, N = the world size)")
     parser.add_argument("--drop", action="store_true",
                         help="KunServe: a memory-throttled instance drops layers and serves in a pipeline with a peer, "
                              "restoring when the burst has passed (needs --instances 2 or more)")
     add_engine_arguments(parser)
 
 
-def check_cluster_flags(instances: int, drop: bool, engine_args: EngineArgs, torchrun: bool) -> None:
-    """Refuse a cluster the flags cannot make, before anything is built (SystemExit, the message)."""
+def check_cluster_flags(instances: int, drop: bool, engine_args: EngineArgs, world: int | None) -> None:
+    """Refuse a cluster the flags cannot make, before anything is built (SystemExit, the message).
+    `world`: torchrun's world size, None without torchrun."""
     if instances < 1:
         raise SystemExit(f"--instances must be at least 1, not {instances}")
     if drop and instances < 2:
@@ -101,8 +111,9 @@ def check_cluster_flags(instances: int, drop: bool, engine_args: EngineArgs, tor
                          "and the two serve them as a pipeline")
     if instances > 1 and engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size != 1:
         raise SystemExit("--instances runs each replica in one process; it does not combine with --tp or --pp")
-    if instances > 1 and torchrun:
-        raise SystemExit("--instances starts its own processes; run it without torchrun")
+    if instances > 1 and world is not None and instances != world:
+        raise SystemExit(f"under torchrun --instances runs one instance a rank: --instances {instances} needs "
+                         f"{instances} ranks (--nnodes x --nproc-per-node), and this world has {world}")
     if drop and engine_args.kv_manager not in (None, "arena"):
         raise SystemExit(f"--drop keeps weights and KV in one arena (--kv-manager arena); it does not run on "
                          f"--kv-manager {engine_args.kv_manager}")
@@ -142,8 +153,14 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(args)
     launched = torchrun_rank()
-    check_cluster_flags(args.instances, args.drop, engine_args, launched is not None)
-    if launched is not None:
+    check_cluster_flags(args.instances, args.drop, engine_args, launched[1] if launched is not None else None)
+    launcher: InstanceLauncher | None = None
+    if launched is not None and args.instances > 1:  # KunServe's cluster, one instance a rank
+        if launched[0] != 0:
+            serve_instance_rank()
+            return
+        launcher = TorchrunInstances()
+    elif launched is not None:
         rank, world = launched
         stages = engine_args.pipeline_parallel_size
         topology = Topology(world // stages, stages)
@@ -156,7 +173,8 @@ def serve(args: argparse.Namespace) -> None:
     # Built on a thread that ends first: the engine thread's OpenMP pool is then the only one
     # (nanoserve/async_engine.py says why that matters on a CPU).
     make_engine: Callable[[], ServingEngine] = (
-        (lambda: ClusterEngine.start(engine_args, args.instances, drop=args.drop)) if args.instances > 1
+        (lambda: ClusterEngine.start(engine_args, args.instances, drop=args.drop, launcher=launcher))
+        if args.instances > 1
         else (lambda: build_engine(engine_args)))
     async_engine = AsyncEngine.build(make_engine)
     engine = async_engine.engine
