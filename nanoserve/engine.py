@@ -352,6 +352,7 @@ class Engine(ServingEngine):
             per_class={priority: m.summary() for priority, m in self.class_metrics.items()},
             step_seconds_total=self.step_seconds_total,
             predicted_step_seconds_total=self.predicted_step_seconds_total,
+            policy_counters=self.scheduler.counters(),
         )
 
     # -- the step --------------------------------------------------------------------------

@@ -25,6 +25,7 @@ class EngineStats:
     # for them: the SLO-budgeting policies are only as good as this ratio is close to 1.
     step_seconds_total: float = 0.0
     predicted_step_seconds_total: float = 0.0
+    policy_counters: dict[str, int] = field(default_factory=dict)  # the policy's own (`Scheduler.counters`)
 
     @property
     def kv_cache_usage(self) -> float:

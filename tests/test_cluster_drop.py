@@ -5,6 +5,7 @@ Every test compares greedy outputs with an unthrottled single engine: a regroupe
 KV exchange or a restore that put one block in the wrong place would change them."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -126,6 +127,21 @@ def test_drop_exchange_serve_restore_on_two_instances(llama_dir, expected):
     # that live KV blocks still held.
     assert pulls[-1]["outcome"] == "switched" and pulls[-1]["steps"] > 1
     assert 0 <= restore.weights_copied < pulls[-1]["pulled_bytes"]
+
+
+def test_kunserve_s_lookahead_micro_batches_run_through_the_group_and_keep_the_answers(llama_dir, expected):
+    """§4.3 in the real cluster (issue 46): under the kunserve policy a member in a group looks
+    ahead over its queue and cuts its step into cost-balanced micro-batches, which the group
+    executor runs through both stages in order; greedy answers are a single engine's."""
+    args = dataclasses.replace(small_pools(llama_dir), policy="kunserve", max_num_batched_tokens=32)  # MIN = 8
+    with Cluster(args, 2, drop=True) as cluster:
+        finished = run_burst(cluster)
+        kinds = [c.kind for c in cluster.layout_changes]
+        counters = [stats.policy_counters for stats in cluster.engine_stats()]
+    assert_matches(expected, finished)
+    assert "drop" in kinds
+    assert sum(c["pipelined_steps"] for c in counters) > 0
+    assert sum(c["pipelined_microbatches"] for c in counters) > sum(c["pipelined_steps"] for c in counters)
 
 
 def test_a_restore_without_the_background_pull_copies_every_weight(llama_dir, expected):

@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoserve.builder import pipeline_microbatches
 from nanoserve.cluster.drop_plan import Group
+from nanoserve.config import EngineArgs
 from nanoserve.executor import Executor, ExecutorOutput
 from nanoserve.model.causal_lm import CausalLM
 from nanoserve.model.runner import ModelRunner
@@ -69,6 +71,18 @@ class GroupLayout:
 
 
 # -- objects over point-to-point links ------------------------------------------------------
+def member_microbatches(stages: int) -> int:
+    """Micro-batches a member of a `stages`-deep group cuts each step into: what the engine
+    builder gives a pipeline of that depth (two per stage)."""
+    return max(2, pipeline_microbatches(EngineArgs(pipeline_parallel_size=stages)))
+
+
+def lookahead_tokens(stages: int, budget: int) -> int | None:
+    """Tokens a member of a `stages`-deep group looks ahead over each step (§4.3; the
+    scheduler's `use_pipeline`): one budget per micro-batch in flight; None alone (one budget)."""
+    return member_microbatches(stages) * budget if stages > 1 else None
+
+
 def exchange_objects(obj: Any, me: int, peers: Sequence[int]) -> dict[int, Any]:
     """Send `obj` to every peer and receive theirs. Every operation is posted before any is
     waited on, so members calling this in any order cannot deadlock."""

@@ -256,6 +256,7 @@ class KunServeScheduler(FCFSScheduler):
         self.last_token_count_bubble_ratio: float | None = None  # token-count chunking's, same m
         self.stats = {"steps": 0, "microbatches": 0, "request_cuts": 0,
                       "bubble_ratio_sum": 0.0, "token_count_bubble_ratio_sum": 0.0}
+        self._pipelined = {"pipelined_steps": 0, "pipelined_microbatches": 0, "pipelined_tokens": 0}
 
     def use_pipeline(self, num_stages: int, microbatches_per_step: int, step_tokens: int | None = None) -> None:
         """§4.4: a member that joined a pipeline group cuts its steps into micro-batches of
@@ -324,8 +325,17 @@ class KunServeScheduler(FCFSScheduler):
             mbs = lookahead_microbatches(work, self.cost_model, min_tokens, self.microbatches_per_step)
             out.microbatches = self._cut(out, mbs)
             self.last_microbatches = mbs
+            self._pipelined["pipelined_steps"] += 1
+            self._pipelined["pipelined_microbatches"] += len(mbs)
+            self._pipelined["pipelined_tokens"] += out.num_tokens
             self.last_bubble_ratio = bubble_ratio([microbatch_cost(b, self.cost_model) for b in mbs], self.num_stages)
         return out
+
+    def counters(self) -> dict[str, int]:
+        """Steps cut on one device and the micro-batches cut (`stats`' counts), and the pipelined
+        steps (in a group, or under PP) with their micro-batches and tokens."""
+        return {"steps": int(self.stats["steps"]), "microbatches": int(self.stats["microbatches"]),
+                "request_cuts": int(self.stats["request_cuts"]), **self._pipelined}
 
     def tokens_wanted(self, request: Request) -> int:
         if self._allotted is None:

@@ -40,11 +40,9 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
-from nanoserve.builder import pipeline_microbatches
 from nanoserve.cluster.drop_plan import Group
-from nanoserve.cluster.group import GroupLayout
+from nanoserve.cluster.group import GroupLayout, lookahead_tokens, member_microbatches
 from nanoserve.cluster.member import Manifest, Relayout, reserve_manifest
-from nanoserve.config import EngineArgs
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
 from nanoserve.memory.host import HostKVStore
@@ -105,12 +103,6 @@ class StagePipeline:
         if microbatches:
             self.spans.append((first, done))
         return done
-
-
-def member_microbatches(stages: int) -> int:
-    """Micro-batches a member of a `stages`-deep group cuts each step into: what the engine
-    builder gives a pipeline of that depth (two per stage)."""
-    return max(2, pipeline_microbatches(EngineArgs(pipeline_parallel_size=stages)))
 
 
 class PipelineExecutor(SimExecutor):
@@ -298,10 +290,10 @@ class SimMember:
         forward (`PipelineExecutor` ignores the cut on one stage): an instance that dropped
         nothing serves as vLLM does (§4.4: "normal execution cannot simply apply our lookahead
         scheduling"). Its other mode, a step of one lookahead micro-batch, is for one device."""
-        stages, m = len(self.layout.members), member_microbatches(len(self.layout.members))
+        stages = len(self.layout.members)
         # §4.3's lookahead over the queue: m micro-batches in flight, each up to a step's budget.
-        lookahead = m * self.engine.scheduler.config.max_num_batched_tokens if stages > 1 else None
-        self.engine.scheduler.use_pipeline(stages, m, lookahead)
+        budget = self.engine.scheduler.config.max_num_batched_tokens
+        self.engine.scheduler.use_pipeline(stages, member_microbatches(stages), lookahead_tokens(stages, budget))
 
     # -- phase 4 ----------------------------------------------------------------------------
     def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
