@@ -17,6 +17,8 @@ import subprocess
 import sys
 from abc import ABC, abstractmethod
 
+from nanoserve.parallel.launch import stop_processes
+
 
 class InstanceLauncher(ABC):
     """Starts or reaches a cluster's instances. `processes[i]` is instance i's process for the
@@ -48,11 +50,7 @@ class InstanceLauncher(ABC):
 
     def stop(self, timeout: float = 30.0) -> None:
         """Wait for the started processes to exit (they were told to stop); kill the late ones."""
-        for process in self.processes:
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(self.processes, timeout)
 
 
 def spawn_instance(front: tuple[str, int], authkey: bytes, instance: int, torchrun: bool = False

@@ -98,12 +98,17 @@ class WorkerPool:
         return all(p.poll() is None for p in self.processes)
 
     def stop(self, timeout: float = 30.0) -> None:
-        for process in self.processes:
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes, timeout)
+
+
+def stop_processes(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """Wait for started processes to exit (they were told to stop); kill the late ones."""
+    for process in processes:
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def exit_with_parent(parent_pid: int) -> None:

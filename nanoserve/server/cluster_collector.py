@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from nanoserve.cluster_stats import ClusterStats
+from nanoserve.server.metrics import model_counter, model_gauge
 
 LAYOUT_CHANGES = ("drop", "restore", "recover")  # every kind's series exists from the start
 
@@ -39,14 +40,10 @@ class ClusterCollector(Collector):
         model = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
+            return model_gauge(model, name, doc, value)
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
+            return model_counter(model, name, doc, value)
 
         yield gauge("nanoserve_cluster_instances", "Live instances of the cluster.", stats.num_instances)
         yield counter("nanoserve_cluster_instances_lost", "Instances that died.", stats.instances_lost)

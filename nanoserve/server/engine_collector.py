@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from nanoserve.engine_stats import EngineStats
-from nanoserve.server.metrics import VLLM
+from nanoserve.server.metrics import VLLM, model_counter, model_gauge
 from nanoserve.slo import RequestClass
 
 
@@ -30,14 +30,10 @@ class EngineCollector(Collector):
         stats, model = self.snapshot(), [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
+            return model_gauge(model, name, doc, value)
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
+            return model_counter(model, name, doc, value)
 
         events = stats.kv_events
         queries, hits = events.get("prefix_cache_queries", 0), events.get("prefix_cache_hits", 0)

@@ -22,6 +22,7 @@ import time
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanoserve.outputs import RequestOutput
 from nanoserve.slo import PRIORITIES, RequestClass
@@ -115,6 +116,20 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The whole /metrics page, in Prometheus's text format."""
         return prometheus_client.generate_latest(self.registry)
+
+
+def model_gauge(model: list[str], name: str, doc: str, value: float) -> GaugeMetricFamily:
+    """One gauge labelled with the served model's name (a collector's snapshot value)."""
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric(model, value)
+    return family
+
+
+def model_counter(model: list[str], name: str, doc: str, value: float) -> CounterMetricFamily:
+    """One counter labelled with the served model's name (a collector's snapshot total)."""
+    family = CounterMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric(model, value)
+    return family
 
 
 def log_request(request_id: str, priority: RequestClass, prompt_tokens: int, last: RequestOutput | None,
