@@ -67,7 +67,7 @@ class ExperimentResult:
     name: str
     title: str  # setup in words: model, GPU, workload, policies
     workload: str  # the synthetic workload's label, printed with every output
-    runs: dict[str, SimResult]  # label (e.g. "KunServe", "vLLM (fcfs)") -> its run
+    runs: dict[str, SimResult]  # label (e.g. "KunServe", "vLLM") -> its run
     comparisons: list[Comparison]
     notes: list[str] = field(default_factory=list)  # why a result differs from the paper, caveats
     extra: dict[str, Any] = field(default_factory=dict)  # experiment-specific tables (e.g. a rate sweep)
