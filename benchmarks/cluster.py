@@ -1,7 +1,8 @@
 """KunServe's cluster on a CPU (kunserve.txt §3, §4; Fig. 12-13 and 17 in miniature): a burst into
 two SmolLM2 instances whose KV pools it overflows, served once with parameter dropping and once
 without (vLLM's answer: the queue waits, and running requests that cannot grow are preempted
-and recomputed). Both runs use the same fcfs policy, pools and burst.
+and recomputed). Both runs use the same fcfs policy, pools and burst; unless --smoke, a last
+drop run uses the kunserve policy (§4.3's lookahead micro-batches through the group).
 
 Printed, each as ours next to its reference:
 - KV capacity after the drop against the theoretical gain: a member keeps its stage's layers,
@@ -45,11 +46,12 @@ def burst(args) -> list[list[int]]:
     return [[rng.randrange(17, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests + args.tail)]
 
 
-def run(drop: bool, model: str, prompts: list[list[int]], args, background_restore: bool = True) -> dict:
+def run(drop: bool, model: str, prompts: list[list[int]], args, background_restore: bool = True,
+        policy: str = "fcfs") -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     tail = SamplingParams(temperature=0, max_tokens=args.tail_tokens, ignore_eos=True)
     engine_args = EngineArgs(model=model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_tokens,
-                             max_num_batched_tokens=args.budget)
+                             max_num_batched_tokens=args.budget, policy=policy)
     with Cluster(engine_args, 2, drop=drop, background_restore=background_restore) as cluster:
         cluster.generate([[100, 200, 300]], SamplingParams(max_tokens=2))  # warm-up
         ids = [f"burst-{i}" for i in range(len(prompts))]
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = burst(args)
     base, mine = run(False, model, prompts, args), run(True, model, prompts, args)
     waiting = None if args.smoke else run(True, model, prompts, args, background_restore=False)
+    # Fig. 14's lookahead in the real cluster: the kunserve policy cuts a grouped member's step
+    # into cost-balanced micro-batches over its queue, which the group executor pipelines.
+    lookahead = None if args.smoke else run(True, model, prompts, args, policy="kunserve")
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {os.path.basename(model)} fp32, "
           f"2 instances (1 thread each); a burst of {args.requests} prompts of {args.prompt} tokens, "
           f"{args.max_tokens} output tokens" + (f", and {args.tail} decoding {args.tail_tokens}" if args.tail else "")
@@ -150,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| cluster | throttle detected -> a queued request's first token (s) | TTFT p50 (s) | TTFT p99 (s) "
           "| preemptions |")
     print("|---|---|---|---|---|")
-    rows = ((base, "no drop (recompute)"), (mine, "KunServe drop"), (waiting, "KunServe drop, waiting restore"))
+    rows = ((base, "no drop (recompute)"), (mine, "KunServe drop"), (waiting, "KunServe drop, waiting restore"),
+            (lookahead, "KunServe drop + lookahead micro-batches (kunserve policy)"))
     for r, label in [(r, label) for r, label in rows if r is not None]:
         wait = r["detect_to_queued_first_token"]
         print(f"| {label} | {'-' if wait is None else f'{wait:.2f}'} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} "
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{base['detect_to_queued_first_token'] / mine['detect_to_queued_first_token']:.2f}x; "
               f"TTFT p99 no drop / drop: {base['ttft_p99'] / mine['ttft_p99']:.2f}x")
     results = {"date": date.today().isoformat(), "args": vars(args), "no_drop": base, "drop": mine,
-               "drop_waiting_restore": waiting}
+               "drop_waiting_restore": waiting, "drop_lookahead": lookahead}
     if not args.no_pipeline:
         import pipeline  # benchmarks/pipeline.py, beside this file
 
