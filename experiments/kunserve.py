@@ -585,7 +585,7 @@ def sensitivity(scale: str = "ci", seed: int = 0, dataset: str = "BurstGPT") -> 
 # paper-era row), KunServe by Llumnix's load balancing, so the dispatcher's share comes first.
 FIG14_DATASET = "LongBench"
 FIG14_VARIANTS = ("vLLM (DP)", "+ KunServe's dispatcher (least-loaded, §3)",
-                  "+ Dynamic drop, token-count micro-batches", "+ Lookahead, FCFS's step re-cut",
+                  "+ Dynamic drop, token-count micro-batches (Fig. 17 (a))", "+ Lookahead, FCFS's step re-cut",
                   "+ Lookahead over the queue (KunServe)")
 # The paper's §5.3 numbers for the increments it reports.
 FIG14_PAPER = {"+ Dynamic drop": "P90 / P99 / P999 TTFT 8.8x / 11.7x / 10.3x lower than vLLM (DP)",
@@ -606,7 +606,9 @@ def fig14(scale: str = "paper", seed: int = 0, dataset: str = FIG14_DATASET) -> 
     variants = {
         FIG14_VARIANTS[0]: ClusterConfig(setup.instance("fcfs"), n, dispatch="round-robin"),
         FIG14_VARIANTS[1]: ClusterConfig(setup.instance("fcfs"), n),
-        FIG14_VARIANTS[2]: ClusterConfig(setup.instance("fcfs"), n, drop=True, token_count_cut=True),
+        # The lookahead's m budgets of work, cut by token count: Fig. 17 (a)'s micro-batches.
+        FIG14_VARIANTS[2]: ClusterConfig(replace(setup.instance("kunserve"), policy_options={"pipeline_cut": "tokens"}),
+                                         n, drop=True),
         FIG14_VARIANTS[3]: ClusterConfig(replace(setup.instance("kunserve"),
                                                  policy_options={"pipeline_step_tokens": budget}), n, drop=True),
         FIG14_VARIANTS[4]: ClusterConfig(setup.instance("kunserve"), n, drop=True),

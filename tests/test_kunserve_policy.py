@@ -235,3 +235,7 @@ def test_a_pipelined_member_looks_ahead_m_budgets_into_the_queue():
     assert scheduled(4 * 32) == (128, 4)  # six requests and a piece of the seventh, four micro-batches of 32
     assert scheduled(None)[0] == 32  # FCFS's step, re-cut
     assert scheduled(4 * 32, {"pipeline_step_tokens": 32})[0] == 32  # the option wins: the ablation
+    # Fig. 17 (a)'s baseline on the same work: the same 128 tokens, cut by token count into 32s.
+    assert scheduled(4 * 32, {"pipeline_cut": "tokens"}) == (128, 4)
+    with pytest.raises(ValueError, match="pipeline_cut"):
+        scheduled(4 * 32, {"pipeline_cut": "random"})

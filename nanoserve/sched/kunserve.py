@@ -64,6 +64,10 @@ the share of one of the m micro-batches of a full step, budget / m, and `pipelin
 pipeline (`microbatches_in_flight` > 1) each step is one micro-batch: the first of the
 lookahead over the queue, as on one device.
 
+Option `pipeline_cut="tokens"` cuts the same pipelined step by token count instead (Fig. 17 (a)'s
+baseline, `token_count_microbatches`: micro-batches filled in queue order to step / m tokens), so
+an ablation compares the two cuts on the same work.
+
 Left out: the paper's discussion notes lookahead needs a queue to look ahead into; we never wait
 for one (normal serving just gets one micro-batch, the FCFS step, when the queue is short).
 """
@@ -234,7 +238,10 @@ class KunServeScheduler(FCFSScheduler):
 
     OPTIONS = {"pipeline_min_tokens": "Fig. 11's MIN when a pipelined step is cut (default: budget / micro-batches)",
                "pipeline_step_tokens": "tokens a pipelined step looks ahead over (default: micro-batches x budget; "
-                                       "the budget: FCFS's step re-cut, the rule before issue 46)"}
+                                       "the budget: FCFS's step re-cut, the rule before issue 46)",
+               "pipeline_cut": "how a pipelined step is cut: 'cost' (the lookahead's balancing, default) or "
+                               "'tokens' (Fig. 17 (a)'s baseline: micro-batches filled to step / m tokens, "
+                               "in queue order)"}
     ASYNC_SCHEDULING = False  # its lookahead cuts known tokens only (and its arena runs layers in Python)
 
     def __init__(self, config: SchedulerConfig, kv: KVManager | BlockPool, cost_model: CostModel | None = None,
@@ -244,6 +251,9 @@ class KunServeScheduler(FCFSScheduler):
         if self.pipeline_min_tokens is not None and self.pipeline_min_tokens < 1:
             raise ValueError(f"pipeline_min_tokens must be >= 1, got {self.pipeline_min_tokens}")
         self.pipeline_step_tokens: int | None = config.policy_options.get("pipeline_step_tokens")
+        self.pipeline_cut: str = config.policy_options.get("pipeline_cut", "cost")
+        if self.pipeline_cut not in ("cost", "tokens"):
+            raise ValueError(f"pipeline_cut must be 'cost' or 'tokens', got {self.pipeline_cut!r}")
         if self.pipeline_step_tokens is not None and self.pipeline_step_tokens < 1:
             raise ValueError(f"pipeline_step_tokens must be >= 1, got {self.pipeline_step_tokens}")
         self.use_pipeline(num_stages, config.pipeline_microbatches)  # > 1 micro-batches: a pipelined executor
@@ -322,7 +332,11 @@ class KunServeScheduler(FCFSScheduler):
         if work:
             min_tokens = (self.pipeline_min_tokens
                           or max(1, self.config.max_num_batched_tokens // self.microbatches_per_step))
-            mbs = lookahead_microbatches(work, self.cost_model, min_tokens, self.microbatches_per_step)
+            if self.pipeline_cut == "tokens":  # Fig. 17 (a): the same work, cut by token count
+                per = -(-self.step_token_budget() // self.microbatches_per_step)
+                mbs = token_count_microbatches(work, max(per, -(-out.num_tokens // self.microbatches_per_step)))
+            else:
+                mbs = lookahead_microbatches(work, self.cost_model, min_tokens, self.microbatches_per_step)
             out.microbatches = self._cut(out, mbs)
             self.last_microbatches = mbs
             self._pipelined["pipelined_steps"] += 1
