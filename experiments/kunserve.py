@@ -119,8 +119,13 @@ class Scale:
     def instance(self, policy: str) -> SimConfig:
         """One instance's engine: the policy on the experiment's GPU and model, at this scale's
         compute efficiency."""
-        efficiency = None if self.compute is None else gpu(GPU).with_efficiency(compute=self.compute).efficiency
+        efficiency = None if self.compute is None else self.roofline().gpu.efficiency
         return SimConfig(policy=policy, gpu=GPU, model=MODEL, efficiency=efficiency)
+
+    def roofline(self) -> Roofline:
+        """The experiment's GPU and model, at this scale's compute efficiency."""
+        return Roofline(gpu(GPU) if self.compute is None else gpu(GPU).with_efficiency(compute=self.compute),
+                        model(MODEL))
 
 
 TAIL = 10.0
@@ -260,9 +265,7 @@ def rate_for(scale: Scale, seed: int, lengths: LengthDist = LENGTH) -> tuple[flo
 
 
 def _rate_bracket(scale: Scale, lengths: LengthDist) -> float:
-    roofline = Roofline(gpu(GPU) if scale.compute is None else gpu(GPU).with_efficiency(compute=scale.compute),
-                        model(MODEL))
-    return 1.0 / regime.prefill_seconds(roofline, lengths)
+    return 1.0 / regime.prefill_seconds(scale.roofline(), lengths)
 
 
 def _bisect(measure: Callable[[float], float], target: float, hi: float) -> tuple[float, Probes]:
@@ -485,8 +488,7 @@ def _notes(setup: Scale, part: DatasetRun) -> list[str]:
     dropped = {i for c in changes for g in c["groups"] for i in g}
     drops = [c for c in changes if c["kind"] == "drop"]
     growth = drops[0]["capacity_after"] / drops[0]["capacity_before"] if drops else 1.0
-    roofline = Roofline(gpu(GPU) if setup.compute is None else gpu(GPU).with_efficiency(compute=setup.compute),
-                        model(MODEL))
+    roofline = setup.roofline()
     prefill_bound = 1.0 / regime.prefill_seconds(roofline, DATASETS[part.name])
     kv_tokens = kv_tokens_per_gpu()
     burst = rate * setup.burst_factor

@@ -77,6 +77,12 @@ def member_microbatches(stages: int) -> int:
     return max(2, pipeline_microbatches(EngineArgs(pipeline_parallel_size=stages)))
 
 
+def pool_seq_limit(replica_max_num_seqs: int, blocks: int, replica_blocks: int) -> int:
+    """max_num_seqs for a member whose pool is `blocks`: the replica's cap scaled by the pool over
+    the replica's (a fixed cap would leave a drop's added KV unused). assumption: linear."""
+    return max(1, round(replica_max_num_seqs * blocks / replica_blocks))
+
+
 def lookahead_tokens(stages: int, budget: int) -> int | None:
     """Tokens a member of a `stages`-deep group looks ahead over each step (§4.3; the
     scheduler's `use_pipeline`): one budget per micro-batch in flight; None alone (one budget)."""

@@ -36,7 +36,14 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.cluster.drop_plan import Group
-from nanoserve.cluster.group import GroupExecutor, GroupLayout, StageModules, lookahead_tokens, member_microbatches
+from nanoserve.cluster.group import (
+    GroupExecutor,
+    GroupLayout,
+    StageModules,
+    lookahead_tokens,
+    member_microbatches,
+    pool_seq_limit,
+)
 from nanoserve.cluster.kv_exchange import KVMove, block_bytes, chunk_moves, recv_chunk, send_chunk
 from nanoserve.cluster.submission import Submission
 from nanoserve.engine import Engine
@@ -274,8 +281,8 @@ class ClusterMember:
         self.engine.scheduler.use_kv_manager(kv)
         # max_num_seqs follows the pool, as the simulator's members do (sim/cluster_layout.py
         # `SimMember.seq_limit`): a fixed cap would leave the drop's added KV unused.
-        self.engine.scheduler.limit_sequences(max(1, round(self.replica_max_num_seqs * kv.num_blocks
-                                                           / self.replica_blocks)))
+        self.engine.scheduler.limit_sequences(pool_seq_limit(self.replica_max_num_seqs, kv.num_blocks,
+                                                             self.replica_blocks))
         # A policy that cuts micro-batches (kunserve, §4.3) looks ahead m budgets into its queue
         # and cuts them for the group's stages; `GroupExecutor` runs them through the stages in
         # order, its sends asynchronous, so stage k works on one while stage k+1 runs the last.

@@ -391,8 +391,7 @@ class BidirectionalBlockManager:
         target: int | None
         rt_blocks: Iterator[int] = iter(())
         if not state.best_effort:  # RT pages leave whole, so each takes the next of one ranking
-            lost = sum(1 for page in range(len(state.pages)) if pool.preemption_table.get((seq_id, page)) is not None)
-            rt_blocks = iter(self.placement.rt_targets(lost, set(), NOBODY) or [])
+            rt_blocks = iter(self.placement.rt_targets(len(state.host_pages), set(), NOBODY) or [])
         for page, block in enumerate(state.pages):
             entry = pool.preemption_table.get((seq_id, page))
             if entry is None:

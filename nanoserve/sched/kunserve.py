@@ -333,8 +333,7 @@ class KunServeScheduler(FCFSScheduler):
             min_tokens = (self.pipeline_min_tokens
                           or max(1, self.config.max_num_batched_tokens // self.microbatches_per_step))
             if self.pipeline_cut == "tokens":  # Fig. 17 (a): the same work, cut by token count
-                per = -(-self.step_token_budget() // self.microbatches_per_step)
-                mbs = token_count_microbatches(work, max(per, -(-out.num_tokens // self.microbatches_per_step)))
+                mbs = token_count_microbatches(work, -(-self.step_token_budget() // self.microbatches_per_step))
             else:
                 mbs = lookahead_microbatches(work, self.cost_model, min_tokens, self.microbatches_per_step)
             out.microbatches = self._cut(out, mbs)

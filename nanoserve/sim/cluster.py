@@ -49,7 +49,7 @@ from nanoserve.cluster.round_robin_dispatch import RoundRobinDispatcher
 from nanoserve.memory.prefix_cache import block_hashes
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling import SamplingParams
-from nanoserve.sim.cluster_layout import PipelineExecutor, SimMember, StagePipeline
+from nanoserve.sim.cluster_layout import PipelineExecutor, SimMember, StagePipeline, bubble_ratio
 from nanoserve.sim.executor import FILLER_TOKEN, VirtualClock
 from nanoserve.sim.metrics import downsample
 from nanoserve.sim.migration import LlumnixMigrator, MigrationConfig
@@ -164,7 +164,7 @@ class SimCluster:
         # (time, (blocks held + head-of-line blocks) / blocks): §2.2's measure ("a standard approach
         # [41] that counts ... the in-processing requests and head-of-line queuing requests").
         self.head_demand: list[tuple[float, float]] = []
-        self.peak_running: dict[int, int] = dict.fromkeys(range(config.num_instances), 0)  # per instance
+        self.peak_running = 0  # the most requests any instance ran at once
         if config.static_pipeline_stages > 1:
             # Fig. 6 from replicas merges the two smallest groups first, so asking it to free
             # N - N/k copies of the layers pairs the instances up into N/k groups of k (k = 2^j).
@@ -313,8 +313,7 @@ class SimCluster:
         # not for KV, would hide behind its head, so every queued request counts here.
         self.demand.append((now, sum(load.virtual_blocks for load in loads.values()) / total))
         self.head_demand.append((now, sum(load.demand_blocks for load in loads.values()) / total))
-        for i, load in loads.items():
-            self.peak_running[i] = max(self.peak_running[i], load.num_running)
+        self.peak_running = max(self.peak_running, *(load.num_running for load in loads.values()))
         short = self.monitor.short_blocks(list(loads.values()))
         if short:
             self.events["throttled_steps"] += 1
@@ -413,10 +412,10 @@ class SimCluster:
             "kv_exchange_stall_seconds": sum(m.exchange_seconds for m in members),
             # The most requests any instance ran at once, and its cap then (max_num_seqs follows a
             # member's pool after a drop: `ClusterConfig.seqs_follow_pool`).
-            "peak_running": max(self.peak_running.values(), default=0),
+            "peak_running": self.peak_running,
             # §5.3's bubble time over the pipelined groups (KunServe's after a drop, vLLM-PP's):
             # the stages' idle share while their pipe had work; None where none ran.
-            "pipeline_bubble_ratio": _bubble_ratio([p for p in self.pipelines if len(p.stages) > 1]),
+            "pipeline_bubble_ratio": bubble_ratio([p for p in self.pipelines if len(p.stages) > 1]),
         }
         # Busy: GPU-seconds the stages computed (an executor's own count would add waits for a
         # stage). The link: each instance's device-host copies (none over paged KV).
@@ -436,11 +435,6 @@ def _tail(records: list[RequestRecord], placement: Mapping[str, int]) -> tuple[i
         return None, 0.0
     instance, count = Counter(placement[r.request_id] for r in slowest).most_common(1)[0]
     return instance, count / len(slowest)
-
-
-def _bubble_ratio(pipelines: Sequence[StagePipeline]) -> float | None:
-    span = sum(p.occupied_seconds() * len(p.stages) for p in pipelines)
-    return 1.0 - sum(sum(p.busy) for p in pipelines) / span if span > 0 else None
 
 
 def time_average(series: list[tuple[float, float]]) -> float:

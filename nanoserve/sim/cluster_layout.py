@@ -41,7 +41,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
 from nanoserve.cluster.drop_plan import Group
-from nanoserve.cluster.group import GroupLayout, lookahead_tokens, member_microbatches
+from nanoserve.cluster.group import GroupLayout, lookahead_tokens, member_microbatches, pool_seq_limit
 from nanoserve.cluster.member import Manifest, Relayout, reserve_manifest
 from nanoserve.engine import Engine
 from nanoserve.memory.blocks import BlockPool
@@ -79,11 +79,6 @@ class StagePipeline:
                 end = stop
         return total
 
-    def bubble_ratio(self) -> float:
-        """§5.3's "bubble time (defined as the ratio of idle GPU cycles)" while the pipe had work:
-        1 - (the stages' busy seconds) / (stages x occupied seconds)."""
-        span = self.occupied_seconds() * len(self.stages)
-        return 1.0 - sum(self.busy) / span if span > 0 else 0.0
 
     def run(self, microbatches: Sequence[tuple[list[tuple[int, int]], int]], start: float) -> float:
         """Push (batch, sampled rows) micro-batches, all ready at `start`, through the stages in
@@ -140,6 +135,13 @@ class PipelineExecutor(SimExecutor):
         # The engine's per-step CPU work (scheduling, input preparation, sampling) precedes stage 0.
         start = self.clock.now + self.cost.gpu.efficiency.iteration_overhead_s
         return self.pipeline.run(work, start) - self.clock.now
+
+
+def bubble_ratio(pipelines: Sequence[StagePipeline]) -> float | None:
+    """§5.3's "bubble time (defined as the ratio of idle GPU cycles)" over `pipelines` while they
+    had work: 1 - (their stages' busy seconds) / (stages x occupied seconds); None if none ran."""
+    span = sum(p.occupied_seconds() * len(p.stages) for p in pipelines)
+    return 1.0 - sum(sum(p.busy) for p in pipelines) / span if span > 0 else None
 
 
 class SimMember:
@@ -279,7 +281,7 @@ class SimMember:
         linearly; `seqs_follow_pool=False` keeps the replica's (the rule before)."""
         if not self.seqs_follow_pool:
             return self.replica_max_num_seqs
-        return max(1, round(self.replica_max_num_seqs * blocks / self.replica_blocks))
+        return pool_seq_limit(self.replica_max_num_seqs, blocks, self.replica_blocks)
 
     def schedule_for_layout(self) -> None:
         """KunServe's scheduler (sched/kunserve.py) runs in its pipeline-parallel mode: a
