@@ -141,14 +141,16 @@ class ClusterEngine(ServingEngine):
         as this front saw them."""
         cluster, parts = self.cluster.stats(), self.cluster.engine_stats()
         events: Counter[str] = Counter()
+        policy: Counter[str] = Counter()
         for part in parts:
             events.update(part.kv_events)
+            policy.update(part.policy_counters)
         return EngineStats(
             num_running=sum(cluster.num_running.values()), num_waiting=sum(cluster.num_waiting.values()),
             kv_blocks_used=sum(cluster.kv_blocks_used.values()), kv_blocks_total=sum(cluster.kv_blocks_total.values()),
             num_preemptions=sum(p.num_preemptions for p in parts), prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=sum(p.generation_tokens_total for p in parts),
-            requests_finished_total=self._finished, kv_events=dict(events),
+            requests_finished_total=self._finished, kv_events=dict(events), policy_counters=dict(policy),
             per_class={priority: m.summary() for priority, m in self._class_metrics.items()},
             step_seconds_total=sum(p.step_seconds_total for p in parts),
             predicted_step_seconds_total=sum(p.predicted_step_seconds_total for p in parts))
