@@ -588,7 +588,12 @@ def sensitivity(scale: str = "ci", seed: int = 0, dataset: str = "BurstGPT") -> 
 FIG14_DATASET = "LongBench"
 FIG14_VARIANTS = ("vLLM (DP)", "+ KunServe's dispatcher (least-loaded, §3)",
                   "+ Dynamic drop, token-count micro-batches (Fig. 17 (a))", "+ Lookahead, FCFS's step re-cut",
-                  "+ Lookahead over the queue (KunServe)")
+                  "+ Lookahead over the queue (KunServe)",
+                  # Not steps of Fig. 14 (ours): KunServe as nanoserve's real cluster runs it, every live
+                  # block through host memory at each layout change (ClusterConfig.remap), then also
+                  # every instance stepped in lockstep (ClusterConfig.stepping; issue 46 item 5).
+                  "KunServe, host-staged remap (nanoserve's real cluster's)",
+                  "KunServe, host-staged remap and lockstep steps (nanoserve's real cluster)")
 # The paper's §5.3 numbers for the increments it reports.
 FIG14_PAPER = {"+ Dynamic drop": "P90 / P99 / P999 TTFT 8.8x / 11.7x / 10.3x lower than vLLM (DP)",
                "+ Lookahead": "P90 / P99 / P999 TPOT 4.5% / 10.6% / 9.7% lower; bubbles 21.9% -> 8.3%; "
@@ -614,6 +619,9 @@ def fig14(scale: str = "paper", seed: int = 0, dataset: str = FIG14_DATASET) -> 
         FIG14_VARIANTS[3]: ClusterConfig(replace(setup.instance("kunserve"),
                                                  policy_options={"pipeline_step_tokens": budget}), n, drop=True),
         FIG14_VARIANTS[4]: ClusterConfig(setup.instance("kunserve"), n, drop=True),
+        FIG14_VARIANTS[5]: ClusterConfig(setup.instance("kunserve"), n, drop=True, remap="host_staged"),
+        FIG14_VARIANTS[6]: ClusterConfig(setup.instance("kunserve"), n, drop=True, remap="host_staged",
+                                         stepping="lockstep"),
     }
     rows = []
     for label, config in variants.items():
@@ -625,7 +633,8 @@ def fig14(scale: str = "paper", seed: int = 0, dataset: str = FIG14_DATASET) -> 
                      **{f"ttft_p{q:g}": percentile(ttft, q) for q in (50, 90, 99, 99.9)},
                      **{f"tpot_p{q:g}": percentile(tpot, q) for q in (50, 90, 99, 99.9)},
                      "bubble_ratio": result.extra["pipeline_bubble_ratio"], "throughput_tok_s": s.throughput_tok_s,
-                     "drops": result.events.get("drops", 0)})
+                     "drops": result.events.get("drops", 0), "kv_staged_bytes": result.extra["kv_staged_bytes"],
+                     "kv_staging_seconds": result.extra["kv_staging_seconds"]})
     return rows
 
 

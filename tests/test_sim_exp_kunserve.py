@@ -216,6 +216,78 @@ def test_drop_keeps_every_running_request_and_stalls_it_for_its_kv():
         assert not m.stalled and m.engine.kv.num_used_blocks == 0
 
 
+def test_the_real_cluster_s_host_staging_stops_each_member_for_its_copies():
+    """remap="host_staged" (nanoserve's real cluster): every held block, all layers, to host memory
+    over PCIe, then the half that stays back; the exchange starts after the slowest member's copy
+    out. In place (the paper's remap) nothing is staged."""
+    requests = trace(40, rate=40.0)
+    runs = {}
+    for remap in ("in_place", "host_staged"):
+        cluster = SimCluster(cluster_config("fcfs", remap=remap), requests)
+        for request_id in cluster.ids:
+            cluster.dispatch(request_id, requests[-1].arrival)
+        for _ in range(30):
+            member = min(cluster.members.values(), key=lambda m: m.next_time())
+            cluster._step(member, math.inf)
+        held = {i: m.engine.kv.num_used_blocks for i, m in cluster.members.items()}
+        start = max(m.clock.now for m in cluster.members.values())
+        cluster._apply(cluster.regrouper.drop({0: 1}, cluster._loads(), cluster._call), start)
+        runs[remap] = cluster, held, start
+    block_layer = COST.kv_bytes_per_token_per_layer * 16
+    in_place, held, start = runs["in_place"]
+    assert all(m.staged_bytes == 0 and m.staging_seconds == 0 for m in in_place.members.values())
+    staged, held_staged, start_staged = runs["host_staged"]
+    assert held_staged == held and start_staged == start  # the same state before the change
+    out = {i: gpu(GPU).link_seconds(held[i] * 2 * HALF * block_layer, "pcie") for i in held}
+    back = {i: gpu(GPU).link_seconds(held[i] * HALF * block_layer, "pcie") for i in held}
+    for i, m in staged.members.items():
+        assert m.staged_bytes == held[i] * 3 * HALF * block_layer
+        assert m.staging_seconds == pytest.approx(out[i] + back[i])
+        # The exchange leaves after every member's copy out; its own copy back stops it meanwhile.
+        assert m.clock.now == pytest.approx(start + max(out.values()) + back[i])
+        ready = max(r for _, r in m.stalled.values())
+        assert ready == pytest.approx(start + max(out.values())
+                                      + gpu(GPU).link_seconds(held[i] * HALF * block_layer, "network"))
+    staged.run()
+    assert sorted(r.request_id for r in staged.result().records) == sorted(staged.ids)
+
+
+def test_lockstep_starts_every_step_at_one_instant_and_leaves_the_stages_idle_between_steps():
+    """stepping="lockstep" (nanoserve's real cluster): every cluster step starts its instances at
+    one instant and ends when the slowest is done, so a static pair's stages idle between steps
+    where independent members (vLLM's virtual engines) overlap them; both serve every request."""
+    requests = trace(60, rate=30.0, seed=1)
+    results = {}
+    for stepping in ("independent", "lockstep"):
+        cluster = SimCluster(cluster_config("fcfs", static_pipeline_stages=2, stepping=stepping), requests)
+        starts = []
+        serve = cluster._serve
+
+        def spy(member, serve=serve, starts=starts):
+            starts.append((len(starts), member.id, member.clock.now))
+            return serve(member)
+
+        cluster._serve = spy  # type: ignore[method-assign]
+        cluster.run()
+        result = cluster.result()
+        assert sorted(r.request_id for r in result.records) == sorted(cluster.ids)
+        results[stepping] = result, starts, cluster
+    _, starts, cluster = results["lockstep"]
+    clocks = {m.clock.now for m in cluster.members.values()}
+    assert len(clocks) == 1  # every instance ends each step at the slowest one's end
+    # Member 1's steps start where member 0's of the same cluster step did, never before its end.
+    by_time: dict[float, set[int]] = {}
+    for _, member, at in starts:
+        by_time.setdefault(at, set()).add(member)
+    assert sum(len(ids) == 2 for ids in by_time.values()) > len(by_time) / 2
+    bubbles = {k: r.extra["pipeline_bubble_ratio"] for k, (r, _, _) in results.items()}
+    assert bubbles["lockstep"] > bubbles["independent"]
+    makespan = {k: max(rec.arrival + rec.e2e for rec in r.records) for k, (r, _, _) in results.items()}
+    assert makespan["lockstep"] >= makespan["independent"]
+    with pytest.raises(ValueError, match="stepping"):
+        cluster_config(stepping="sometimes")
+
+
 def test_static_pipelines_pair_the_instances_with_half_a_pool_each():
     cluster = SimCluster(cluster_config("fcfs", 4, static_pipeline_stages=2), [])
     assert [g.instances for g in cluster.regrouper.groups] == [(0, 1), (2, 3)]
@@ -371,3 +443,6 @@ def test_fig14_runs_each_technique_on_the_same_trace(monkeypatch):
         assert r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"] <= r["ttft_p99.9"]
         assert (r["bubble_ratio"] is None) == (r["drops"] == 0)
     assert rows[0]["drops"] == rows[1]["drops"] == 0 and rows[0]["bubble_ratio"] is None
+    # Only the real cluster's remap stages KV through host memory, and only when it drops.
+    assert all(r["kv_staged_bytes"] == 0 for r in rows[:-2])
+    assert all((r["kv_staged_bytes"] > 0) == (r["drops"] > 0) for r in rows[-2:])

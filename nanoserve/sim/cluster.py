@@ -17,7 +17,10 @@ the next arrival if no instance with work is behind it (the dispatcher routes it
 instance's clock jumps to it), else a step of the instance furthest behind. After every step
 the monitor reads every instance's load, as dist.cluster.Cluster does after a lockstep step;
 one layout change at a time. The dispatcher reads what the real one can: each instance's load
-as of its latest step (or layout change), plus what it booked against it since.
+as of its latest step (or layout change), plus what it booked against it since. That is how
+vLLM's engines (the paper's base) step; `stepping="lockstep"` steps the instances as nanoserve's
+real cluster does instead (`_run_lockstep`), and `remap="host_staged"` prices its layout
+changes' copies (sim/cluster_layout.py), so the simulator can say what each costs.
 
 The configurations of the paper's comparison (§5.1 baselines):
 - vLLM: replicas, fcfs with recompute preemption (`drop=False`);
@@ -58,6 +61,8 @@ from nanoserve.sim.simulation import MAX_IDLE_STEPS, RequestRecord, SimConfig, S
 from nanoserve.sim.workloads import TraceRequest, prompt_token_ids
 
 DISPATCHERS = ("least-loaded", "round-robin")  # ClusterConfig.dispatch
+REMAPS = ("in_place", "host_staged")  # ClusterConfig.remap
+STEPPINGS = ("independent", "lockstep")  # ClusterConfig.stepping
 DEMAND_POINTS = 5000  # kv_demand_series samples kept per run
 
 
@@ -94,10 +99,28 @@ class ClusterConfig:
     # "least-loaded": cluster.Dispatcher (Llumnix's virtual usage, §3); "round-robin":
     # cluster/round_robin_dispatch.py, the paper-era baselines' balancer (an assumption there).
     dispatch: str = "least-loaded"
+    # How a layout change gives the freed weight memory to KV (sim/cluster_layout.py `SimMember`).
+    # "in_place": the paper's (§4.1), the dropped layers' pages mapped to the KV region's tail
+    # with cuMemMap, so KV that stays on its GPU is not copied. "host_staged": nanoserve's real
+    # cluster (cluster/member.py), which stages every live block in host memory, re-carves the
+    # arena and copies back what stays: both directions priced over PCIe.
+    remap: str = "in_place"
+    # How the instances take steps. "independent": each on its own clock, as vLLM's engines (and
+    # a group's members, vLLM's virtual engines) do, so a member's next micro-batches enter the
+    # stages while its peer's are still in them: the paper's. "lockstep": nanoserve's real cluster
+    # (cluster/cluster.py `Cluster.step`), where every instance steps from one instant, the front
+    # reads every reply, and the next step starts when the slowest instance is done (`_run_lockstep`).
+    stepping: str = "independent"
 
     def __post_init__(self) -> None:
         if self.dispatch not in DISPATCHERS:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCHERS)}, not {self.dispatch!r}")
+        if self.remap not in REMAPS:
+            raise ValueError(f"remap must be one of {', '.join(REMAPS)}, not {self.remap!r}")
+        if self.stepping not in STEPPINGS:
+            raise ValueError(f"stepping must be one of {', '.join(STEPPINGS)}, not {self.stepping!r}")
+        if self.stepping == "lockstep" and self.migration is not None:
+            raise ValueError("lockstep models nanoserve's real cluster, which does not migrate requests")
         if self.instance.tp != 1:
             raise ValueError("each simulated instance is one GPU (tp = 1)")
         if self.instance.enable_prefix_caching and (self.drop or self.static_pipeline_stages > 1
@@ -139,7 +162,7 @@ class SimCluster:
             engine.use_executor(executor)
             self.pipelines.append(executor.pipeline)
             self.members[i] = SimMember(i, engine, executor, clock, config.instance, config.link, self.members,
-                                        config.seqs_follow_pool)
+                                        config.seqs_follow_pool, host_staged=config.remap == "host_staged")
         self.roofline = roofline
         cost = ModelCost(roofline.model)
         self.block_bytes = cost.kv_bytes_per_token * config.instance.block_size  # a replica's block
@@ -248,6 +271,9 @@ class SimCluster:
         """Serve the trace to the end (requests already dispatched by hand stay where they are)."""
         pending = deque(sorted((i for i in self.ids if i not in self.placement),
                                key=lambda i: self.trace[i].arrival))
+        if self.config.stepping == "lockstep":
+            self._run_lockstep(pending, max_steps)
+            return
         steps = 0
         while True:
             member = min(self.members.values(), key=lambda m: (m.next_time(), m.id))
@@ -273,18 +299,72 @@ class SimCluster:
             return math.inf
         return self.migrator.next_time(any(m.has_work() for m in self.members.values()))
 
-    def _step(self, member: SimMember, next_arrival: float) -> None:
-        member.clock.advance_to(member.next_time())
+    def _run_lockstep(self, pending: deque[str], max_steps: int) -> None:
+        """`ClusterConfig.stepping="lockstep"`: what nanoserve's real cluster does. A cluster
+        step starts every instance with work at one instant (in id order, so a group's members
+        push their micro-batches into the stages in that order, as GroupExecutor runs them: each
+        stage takes every member's batch before the next step), ends when the slowest is done,
+        and then the monitor looks, once. Requests that arrived meanwhile are dispatched before
+        the next step."""
+        members = list(self.members.values())
+        idle, steps = 0, 0
+        while True:
+            now = max(m.clock.now for m in members)
+            while pending and self.trace[pending[0]].arrival <= now:
+                self.dispatch(pending.popleft(), now)
+            arrival = self.trace[pending[0]].arrival if pending else math.inf
+            working = [m for m in members if m.has_work()]
+            start = min((m.next_time() for m in working), default=math.inf)  # after `now` only if all stall
+            if arrival == start == math.inf:
+                return
+            if arrival < max(now, start):  # idle (or every request waits for its K/V) until it comes
+                for m in members:
+                    m.clock.advance_to(arrival)
+                continue
+            start = max(now, start)
+            for m in members:
+                m.clock.advance_to(start)
+            progressed = [self._serve(m) for m in working]
+            end = max(m.clock.now for m in members)
+            for m in members:
+                m.clock.advance_to(end)
+                self.reported[m.id] = load_of(m)
+                self.dispatcher.reported(m.id)
+            self._monitor(end)
+            if any(progressed):
+                idle = 0
+            else:  # nothing fits until a stalled request's K/V, a copy or a request comes
+                events = (arrival, *(ready for m in members for _, ready in m.stalled.values()),
+                          *(m.executor.next_landing() for m in members))
+                later = [t for t in events if t is not None and end < t < math.inf]
+                if later:
+                    for m in members:
+                        m.clock.advance_to(min(later))
+                elif (idle := idle + 1) > MAX_IDLE_STEPS:
+                    raise RuntimeError("the cluster can schedule nothing and nothing will change")
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"cluster simulation exceeded {max_steps} steps")
+
+    def _serve(self, member: SimMember) -> bool:
+        """One engine step of `member` at its clock (its K/V that has arrived by then back
+        among the running first); returns whether it ran a forward pass."""
         member.unstall()
         engine, executor = member.engine, member.executor
-        before, forwards = executor.stats.steps, executor.stats.forwards
+        forwards = executor.stats.forwards
         if engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     if out.request_id in self.finished:
                         raise RuntimeError(f"{out.request_id} finished twice")
                     self.finished[out.request_id] = out
-        if executor.stats.forwards == forwards and engine.has_unfinished_requests():
+        return executor.stats.forwards > forwards
+
+    def _step(self, member: SimMember, next_arrival: float) -> None:
+        member.clock.advance_to(member.next_time())
+        engine, executor = member.engine, member.executor
+        before = executor.stats.steps
+        if not self._serve(member) and engine.has_unfinished_requests():
             # Nothing fits until something else happens: a stalled request's K/V arrives, a copy
             # to or from the host lands (its manager learns it at the next step's poll), a
             # request arrives, or another instance's step (and a drop it may trigger).
@@ -400,6 +480,10 @@ class SimCluster:
             # How concentrated the TTFT tail is: the largest share of the slowest 1% on one instance.
             **dict(zip(("tail_instance", "tail_on_one_instance"), _tail(records, self.placement))),
             "kv_exchange_bytes": sum(m.sent_bytes for m in members),
+            # `remap="host_staged"`: KV copied to host memory and back by layout changes, and the
+            # seconds those copies stopped the instances (summed over instances); 0 in place.
+            "kv_staged_bytes": sum(m.staged_bytes for m in members),
+            "kv_staging_seconds": sum(m.staging_seconds for m in members),
             "weight_pull_bytes": sum(m.pulled_bytes for m in members),
             # Over the arrivals' span: the drain after the last arrival is not the trace's load.
             "kv_demand_mean": time_average([(t, d) for t, d in self.demand if t <= last_arrival]),

@@ -21,6 +21,11 @@ Time. Every involved instance first finishes its current step: the change starts
 of their clocks. Transfers run at the link's rate, shared by the transfers leaving or entering
 the same GPU; §4.2's coordination gives activations priority, so the exchange does not slow
 the pipeline, and its chunking is not modelled (a request waits for its last byte).
+`remap` (sim/cluster.py's ClusterConfig) prices how freed weight memory becomes KV: "in_place",
+the paper's cuMemMap remap (§4.1: "we extend the memory for KVCache by mapping the tail of the
+KVCache memory to the freed physical memory"), costs nothing and KV that stays is not copied;
+"host_staged", nanoserve's real cluster, stops each instance while every block it holds goes to
+host memory over PCIe (`reweigh`) and while what stays comes back (`exchange`).
 
 A step in a group (`StagePipeline`, §4.3). As in vLLM's pipeline-parallel virtual engines, each
 member schedules its own batch once its previous batch has come back, and the batch (or the
@@ -149,7 +154,10 @@ class SimMember:
     layout change. `peers` is every member of the cluster, by id (this one included)."""
 
     def __init__(self, instance_id: int, engine: Engine, executor: PipelineExecutor, clock: VirtualClock,
-                 config: SimConfig, link: str, peers: Mapping[int, SimMember], seqs_follow_pool: bool = True):
+                 config: SimConfig, link: str, peers: Mapping[int, SimMember], seqs_follow_pool: bool = True,
+                 host_staged: bool = False):
+        """`host_staged`: a layout change copies every live block to host memory and back what
+        stays (`ClusterConfig.remap`), as nanoserve's real cluster does; else the paper's remap."""
         self.id, self.engine, self.executor, self.clock = instance_id, engine, executor, clock
         self.roofline, self.link, self.peers = executor.cost, link, peers
         self.cost = ModelCost(self.roofline.model)
@@ -165,8 +173,11 @@ class SimMember:
         self.pulled_bytes = self.sent_bytes = 0
         self.weights_copied = 0  # pulled by the latest layout change itself (not in the background)
         self.exchange_seconds = 0.0  # summed over changes: the longest stall each caused here
+        self.host_staged = host_staged
+        self.staged_bytes = 0  # copied to host memory and back by layout changes (`host_staged`)
+        self.staging_seconds = 0.0  # the PCIe time those copies stopped this instance for
         self._relayout: Relayout | None = None
-        self._phase_start = 0.0
+        self._phase_start = self._reweighed_at = 0.0
         self.prefetched = False  # the layers a restore needs were pulled in the background
         self.schedule_for_layout()
 
@@ -246,6 +257,9 @@ class SimMember:
         # Every involved instance finishes its step first; then the layers this one lacks come.
         self.clock.advance_to(max(self.peers[m]._phase_start for m in relayout.members()))
         old, new = relayout.old[self.id].stage_of(self.id), relayout.new[self.id].stage_of(self.id)
+        if self.host_staged:  # every block it holds, all its layers, goes to host memory first
+            blocks = sum(1 for _ in relayout.staged(self.id))
+            self._host_copy(blocks * len(old) * self.cost.kv_bytes_per_token_per_layer * self.engine.kv.block_size)
         pulled = len([layer for layer in new if layer not in old]) * self.cost.layer_bytes
         self.weights_copied = 0
         if self.prefetched and len(new) == self.roofline.model.num_layers:
@@ -255,6 +269,7 @@ class SimMember:
             self.pulled_bytes += pulled
             self.weights_copied = pulled
         self._relayout = relayout
+        self._reweighed_at = self.clock.now  # the exchange leaves once every member is here
         return self.blocks_for(new)
 
     # -- phase 3 ----------------------------------------------------------------------------
@@ -297,12 +312,20 @@ class SimMember:
         budget = self.engine.scheduler.config.max_num_batched_tokens
         self.engine.scheduler.use_pipeline(stages, member_microbatches(stages), lookahead_tokens(stages, budget))
 
+    def _host_copy(self, nbytes: int) -> None:
+        """Copy `nbytes` of KV between this GPU and host memory, the instance stopped meanwhile
+        (the real member copies synchronously, one layer at a time)."""
+        seconds = self.roofline.gpu.link_seconds(nbytes, "pcie")
+        self.clock.advance(seconds)
+        self.staged_bytes += nbytes
+        self.staging_seconds += seconds
+
     # -- phase 4 ----------------------------------------------------------------------------
     def exchange(self, new_manifests: Mapping[int, Manifest], chunk_bytes: int) -> dict[str, int]:
         """Stall this instance's requests until their K/V has crossed; report the bytes sent."""
         relayout, self._relayout = self._relayout, None
         assert relayout is not None
-        start = max(self.peers[m].clock.now for m in relayout.members())  # after every pull
+        start = max(self.peers[m]._reweighed_at for m in relayout.members())  # after every pull (and copy out)
         block_layer = self.cost.kv_bytes_per_token_per_layer * self.engine.kv.block_size
         sent: dict[tuple[int, int], int] = defaultdict(int)  # (from, to) -> bytes so far
         last: dict[str, dict[tuple[int, int], int]] = defaultdict(dict)  # own request -> its last byte per pair
@@ -323,6 +346,9 @@ class SimMember:
                             sent[holder, target] += nbytes
                             if owner == self.id:
                                 last[request_id][holder, target] = sent[holder, target]
+        if self.host_staged:  # what stays on this GPU comes back from host memory (cluster/member.py `_install`)
+            self.clock.advance_to(start)
+            self._host_copy(kept)
         out_degree: defaultdict[int, int] = defaultdict(int)
         in_degree: defaultdict[int, int] = defaultdict(int)
         for src, dst in sent:
