@@ -600,10 +600,11 @@ FIG14_PAPER = {"+ Dynamic drop": "P90 / P99 / P999 TTFT 8.8x / 11.7x / 10.3x low
                               "throughput +20%"}
 
 
-def fig14(scale: str = "paper", seed: int = 0, dataset: str = FIG14_DATASET) -> list[dict]:
+def fig14(scale: str = "paper", seed: int = 0, dataset: str = FIG14_DATASET,
+          only: Sequence[str] | None = None) -> list[dict]:
     """Fig. 14's ablation on the main run's trace for `dataset` (the rate by the scale's rule):
     each variant's TTFT and TPOT at P50/P90/P99/P999, the pipelines' bubble ratio (§5.3: "the
-    ratio of idle GPU cycles") and output throughput."""
+    ratio of idle GPU cycles") and output throughput; `only` names some variants."""
     setup = SCALES[scale]
     lengths = DATASETS[dataset]
     rate, _ = rate_for(setup, seed, lengths)
@@ -625,6 +626,8 @@ def fig14(scale: str = "paper", seed: int = 0, dataset: str = FIG14_DATASET) -> 
     }
     rows = []
     for label, config in variants.items():
+        if only is not None and label not in only:
+            continue
         result = simulate_cluster(config, trace)
         ttft = [r.ttft for r in result.records]
         tpot = [r.tpot for r in result.records]
