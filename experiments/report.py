@@ -8,6 +8,7 @@ gets its own table and a latency-against-rate plot, as the papers draw it.
 """
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 from pathlib import Path
@@ -107,6 +108,18 @@ def save_plots(result: ExperimentResult, directory: str | Path) -> list[Path]:
     return paths
 
 
+def replot(json_path: str | Path, directory: str | Path) -> list[Path]:
+    """The experiment's own plots (a rate sweep, KunServe's Fig. 12 timeline) again, from the file
+    `--json` wrote, without running it: `python -m experiments.report FILE.json DIR`. (Per-run
+    plots need the runs' records, which the file keeps only as summaries.)"""
+    data = json.loads(Path(json_path).read_text())
+    extra = data["extra"]
+    result = ExperimentResult(name=extra["experiment"], title=extra["title"], workload=data["workload_note"],
+                              runs={}, comparisons=[], notes=extra.get("notes", []), extra=extra)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return save_plots(result, directory)
+
+
 def _timeline_plot(result: ExperimentResult, timeline: dict[str, dict[str, dict[str, list]]], directory: Path) -> Path:
     """KunServe's Fig. 12, first two columns: per dataset (a row), each run's KV demand against
     the capacity, and its mean TTFT per window of arrivals, over time."""
@@ -124,8 +137,8 @@ def _timeline_plot(result: ExperimentResult, timeline: dict[str, dict[str, dict[
         for label, points in series["ttft_mean"].items():
             ttft_ax.plot([t for t, _ in points], [v for _, v in points], marker=".", label=label)
         ttft_ax.set(xlabel="time (s)", ylabel="mean TTFT (s)", yscale="log", title=f"{dataset}: mean TTFT")
-        demand_ax.legend(fontsize=7)
-        ttft_ax.legend(fontsize=7)
+        demand_ax.legend(fontsize=6, framealpha=0.6)
+        ttft_ax.legend(fontsize=6, framealpha=0.6)
     return _save_with_heading(fig, result, 160, directory / f"{slugify(result.name)}-timeline.png")
 
 
@@ -161,7 +174,7 @@ def _save_with_heading(fig: Any, result: ExperimentResult, width: int, path: Pat
     it to `path` and close it."""
     import matplotlib.pyplot as plt
 
-    heading = textwrap.wrap(f"{result.name}: {result.title}", width) + [result.workload]
+    heading = textwrap.wrap(f"{result.name}: {result.title}", width) + textwrap.wrap(result.workload, width)
     fig.suptitle("\n".join(heading), fontsize=8)
     fig.tight_layout()
     # Room above the panels for the heading's lines (8 pt, in inches over the figure's height).
@@ -169,3 +182,12 @@ def _save_with_heading(fig: Any, result: ExperimentResult, width: int, path: Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m experiments.report RESULT.json DIR   (the JSON that --json wrote)")
+    for written in replot(sys.argv[1], sys.argv[2]):
+        print(f"wrote {written}")

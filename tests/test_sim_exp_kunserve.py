@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from experiments import run_experiment
-from experiments.report import save_plots
+from experiments.report import replot, save_json, save_plots
 from nanoserve import SamplingParams
 from nanoserve.cluster.cluster import ThrottleMonitor
 from nanoserve.sim.cluster import ClusterConfig, SimCluster, simulate_cluster
@@ -390,6 +390,10 @@ def test_ci_experiment_kunserve(monkeypatch, tmp_path):
     pytest.importorskip("matplotlib")
     paths = save_plots(result, tmp_path)
     assert any(p.name == "kunserve-timeline.png" and p.stat().st_size > 0 for p in paths)
+    # The same figure again from the file --json writes, without running anything.
+    save_json(result, tmp_path / "kunserve.json")
+    (again,) = replot(tmp_path / "kunserve.json", tmp_path / "again")
+    assert again.name == "kunserve-timeline.png" and again.stat().st_size > 0
 
 
 def test_the_long_scale_is_fig_15s_run_with_the_restore_ablation():
