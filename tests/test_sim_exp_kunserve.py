@@ -184,14 +184,20 @@ def test_throttling_during_the_pull_cancels_the_restore():
     assert not any(m.prefetched for m in cluster.members.values())
 
 
-def test_drop_keeps_every_running_request_and_stalls_it_for_its_kv():
+def serving_pair(**options) -> SimCluster:
+    """Two fcfs replicas (no monitor: a test drops by hand) 30 steps into a burst of 40 requests."""
     requests = trace(40, rate=40.0)
-    cluster = SimCluster(cluster_config("fcfs"), requests)  # no monitor: the test drops by hand
+    cluster = SimCluster(cluster_config("fcfs", **options), requests)
     for request_id in cluster.ids:
         cluster.dispatch(request_id, requests[-1].arrival)
     for _ in range(30):
         member = min(cluster.members.values(), key=lambda m: m.next_time())
         cluster._step(member, math.inf)
+    return cluster
+
+
+def test_drop_keeps_every_running_request_and_stalls_it_for_its_kv():
+    cluster = serving_pair()
     held = {i: m.engine.kv.num_used_blocks for i, m in cluster.members.items()}
     tables = {i: {r.request_id: len(m.engine.kv.block_table(r)) for r in m.engine.scheduler.running}
               for i, m in cluster.members.items()}
@@ -220,15 +226,9 @@ def test_the_real_cluster_s_host_staging_stops_each_member_for_its_copies():
     """remap="host_staged" (nanoserve's real cluster): every held block, all layers, to host memory
     over PCIe, then the half that stays back; the exchange starts after the slowest member's copy
     out. In place (the paper's remap) nothing is staged."""
-    requests = trace(40, rate=40.0)
     runs = {}
     for remap in ("in_place", "host_staged"):
-        cluster = SimCluster(cluster_config("fcfs", remap=remap), requests)
-        for request_id in cluster.ids:
-            cluster.dispatch(request_id, requests[-1].arrival)
-        for _ in range(30):
-            member = min(cluster.members.values(), key=lambda m: m.next_time())
-            cluster._step(member, math.inf)
+        cluster = serving_pair(remap=remap)
         held = {i: m.engine.kv.num_used_blocks for i, m in cluster.members.items()}
         start = max(m.clock.now for m in cluster.members.values())
         cluster._apply(cluster.regrouper.drop({0: 1}, cluster._loads(), cluster._call), start)
