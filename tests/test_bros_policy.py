@@ -57,12 +57,13 @@ class TimedExecutor(TaggingExecutor):
 
 
 def make_engine(policy=BROSScheduler, num_blocks=16, host_blocks=32, budget=64, max_seqs=4, max_len=None,
-                online_slo=SLO(ttft=0.2, tpot=0.05)):
+                online_slo=SLO(ttft=0.2, tpot=0.05), policy_options=None):
     clock = MockClock(0.0)
     store = HostKVStore(host_blocks, B, 2, 1, 2, torch.float32, pin_memory=False)
     kv = BidirectionalKV(BidirectionalBlockManager(num_blocks, B, store))
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                             max_model_len=max_len or num_blocks * B, online_slo=online_slo)
+                             max_model_len=max_len or num_blocks * B, online_slo=online_slo,
+                             policy_options=policy_options or {})
     executor = TimedExecutor(clock, store, num_blocks, B)
     engine = Engine(policy(config, kv, cost_model=COST, clock=clock), executor, tokenizer=None)
     return engine, clock, executor
@@ -259,9 +260,11 @@ def test_rt_order_merges_sorted_running_with_waiting_queue():
     assert {w1, w2, early} <= set(s._rt_candidates())
 
 
-def test_be_replaces_rt_that_can_afford_to_wait():
+@pytest.mark.parametrize("replace_rt", [True, False])
+def test_be_replaces_rt_that_can_afford_to_wait(replace_rt):
+    """Alg. 1 lines 18-33; `replace_rt=False` (an ablation) leaves the full batch to RT."""
     engine, clock, executor = make_engine(num_blocks=32, max_seqs=8, budget=256,
-                                          online_slo=SLO(ttft=5.0, tpot=5.0))
+                                          online_slo=SLO(ttft=5.0, tpot=5.0), policy_options={"replace_rt": replace_rt})
     s = engine.scheduler
     s.initial_batch_size = s.batch_size = 2
     for i in range(3):
@@ -269,10 +272,19 @@ def test_be_replaces_rt_that_can_afford_to_wait():
     engine.add_request([1] * 3, SamplingParams(max_tokens=4, ignore_eos=True), "be", priority="offline")
     engine.step()
     ids = [c.request.request_id for c in executor.batches[-1].chunks]
-    assert ids == ["rt0", "be"]  # the most urgent RT stays, the BE request takes the other seat
     counts = s.counters()
-    assert counts["be_replaced_rt"] == counts["be_replace_plans"] == 1 and counts["size_bound"] == 1
+    if replace_rt:
+        assert ids == ["rt0", "be"]  # the most urgent RT stays, the BE request takes the other seat
+        assert counts["be_replaced_rt"] == counts["be_replace_plans"] == 1
+    else:
+        assert ids == ["rt0", "rt1"] and counts["be_replaced_rt"] == 0
+    assert counts["size_bound"] == 1
     run(engine)
+
+
+def test_replace_rt_must_be_a_bool():
+    with pytest.raises(ValueError, match="replace_rt"):
+        make_engine(policy_options={"replace_rt": "no"})
 
 
 # -- 5. random arrivals ------------------------------------------------------------------------

@@ -122,7 +122,9 @@ class BROSScheduler(Scheduler):
                "batch_growth": "§4.2's lost increase per step without SLO risk: '+N' adds N, 'xN' multiplies "
                                "by N (default 'x2')",
                "prefill": "'chunked' (ours, the default: a prompt takes what the budgets leave) or 'whole' "
-                          "(the paper's: a prompt runs in one step or waits)"}
+                          "(the paper's: a prompt runs in one step or waits)",
+               "replace_rt": "Alg. 1 lines 18-33: when the batch is full, a BE request replaces the least urgent "
+                             "RT request that can sit the iteration out (default true; false: an ablation, ours)"}
     # §4.2 "start with a conservative batch size, e.g., ." assumption: 8 (the symbol is lost).
     initial_batch_size = 8
     # Increase per step without SLO risk: "we increase the batch size: to include more BE
@@ -148,6 +150,10 @@ class BROSScheduler(Scheduler):
         if prefill not in ("chunked", "whole"):
             raise ValueError(f"prefill must be 'chunked' or 'whole', not {prefill!r}")
         self.whole_prompts = prefill == "whole"
+        replace_rt = options.get("replace_rt", True)
+        if not isinstance(replace_rt, bool):
+            raise ValueError(f"replace_rt must be true or false, not {replace_rt!r}")
+        self.replace_rt = replace_rt
         self.batch_size = self._initial_size()
         self.slo_risk = False  # whether the last plan hit lines 11-12 (for tests and stats)
         # How often each branch of Alg. 1 and §4.2 ran (ours; `counters`).
@@ -197,7 +203,7 @@ class BROSScheduler(Scheduler):
         self._select_rt(draft)
         draft.rt_stop, draft.host_version = draft.stop, self.kv.host_slots_version()
         if not draft.stop:
-            self._select_be(draft, replace=True)
+            self._select_be(draft, replace=self.replace_rt)
         # Then for real, reserving as it packs: RT chunks before any BE chunk. An RT request the
         # memory cannot take (even after evictions) is passed over for the next one. Where the
         # memory takes each chunk as it is, the real pass decides as the draft did: replay it.
