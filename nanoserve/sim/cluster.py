@@ -62,7 +62,7 @@ from nanoserve.sim.workloads import TraceRequest, prompt_token_ids
 
 DISPATCHERS = ("least-loaded", "round-robin")  # ClusterConfig.dispatch
 REMAPS = ("in_place", "host_staged")  # ClusterConfig.remap
-STEPPINGS = ("independent", "lockstep")  # ClusterConfig.stepping
+STEPPINGS = ("independent", "group_lockstep", "lockstep")  # ClusterConfig.stepping
 DEMAND_POINTS = 5000  # kv_demand_series samples kept per run
 
 
@@ -110,6 +110,8 @@ class ClusterConfig:
     # stages while its peer's are still in them: the paper's. "lockstep": nanoserve's real cluster
     # (cluster/cluster.py `Cluster.step`), where every instance steps from one instant, the front
     # reads every reply, and the next step starts when the slowest instance is done (`_run_lockstep`).
+    # "group_lockstep": only each group's members step together (`GroupExecutor`'s lockstep),
+    # instances and groups each on their own: what an asynchronous front alone would leave.
     stepping: str = "independent"
 
     def __post_init__(self) -> None:
@@ -119,7 +121,7 @@ class ClusterConfig:
             raise ValueError(f"remap must be one of {', '.join(REMAPS)}, not {self.remap!r}")
         if self.stepping not in STEPPINGS:
             raise ValueError(f"stepping must be one of {', '.join(STEPPINGS)}, not {self.stepping!r}")
-        if self.stepping == "lockstep" and self.migration is not None:
+        if self.stepping != "independent" and self.migration is not None:
             raise ValueError("lockstep models nanoserve's real cluster, which does not migrate requests")
         if self.instance.tp != 1:
             raise ValueError("each simulated instance is one GPU (tp = 1)")
@@ -289,7 +291,10 @@ class SimCluster:
             if arrival <= busy_at:
                 self.dispatch(pending.popleft(), arrival)
                 continue
-            self._step(member, arrival)
+            if self.config.stepping == "group_lockstep" and not member.layout.solo:
+                self._step_together([self.members[i] for i in sorted(member.layout.members)], arrival)
+            else:
+                self._step(member, arrival)
             steps += 1
             if steps > max_steps:
                 raise RuntimeError(f"cluster simulation exceeded {max_steps} steps")
@@ -300,51 +305,60 @@ class SimCluster:
         return self.migrator.next_time(any(m.has_work() for m in self.members.values()))
 
     def _run_lockstep(self, pending: deque[str], max_steps: int) -> None:
-        """`ClusterConfig.stepping="lockstep"`: what nanoserve's real cluster does. A cluster
-        step starts every instance with work at one instant (in id order, so a group's members
-        push their micro-batches into the stages in that order, as GroupExecutor runs them: each
-        stage takes every member's batch before the next step), ends when the slowest is done,
-        and then the monitor looks, once. Requests that arrived meanwhile are dispatched before
-        the next step."""
+        """`ClusterConfig.stepping="lockstep"`: what nanoserve's real cluster does. Each cluster
+        step is `_step_together` over every instance; requests that arrived meanwhile are
+        dispatched before the next step."""
         members = list(self.members.values())
-        idle, steps = 0, 0
+        steps = 0
         while True:
             now = max(m.clock.now for m in members)
             while pending and self.trace[pending[0]].arrival <= now:
                 self.dispatch(pending.popleft(), now)
             arrival = self.trace[pending[0]].arrival if pending else math.inf
-            working = [m for m in members if m.has_work()]
-            start = min((m.next_time() for m in working), default=math.inf)  # after `now` only if all stall
+            start = min((m.next_time() for m in members if m.has_work()), default=math.inf)
             if arrival == start == math.inf:
                 return
             if arrival < max(now, start):  # idle (or every request waits for its K/V) until it comes
                 for m in members:
                     m.clock.advance_to(arrival)
                 continue
-            start = max(now, start)
-            for m in members:
-                m.clock.advance_to(start)
-            progressed = [self._serve(m) for m in working]
-            end = max(m.clock.now for m in members)
-            for m in members:
-                m.clock.advance_to(end)
-                self.reported[m.id] = load_of(m)
-                self.dispatcher.reported(m.id)
-            self._monitor(end)
-            if any(progressed):
-                idle = 0
-            else:  # nothing fits until a stalled request's K/V, a copy or a request comes
-                events = (arrival, *(ready for m in members for _, ready in m.stalled.values()),
-                          *(m.executor.next_landing() for m in members))
-                later = [t for t in events if t is not None and end < t < math.inf]
-                if later:
-                    for m in members:
-                        m.clock.advance_to(min(later))
-                elif (idle := idle + 1) > MAX_IDLE_STEPS:
-                    raise RuntimeError("the cluster can schedule nothing and nothing will change")
+            self._step_together(members, arrival)
             steps += 1
             if steps > max_steps:
                 raise RuntimeError(f"cluster simulation exceeded {max_steps} steps")
+
+    def _step_together(self, group: list[SimMember], next_arrival: float) -> None:
+        """One step of `group` in lockstep, as nanoserve's real cluster steps (`Cluster.step` over
+        every instance; `GroupExecutor` over a group's members): the members with work start at
+        one instant, in id order, so a group's members push their micro-batches into the stages
+        in that order (each stage takes every member's batch before the next step); every member
+        ends when the slowest is done; then the monitor looks, once."""
+        working = [m for m in group if m.has_work()]
+        start = max(max(m.clock.now for m in group), min(m.next_time() for m in working))
+        for m in group:
+            m.clock.advance_to(start)
+        progressed = [self._serve(m) for m in working]
+        end = max(m.clock.now for m in group)
+        for m in group:
+            m.clock.advance_to(end)
+            self.reported[m.id] = load_of(m)
+            self.dispatcher.reported(m.id)
+        key = group[0].id
+        if any(progressed):
+            self._idle_steps[key] = 0
+        else:  # nothing fits until a stalled request's K/V, a copy, a request or another step comes
+            others = [m for m in self.members.values() if m not in group]
+            events = (next_arrival, *(ready for m in group for _, ready in m.stalled.values()),
+                      *(m.executor.next_landing() for m in group), *(m.next_time() for m in others))
+            later = [t for t in events if t is not None and end < t < math.inf]
+            if later:
+                for m in group:
+                    m.clock.advance_to(min(later))
+            elif self._idle_steps[key] < MAX_IDLE_STEPS:
+                self._idle_steps[key] += 1
+            else:
+                raise RuntimeError(f"instances {[m.id for m in group]} can schedule nothing and nothing will change")
+        self._monitor(end)
 
     def _serve(self, member: SimMember) -> bool:
         """One engine step of `member` at its clock (its K/V that has arrived by then back
