@@ -35,7 +35,8 @@ its GPU is free and the previous stage's activations have arrived over the link.
 stage priced by the roofline for its own layers (only the last stage runs the LM head). A
 lone instance is a pipeline of one stage, and then costs exactly `Roofline.iteration_seconds`.
 (nanoserve's own GroupExecutor, cluster/group.py, steps the members in lockstep instead; both
-papers' systems build on vLLM's engines, so the simulator follows those.) KunServe's members
+papers' systems build on vLLM's engines, so the simulator follows those by default, and
+sim/cluster.py's `ClusterConfig.stepping` prices the lockstep.) KunServe's members
 cut each step into cost-balanced micro-batches (`SimMember.schedule_for_layout`); vLLM (PP)'s
 run each member's batch as one.
 """
