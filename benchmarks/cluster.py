@@ -2,7 +2,9 @@
 two SmolLM2 instances whose KV pools it overflows, served once with parameter dropping and once
 without (vLLM's answer: the queue waits, and running requests that cannot grow are preempted
 and recomputed). Both runs use the same fcfs policy, pools and burst; unless --smoke, a last
-drop run uses the kunserve policy (§4.3's lookahead micro-batches through the group).
+drop run uses the kunserve policy (§4.3's lookahead micro-batches through the group), and two
+more runs (with and without the drop) step each group on its own (`--stepping group_lockstep`,
+an asynchronous front) where the others step the whole cluster in lockstep.
 
 Printed, each as ours next to its reference:
 - KV capacity after the drop against the theoretical gain: a member keeps its stage's layers,
@@ -17,6 +19,7 @@ Printed, each as ours next to its reference:
   (benchmarks/pipeline.py's run; the paper: 21.9% -> 8.3%).
 
     python benchmarks/cluster.py [--requests 24] [--prompt 96-192] [--kv-tokens 1024] [--tail 2] [--smoke]
+                                 [--instances 2] [--no-lookahead]
 
 `--tail N` adds N requests that decode `--tail-tokens` tokens, so the cluster is still serving
 when the burst has passed and the restore is due (without them it restores in the last step).
@@ -47,13 +50,15 @@ def burst(args) -> list[list[int]]:
 
 
 def run(drop: bool, model: str, prompts: list[list[int]], args, background_restore: bool = True,
-        policy: str = "fcfs") -> dict:
+        policy: str = "fcfs", stepping: str = "lockstep") -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     tail = SamplingParams(temperature=0, max_tokens=args.tail_tokens, ignore_eos=True)
     engine_args = EngineArgs(model=model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_tokens,
                              max_num_batched_tokens=args.budget, policy=policy)
-    with Cluster(engine_args, 2, drop=drop, background_restore=background_restore) as cluster:
+    with Cluster(engine_args, args.instances, drop=drop, background_restore=background_restore,
+                 stepping=stepping) as cluster:
         cluster.generate([[100, 200, 300]], SamplingParams(max_tokens=2))  # warm-up
+        begun = time.perf_counter()
         ids = [f"burst-{i}" for i in range(len(prompts))]
         for k, (request_id, prompt) in enumerate(zip(ids, prompts)):
             cluster.add_request(request_id, prompt, params if k < args.requests else tail)
@@ -69,11 +74,15 @@ def run(drop: bool, model: str, prompts: list[list[int]], args, background_resto
                     finished[out.request_id] = out
             if detected is None and cluster.throttle_events:
                 detected, queued = now, [i for i in ids if i not in first_token]
+        wall_s = time.perf_counter() - begun
         changes = cluster.layout_changes
         regrouper = cluster.regrouper
         pulls = cluster.restore_pulls
+        steps_sent = sum(cluster.steps_sent.values())
     ttfts = [finished[i].metrics.ttft for i in ids]
-    result = {"drop": drop, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+    output_tokens = sum(len(finished[i].token_ids) for i in ids)
+    result = {"drop": drop, "stepping": stepping, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+              "wall_s": wall_s, "output_tok_s": output_tokens / wall_s, "steps_sent": steps_sent,
               "preemptions": sum(finished[i].metrics.num_preemptions for i in ids),
               "detect_to_queued_first_token": (min(first_token[i] for i in queued) - detected) if detected else None,
               "changes": [(c.kind, c.seconds, c.kv_bytes_sent, c.capacity_before, c.capacity_after) for c in changes]}
@@ -123,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-tokens", type=int, default=1024, help="each instance's KV pool")
     parser.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--no-lookahead", action="store_true", help="skip the kunserve-policy run")
     parser.add_argument("--no-pipeline", action="store_true", help="skip the bubble comparison")
     parser.add_argument("--smoke", action="store_true", help="a tiny run")
     parser.add_argument("--json", help="also write the results to this file")
@@ -135,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     waiting = None if args.smoke else run(True, model, prompts, args, background_restore=False)
     # Fig. 14's lookahead in the real cluster: the kunserve policy cuts a grouped member's step
     # into cost-balanced micro-batches over its queue, which the group executor pipelines.
-    lookahead = None if args.smoke else run(True, model, prompts, args, policy="kunserve")
+    lookahead = None if args.smoke or args.no_lookahead else run(True, model, prompts, args, policy="kunserve")
+    # Issue 46 item 5: each group on its own (an asynchronous front) against the lockstep above.
+    base_async = None if args.smoke else run(False, model, prompts, args, stepping="group_lockstep")
+    mine_async = None if args.smoke else run(True, model, prompts, args, stepping="group_lockstep")
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {os.path.basename(model)} fp32, "
-          f"2 instances (1 thread each); a burst of {args.requests} prompts of {args.prompt} tokens, "
+          f"{args.instances} instances (1 thread each); a burst of {args.requests} prompts of {args.prompt} tokens, "
           f"{args.max_tokens} output tokens" + (f", and {args.tail} decoding {args.tail_tokens}" if args.tail else "")
           + f"; {args.kv_tokens}-token KV pool per instance")
     if "measured_gain" in mine:
@@ -153,20 +167,27 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"; {pull['pulled_bytes'] / 2**20:.1f} MiB pulled over {pull['steps']} steps before"
                      if pull else "") + " (the KV then comes home a chunk per step)")
     print("| cluster | throttle detected -> a queued request's first token (s) | TTFT p50 (s) | TTFT p99 (s) "
-          "| preemptions |")
-    print("|---|---|---|---|---|")
+          "| preemptions | wall (s) | output tok/s | steps sent |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = ((base, "no drop (recompute)"), (mine, "KunServe drop"), (waiting, "KunServe drop, waiting restore"),
-            (lookahead, "KunServe drop + lookahead micro-batches (kunserve policy)"))
+            (lookahead, "KunServe drop + lookahead micro-batches (kunserve policy)"),
+            (base_async, "no drop, each instance on its own (group_lockstep)"),
+            (mine_async, "KunServe drop, each group on its own (group_lockstep)"))
     for r, label in [(r, label) for r, label in rows if r is not None]:
         wait = r["detect_to_queued_first_token"]
         print(f"| {label} | {'-' if wait is None else f'{wait:.2f}'} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} "
-              f"| {r['preemptions']} |")
+              f"| {r['preemptions']} | {r['wall_s']:.1f} | {r['output_tok_s']:.1f} | {r['steps_sent']} |")
+    if mine_async is not None:
+        print(f"asynchronous front / lockstep, with the drop: TTFT p99 "
+              f"{mine_async['ttft_p99'] / mine['ttft_p99']:.2f}x, "
+              f"output tok/s {mine_async['output_tok_s'] / mine['output_tok_s']:.2f}x")
     if base["detect_to_queued_first_token"] and mine["detect_to_queued_first_token"]:
         print(f"queued request's wait, no drop / drop: "
               f"{base['detect_to_queued_first_token'] / mine['detect_to_queued_first_token']:.2f}x; "
               f"TTFT p99 no drop / drop: {base['ttft_p99'] / mine['ttft_p99']:.2f}x")
     results = {"date": date.today().isoformat(), "args": vars(args), "no_drop": base, "drop": mine,
-               "drop_waiting_restore": waiting, "drop_lookahead": lookahead}
+               "drop_waiting_restore": waiting, "drop_lookahead": lookahead, "no_drop_group_lockstep": base_async,
+               "drop_group_lockstep": mine_async}
     if not args.no_pipeline:
         import pipeline  # benchmarks/pipeline.py, beside this file
 

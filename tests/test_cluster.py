@@ -102,3 +102,26 @@ def test_a_burst_into_small_pools_is_seen_as_throttling(llama_dir):
     assert all(short > 0 for event in events for short in event.values())
     for ref, out in zip(expected, outputs):  # served anyway, by preemption: same answers
         assert_close_greedy(ref, out, f"throttled {out.request_id}", max_tokens=params.max_tokens)
+
+
+def test_each_group_steps_on_its_own_with_an_asynchronous_front(llama_dir):
+    """`stepping="group_lockstep"`: a replica with no work gets no step, and the answers are a
+    single engine's; in lockstep every instance steps every time."""
+    expected = LLM(str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=1024).generate(
+        PROMPTS[:1], PARAMS, use_tqdm=False)
+    sent = {}
+    for stepping in ("lockstep", "group_lockstep"):
+        args = EngineArgs(model=str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=1024)
+        with Cluster(args, 2, stepping=stepping) as cluster:
+            outputs = cluster.generate(PROMPTS[:1], PARAMS)  # one request: instance 0 alone has work
+            assert not cluster.has_unfinished_requests() and not cluster.channels.in_flight
+            sent[stepping] = dict(cluster.steps_sent)
+        assert_close_greedy(expected[0], outputs[0], f"{stepping} {outputs[0].request_id}",
+                            max_tokens=PARAMS.max_tokens)
+    assert sent["lockstep"][0] == sent["lockstep"][1] >= PARAMS.max_tokens
+    assert sent["group_lockstep"][0] >= PARAMS.max_tokens and 1 not in sent["group_lockstep"]
+
+
+def test_an_unknown_stepping_is_refused(llama_dir):
+    with pytest.raises(ValueError, match="stepping must be one of"):
+        Cluster(EngineArgs(model=str(llama_dir), device="cpu"), 2, stepping="free")

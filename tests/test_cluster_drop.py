@@ -230,6 +230,34 @@ def test_four_instances_regroup_in_pairs_and_come_back(llama_dir, expected):
     assert all(g.size == 1 for g in groups)
 
 
+def test_groups_step_on_their_own_through_drops_and_restores(llama_dir, expected):
+    """`stepping="group_lockstep"` (an asynchronous front): four instances, two bursts. Each group
+    gets its next step when its own members have answered, so after a drop the pair and the
+    other replicas step at their own pace, and a layout change pauses only the instances it
+    involves. The answers are still the unthrottled engine's."""
+    overlapped = []
+
+    def watch(cluster: Cluster, outputs) -> None:
+        in_flight = cluster.channels.in_flight
+        # A group answered while another was still stepping: the front did not wait for it.
+        if outputs and in_flight:
+            overlapped.append(in_flight)
+
+    with Cluster(small_pools(llama_dir), 4, drop=True, redispatch_queued=False,
+                 stepping="group_lockstep") as cluster:
+        finished = run_burst(cluster, copies=2, on_step=watch)
+        changes = cluster.layout_changes
+        groups = cluster.regrouper.groups
+        sent = dict(cluster.steps_sent)
+        assert not cluster.has_unfinished_requests()
+    assert_matches(expected, finished, copies=2)
+    assert any(c.kind == "drop" for c in changes) and any(c.kind == "restore" for c in changes)
+    assert all(g.size == 1 for g in groups)
+    assert overlapped, "no group ever answered while another was in flight"
+    # Instances step at their own pace: not every instance got the same number of steps.
+    assert len(set(sent.values())) > 1, sent
+
+
 def _serving_in_a_group(cluster: Cluster) -> bool:
     return any(g.size > 1 for g in cluster.regrouper.groups) and not cluster.loads[0].exchanging
 

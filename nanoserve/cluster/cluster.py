@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nanoserve.cluster.instance_channels import InstanceChannels, InstanceGone
 from nanoserve.cluster.instance_launcher import InstanceLauncher
 from nanoserve.cluster.load import InstanceLoad, PeerLost
 from nanoserve.cluster.local_instances import LocalInstances
@@ -70,6 +71,10 @@ if TYPE_CHECKING:
 
 PREFIX_SLACK = 0.1  # assumption: "loads are close" is within 10 points of KV usage of the least loaded
 THROTTLE_HISTORY = 10_000  # the monitor's latest reports kept (`throttle_events`): a server runs for long
+# How the front steps its instances (`Cluster(stepping=...)`; sim/cluster.py's ClusterConfig.stepping
+# prices each): every instance from one instant, the next step waiting for the slowest; or each
+# group on its own (its members still together: they pass activations every step).
+STEPPINGS = ("lockstep", "group_lockstep")
 
 
 class Dispatcher:
@@ -141,11 +146,24 @@ class Cluster:
     loads them while every member waits). `redispatch_queued`: after a drop, move the queued
     requests of throttled instances it did not enlarge (§3; off: they wait where they are, an
     ablation, as sim/cluster.py's `SimConfig.redispatch_queued`). `launcher`: how the instances
-    are started or reached (default `LocalInstances`: processes of this machine)."""
+    are started or reached (default `LocalInstances`: processes of this machine).
+
+    `stepping` (ours; issue 46 item 5): "lockstep" (the default) sends every instance its step at
+    once and reads every answer before the next, so the cluster steps at its slowest instance's
+    pace. "group_lockstep" is an asynchronous front, as the paper's independent engines are
+    (kunserve.txt §3: each instance "runs vLLM"): each group (a replica, or a drop's pipeline)
+    gets its next step as soon as its own members have answered, and a group with no work gets
+    none. A group's members still step together: they exchange step messages and activations
+    every step (cluster/group.py). A layout change pauses only the instances it involves, at
+    the step each has reached: its first phase takes their step answers first
+    (cluster/instance_channels.py); the other groups serve on meanwhile."""
 
     def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 32 << 20,
                  restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True,
-                 redispatch_queued: bool = True, launcher: InstanceLauncher | None = None):
+                 redispatch_queued: bool = True, launcher: InstanceLauncher | None = None,
+                 stepping: str = "lockstep"):
+        if stepping not in STEPPINGS:
+            raise ValueError(f"stepping must be one of {', '.join(STEPPINGS)}, not {stepping!r}")
         if num_instances < 1:
             raise ValueError("a cluster needs at least one instance")
         if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
@@ -159,6 +177,8 @@ class Cluster:
                                                                   args.enable_prefix_caching)
         self.drop_enabled = drop
         self.redispatch_queued = redispatch_queued
+        self.stepping = stepping
+        self.channels: InstanceChannels | None = None
         self.launcher = launcher if launcher is not None else LocalInstances()
         authkey = secrets.token_bytes(16)
         self._listener = Listener((self.launcher.listen_host(), 0), authkey=authkey)
@@ -178,6 +198,7 @@ class Cluster:
         except BaseException:
             self.shutdown()
             raise
+        self.channels = InstanceChannels(self._connections, self._take_step_answer)
         self.loads: dict[int, InstanceLoad] = {i: reply[0] for i, reply in started.items()}
         _, layer_bytes, block_bytes = started[0]
         self.regrouper = Regrouper(num_instances, layer_bytes, block_bytes, chunk_bytes, restore_fraction)
@@ -199,6 +220,13 @@ class Cluster:
         self.background_restore = background_restore
         self.pending_restore: BackgroundRestore | None = None
         self.restore_pulls: list[dict[str, object]] = []  # per background restore: steps, bytes, outcome
+        self.steps_sent: Counter[int] = Counter()  # instance -> steps the front sent it
+        # Step answers read but not yet handed out by `step` (outputs), and what they reported.
+        self._outputs: list[RequestOutput] = []
+        self._tokens = 0
+        self._gone: set[int] = set()
+        self._lost: set[int] = set()
+        self._fresh: set[int] = set()  # given a request since their latest load report
 
     @property
     def processes(self) -> list[subprocess.Popen]:
@@ -215,20 +243,9 @@ class Cluster:
 
     def call_all(self, messages: Mapping[int, tuple]) -> dict[int, object]:
         """Send every message, then read every reply: the instances work at once. An instance
-        that is gone answers `InstanceGone`."""
-        replies: dict[int, object] = {}
-        for instance, message in messages.items():
-            try:
-                self._connections[instance].send(message)
-            except OSError:
-                replies[instance] = InstanceGone(instance)
-        for instance in messages:
-            if instance not in replies:
-                try:
-                    replies[instance] = self._connections[instance].recv()
-                except (OSError, EOFError):
-                    replies[instance] = InstanceGone(instance)
-        return replies
+        that is gone answers `InstanceGone`; one with a step in flight gives that first."""
+        assert self.channels is not None, "the cluster has started"
+        return self.channels.call_all(messages)
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     priority: RequestClass | str = RequestClass.ONLINE, *, slo: SLO | None = None,
@@ -249,6 +266,7 @@ class Cluster:
             if self.prefix_caching else []
         instance = self.dispatcher.pick(list(self.loads.values()), blocks, hashes)
         self._call(instance, "add", submission)
+        self._fresh.add(instance)
         self.placement[submission.request_id] = instance
         self.dispatched[instance] += 1
         self._submitted[submission.request_id] = submission
@@ -270,34 +288,32 @@ class Cluster:
         return sum(_raise(reply) for reply in replies.values() if not isinstance(reply, InstanceGone))
 
     def step(self) -> list[RequestOutput]:
-        """One step of every instance; then the monitor's look at the loads, and a drop, a
-        restore or a recovery if one is due."""
-        outputs: list[RequestOutput] = []
-        replies = self.call_all({i: ("step",) for i in self.loads})
-        self.last_step_tokens, self.throttled = 0, frozenset()
-        for instance, reply in replies.items():
-            if isinstance(reply, (InstanceGone, PeerLost)):
-                continue
-            produced, self.loads[instance], self._engine_stats[instance], tokens = _raise(reply)
-            self.last_step_tokens += tokens
-            self.dispatcher.reported(instance)
-            outputs.extend(produced)
-            for out in produced:
-                if out.finished:
-                    self._submitted.pop(out.request_id, None)
-                    self.placement.pop(out.request_id, None)
-        gone = {i for i, reply in replies.items() if isinstance(reply, InstanceGone)}
-        lost = {i for i, reply in replies.items() if isinstance(reply, PeerLost)}
+        """One step: in lockstep, one of every instance; with `stepping="group_lockstep"`, until
+        at least one group has answered its step (the others stay in flight). Then the monitor's
+        look at the loads, and a drop, a restore or a recovery if one is due. Returns the
+        outputs of every step answer read since the last call."""
+        self._start_steps()
+        channels = self.channels
+        assert channels is not None, "the cluster has started"
+        if self.stepping == "lockstep":
+            channels.wait()
+        else:  # until one of the groups in flight has answered whole
+            in_flight = [group for group in self._live_groups() if set(group) & channels.in_flight]
+            channels.wait(lambda: any(not set(group) & channels.in_flight for group in in_flight))
+        outputs, self.last_step_tokens = self._take_outputs(), self._tokens
+        self._tokens = 0
+        self.throttled = frozenset()
+        gone, lost, self._gone, self._lost = self._gone - self.dead, self._lost, set(), set()
         if gone or lost:
             self._recover(gone, lost)
-            return outputs
+            return outputs + self._take_outputs()
         short = self.monitor.short_blocks(list(self.loads.values()))
         self.throttled = frozenset(short)
         if short:
             self.throttle_events.append(short)
             self.throttled_steps += 1
         if any(load.exchanging for load in self.loads.values()):
-            return outputs  # one layout change at a time
+            return outputs + self._take_outputs()  # one layout change at a time
         if self.drop_enabled and short:
             if self.pending_restore is not None:  # demand is back: the pulled weights are not used
                 self._end_pull(list(self.pending_restore.groups), [])
@@ -313,6 +329,53 @@ class Cluster:
             if groups:
                 self.regrouper.restore(groups, self.loads, self.call_all)
                 self._refresh_loads()
+        return outputs + self._take_outputs()  # those a layout change's first phase took in
+
+    def _live_groups(self) -> list[tuple[int, ...]]:
+        return [live for group in self.regrouper.groups
+                if (live := tuple(i for i in group.instances if i in self.loads))]
+
+    def _start_steps(self) -> None:
+        """Lockstep: every live instance. Otherwise every group that has no member in flight
+        and has work: a request, a KV exchange or a background pull (cluster/restore.py)."""
+        channels = self.channels
+        assert channels is not None, "the cluster has started"
+        if self.stepping == "lockstep":
+            chosen = [i for i in self.loads if i not in channels.in_flight]
+        else:
+            chosen = [i for group in self._live_groups()
+                      if not set(group) & channels.in_flight and any(self._has_work(i) for i in group)
+                      for i in group]
+        self.steps_sent.update(chosen)
+        channels.start_steps(chosen)
+
+    def _has_work(self, instance: int) -> bool:
+        load = self.loads[instance]
+        return bool(load.num_running or load.num_waiting or load.exchanging or load.pull_pages_left
+                    or instance in self._fresh)
+
+    def _take_step_answer(self, instance: int, reply: object) -> None:
+        """Book one step's answer, wherever it was read (cluster/instance_channels.py)."""
+        self._fresh.discard(instance)
+        if isinstance(reply, InstanceGone):
+            self._gone.add(instance)
+            return
+        if isinstance(reply, PeerLost):
+            self._lost.add(instance)
+            return
+        if instance not in self.loads:
+            return  # its answer came after the cluster gave it up
+        produced, self.loads[instance], self._engine_stats[instance], tokens = _raise(reply)
+        self._tokens += tokens
+        self.dispatcher.reported(instance)
+        self._outputs.extend(produced)
+        for out in produced:
+            if out.finished:
+                self._submitted.pop(out.request_id, None)
+                self.placement.pop(out.request_id, None)
+
+    def _take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outputs = self._outputs, []
         return outputs
 
     def _restore_when_pulled(self, restorable: list) -> list:
@@ -362,7 +425,8 @@ class Cluster:
     def _refresh_loads(self) -> None:
         for instance, reply in self.call_all({i: ("load",) for i in self.loads}).items():
             if isinstance(reply, InstanceGone):
-                continue  # the next step finds it gone and recovers
+                self._gone.add(instance)  # the next step recovers
+                continue
             self.loads[instance] = _raise(reply)
             self.dispatcher.reported(instance)  # the fresh load holds what was booked for it
 
@@ -385,7 +449,9 @@ class Cluster:
                 self.retried.append((request_id, self._dispatch(self._submitted[request_id])))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._submitted) or any(load.num_running or load.num_waiting for load in self.loads.values())
+        in_flight = self.channels is not None and bool(self.channels.in_flight)
+        return (bool(self._submitted) or bool(self._outputs) or in_flight
+                or any(load.num_running or load.num_waiting for load in self.loads.values()))
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._submitted)
@@ -422,12 +488,15 @@ class Cluster:
         return [finished[i] for i in ids]
 
     def shutdown(self) -> None:
-        for connection in self._connections.values():
-            try:
-                connection.send(("stop",))
-                connection.recv()
-            except (OSError, EOFError):
-                pass  # already gone
+        if self.channels is not None:
+            self.channels.stop()
+        else:  # a failed start: stop what connected
+            for connection in self._connections.values():
+                try:
+                    connection.send(("stop",))
+                    connection.recv()
+                except (OSError, EOFError):
+                    pass  # already gone
         self.launcher.stop(30)
         self._connections = {}
         self._listener.close()
@@ -437,12 +506,6 @@ class Cluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-class InstanceGone(RuntimeError):
-    def __init__(self, instance: int):
-        super().__init__(f"instance {instance} is gone")
-        self.instance = instance
 
 
 def enlarged(change: LayoutChange) -> set[int]:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nanoserve.builder import model_path
-from nanoserve.cluster.cluster import Cluster
+from nanoserve.cluster.cluster import STEPPINGS, Cluster
 from nanoserve.cluster.engine_facts import EngineFacts
 from nanoserve.cluster.instance_launcher import InstanceLauncher
 from nanoserve.cluster_stats import ClusterStats
@@ -40,13 +40,13 @@ from nanoserve.tokenizer import Tokenizer
 class ClusterEngine(ServingEngine):
     @classmethod
     def start(cls, args: EngineArgs, num_instances: int, drop: bool = False,
-              launcher: InstanceLauncher | None = None) -> ClusterEngine:
+              launcher: InstanceLauncher | None = None, stepping: str = STEPPINGS[0]) -> ClusterEngine:
         """Start `num_instances` instances of `args` (with KunServe's drop if `drop`) and the front;
         `launcher`: where they run (default: processes of this machine; `TorchrunInstances`: the
-        ranks of a torchrun world)."""
+        ranks of a torchrun world); `stepping`: `Cluster`'s."""
         path = model_path(args)  # first here: the embedded model converts once, before the instances look
         tokenizer = Tokenizer.from_dir(path, args.chat_template) if (path / "tokenizer.json").exists() else None
-        cluster = Cluster(args, num_instances, drop=drop, launcher=launcher)
+        cluster = Cluster(args, num_instances, drop=drop, launcher=launcher, stepping=stepping)
         try:
             return cls(cluster, tokenizer)
         except BaseException:

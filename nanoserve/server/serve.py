@@ -45,6 +45,7 @@ import uvicorn
 
 from nanoserve.async_engine import AsyncEngine
 from nanoserve.builder import build_engine
+from nanoserve.cluster.cluster import STEPPINGS
 from nanoserve.cluster.cluster_engine import ClusterEngine
 from nanoserve.cluster.instance_launcher import InstanceLauncher
 from nanoserve.cluster.torchrun_instances import TorchrunInstances, serve_instance_rank
@@ -98,6 +99,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop", action="store_true",
                         help="KunServe: a memory-throttled instance drops layers and serves in a pipeline with a peer, "
                              "restoring when the burst has passed (needs --instances 2 or more)")
+    parser.add_argument("--cluster-stepping", choices=STEPPINGS, default=STEPPINGS[0],
+                        help="lockstep: every instance steps at once, the next step waits for the slowest; "
+                             "group_lockstep: each replica or pipeline steps on its own")
     add_engine_arguments(parser)
 
 
@@ -173,7 +177,8 @@ def serve(args: argparse.Namespace) -> None:
     # Built on a thread that ends first: the engine thread's OpenMP pool is then the only one
     # (nanoserve/async_engine.py says why that matters on a CPU).
     make_engine: Callable[[], ServingEngine] = (
-        (lambda: ClusterEngine.start(engine_args, args.instances, drop=args.drop, launcher=launcher))
+        (lambda: ClusterEngine.start(engine_args, args.instances, drop=args.drop, launcher=launcher,
+                                      stepping=args.cluster_stepping))
         if args.instances > 1
         else (lambda: build_engine(engine_args)))
     async_engine = AsyncEngine.build(make_engine)
