@@ -47,10 +47,11 @@ def single(model_dir):
         yield live
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir):
-    with live_server(make_engine=partial(ClusterEngine.start, num_instances=2, drop=True), model=str(model_dir),
-                     **ENGINE) as live:
+@pytest.fixture(scope="module", params=["lockstep", "group_lockstep"])
+def cluster(model_dir, request):
+    """The cluster behind the server, stepped in lockstep and with the asynchronous front."""
+    with live_server(make_engine=partial(ClusterEngine.start, num_instances=2, drop=True, stepping=request.param),
+                     model=str(model_dir), **ENGINE) as live:
         yield live
         settled = wait_for(live, lambda m: value(m, "nanoserve_kv_blocks_used") == 0
                            and value(m, "nanoserve_cluster_instances_in_pipelines") == 0)
