@@ -18,7 +18,7 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
   run without a preemption. The monitor reports how many blocks each throttled instance is
   short; that is the R of the drop plan (`drop_plan.plan_drop`, Fig. 6).
 - `Cluster` starts the instances in one gloo world (instance id = rank), routes requests,
-  steps them in lockstep, gathers outputs and, with `drop=True`, answers throttling by dropping
+  steps them (in lockstep, or each group on its own: `stepping`), gathers outputs and, with `drop=True`, answers throttling by dropping
   layers and regrouping instances into pipelines, and restores them when the burst has passed
   (cluster/regroup.py), pulling the weights back while the pipelines serve (cluster/restore.py). A
   dead instance's group recovers from the host copy and its requests are retried on the live
