@@ -19,7 +19,8 @@ the monitor reads every instance's load, as dist.cluster.Cluster does after a lo
 one layout change at a time. The dispatcher reads what the real one can: each instance's load
 as of its latest step (or layout change), plus what it booked against it since. That is how
 vLLM's engines (the paper's base) step; `stepping="lockstep"` steps the instances as nanoserve's
-real cluster does instead (`_run_lockstep`), and `remap="host_staged"` prices its layout
+real cluster does by default instead (`_run_lockstep`), `"group_lockstep"` as its asynchronous
+front does, and `remap="host_staged"` prices its layout
 changes' copies (sim/cluster_layout.py), so the simulator can say what each costs.
 
 The configurations of the paper's comparison (§5.1 baselines):
@@ -111,7 +112,8 @@ class ClusterConfig:
     # (cluster/cluster.py `Cluster.step`), where every instance steps from one instant, the front
     # reads every reply, and the next step starts when the slowest instance is done (`_run_lockstep`).
     # "group_lockstep": only each group's members step together (`GroupExecutor`'s lockstep),
-    # instances and groups each on their own: what an asynchronous front alone would leave.
+    # instances and groups each on their own: the real cluster's asynchronous front
+    # (`Cluster(stepping="group_lockstep")`).
     stepping: str = "independent"
 
     def __post_init__(self) -> None:
