@@ -97,6 +97,11 @@ def test_fig13_comparison_is_with_over_without_and_held_to_the_paper_only_at_pap
     assert ttft.metric.startswith("Fig. 13: RT TTFT") and ttft.ours == pytest.approx(1.5) and ttft.paper_low == 1.23
     assert tpot.ours == float("inf") and tpot.paper_low == 1.63
     assert all(c.paper_low is None for c in compare_fig13(rows, "ci"))
+    # The literal reading of Alg. 1's packing (`no_kv_waiting="close"`): its own pair, shown, not held.
+    closed = [dict(row, system=f"{row['system']}, queue closed", rt_ttft_attainment=0.3) for row in rows]
+    comparisons = compare_fig13(rows + closed, "paper")
+    assert [c.paper_low for c in comparisons] == [1.23, 1.63, None, None]
+    assert "queue closed" in comparisons[2].metric and comparisons[2].ours == pytest.approx(1.0)
 
 
 def test_scheduler_stats_read_the_policy_counters():

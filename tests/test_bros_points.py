@@ -50,7 +50,7 @@ def test_fig13_reads_with_bi_cache_from_the_sweeps_saved_bros_run(tmp_path, monk
     """Fig. 13's "With Bi-cache" is BROS as the sweep ran it: when that run was saved, not kept,
     it is read back, and only "No Bi-cache" is simulated."""
     setup = replace(TINY, rates=(10.0,), rate_rule="paper")
-    fresh = bros.run_fig13(setup, 0, {}, bros._Points(tmp_path / "fresh.jsonl"))
+    fresh = bros.run_fig13(setup, 0, {}, bros._Points(tmp_path / "fresh.jsonl"), readings=1)
     ran = bros._Points(tmp_path / "fresh.jsonl")
     with_bi_cache = next(row for key, row in ran.rows.items() if "With Bi-cache" in key)
     path = tmp_path / "swept.jsonl"
@@ -58,4 +58,4 @@ def test_fig13_reads_with_bi_cache_from_the_sweeps_saved_bros_run(tmp_path, monk
     calls = []
     original = bros.simulate
     monkeypatch.setattr(bros, "simulate", lambda *a, **k: calls.append(1) or original(*a, **k))
-    assert bros.run_fig13(setup, 0, {}, bros._Points(path)) == fresh and len(calls) == 1
+    assert bros.run_fig13(setup, 0, {}, bros._Points(path), readings=1) == fresh and len(calls) == 1

@@ -287,6 +287,30 @@ def test_replace_rt_must_be_a_bool():
         make_engine(policy_options={"replace_rt": "no"})
 
 
+@pytest.mark.parametrize("no_kv_waiting", ["pass", "close"])
+def test_a_waiting_rt_request_without_kv_is_passed_over_or_closes_the_queue(no_kv_waiting):
+    """`no_kv_waiting` (an assumption, swept in RESULTS.md): a waiting RT request that no block can
+    take is passed over for a smaller one behind it ('pass'), or ends the waiting requests' turn
+    for the step ('close', Alg. 1 read literally). The running RT request decodes either way."""
+    engine, clock, executor = make_engine(num_blocks=16, max_seqs=4, budget=64, online_slo=SLO(ttft=5.0, tpot=5.0),
+                                          policy_options={"no_kv_waiting": no_kv_waiting})
+    engine.add_request([1] * 47, SamplingParams(max_tokens=8, ignore_eos=True), "hold", arrival_time=0.0)
+    engine.step()  # its prompt: 12 of the 16 blocks
+    assert engine.kv.num_used_blocks == 12
+    engine.add_request([2] * 30, SamplingParams(max_tokens=2, ignore_eos=True), "big", arrival_time=0.0)  # 8 blocks
+    engine.add_request([3] * 3, SamplingParams(max_tokens=2, ignore_eos=True), "small", arrival_time=0.1)  # 1 block
+    engine.step()
+    ids = [c.request.request_id for c in executor.batches[-1].chunks]
+    assert ids == (["hold", "small"] if no_kv_waiting == "pass" else ["hold"])
+    finished = run(engine)
+    assert set(finished) == {"hold", "big", "small"}  # "big" runs once "hold" is done
+
+
+def test_no_kv_waiting_must_be_pass_or_close():
+    with pytest.raises(ValueError, match="no_kv_waiting"):
+        make_engine(policy_options={"no_kv_waiting": "skip"})
+
+
 # -- 5. random arrivals ------------------------------------------------------------------------
 ARRIVAL = st.tuples(st.integers(0, 8), st.sampled_from(["online", "offline"]), st.integers(1, 14),
                     st.integers(1, 10))

@@ -22,9 +22,10 @@ Each step maximises BE work while every RT request's next token can still meet i
                             requests in the batch (6). Memory comes first: a waiting RT request
                             that could not get KV even after the BE evictions _make_room_for_rt
                             would make is passed over before its cost is weighed (Alg. 1 packs
-                            "until ... no empty and preemptible cache blocks ... exist"), and so
-                            is one without a seat. Adding one that would break the budget is the
-                            SLO risk of lines 11-12: stop, with no BE work this step.
+                            "until ... no empty and preemptible cache blocks ... exist"; an
+                            assumption, `no_kv_waiting`), and so is one without a seat. Adding
+                            one that would break the budget is the SLO risk of lines 11-12:
+                            stop, with no BE work this step.
     _be_candidates          Alg. 1 line 17: BE requests by fewest KV slots on the host (their
                             swap-in cost, `missing_positions`); running before waiting on ties.
                             Only checkpointed or swapped requests have any: the running ones are
@@ -124,7 +125,16 @@ class BROSScheduler(Scheduler):
                "prefill": "'chunked' (ours, the default: a prompt takes what the budgets leave) or 'whole' "
                           "(the paper's: a prompt runs in one step or waits)",
                "replace_rt": "Alg. 1 lines 18-33: when the batch is full, a BE request replaces the least urgent "
-                             "RT request that can sit the iteration out (default true; false: an ablation, ours)"}
+                             "RT request that can sit the iteration out (default true; false: an ablation, ours)",
+               "no_kv_waiting": "a waiting RT request that no KV can take, even after BE evictions: 'pass' (the "
+                                "default: the next waiting one may still join) or 'close' (no later waiting RT "
+                                "request joins this step: Alg. 1 read literally)"}
+    # Alg. 1 packs RT requests "until ... no empty and preemptible cache blocks ... exist", and
+    # request pulling assumes "the waiting queue is inherently ordered". Neither says whether a
+    # waiting RT request too large for the free blocks stops the packing or is passed over.
+    # assumption: passed over ('pass'), so a smaller one behind it may use the blocks; 'close'
+    # is the literal reading. At capacity this choice decides Fig. 13 (RESULTS.md).
+    NO_KV_WAITING = ("pass", "close")
     # §4.2 "start with a conservative batch size, e.g., ." assumption: 8 (the symbol is lost).
     initial_batch_size = 8
     # Increase per step without SLO risk: "we increase the batch size: to include more BE
@@ -154,6 +164,10 @@ class BROSScheduler(Scheduler):
         if not isinstance(replace_rt, bool):
             raise ValueError(f"replace_rt must be true or false, not {replace_rt!r}")
         self.replace_rt = replace_rt
+        no_kv_waiting = options.get("no_kv_waiting", self.NO_KV_WAITING[0])
+        if no_kv_waiting not in self.NO_KV_WAITING:
+            raise ValueError(f"no_kv_waiting must be one of {', '.join(self.NO_KV_WAITING)}, not {no_kv_waiting!r}")
+        self.close_on_no_kv = no_kv_waiting == "close"
         self.batch_size = self._initial_size()
         self.slo_risk = False  # whether the last plan hit lines 11-12 (for tests and stats)
         # How often each branch of Alg. 1 and §4.2 ran (ours; `counters`).
@@ -275,8 +289,9 @@ class BROSScheduler(Scheduler):
             if request.status is WAITING and not self._kv_within_reach(batch, request, computed + num_new):
                 # Memory before risk: Alg. 1 adds RT requests "until ... no empty and preemptible
                 # cache blocks exist"; one that no block could take joins no batch, so it puts
-                # no one at risk. Passed over, in the draft as for real.
-                if not self.kv.can_place_rt_page():
+                # no one at risk. Passed over (or, with no_kv_waiting='close', it ends the
+                # waiting requests' turn), in the draft as for real.
+                if self.close_on_no_kv or not self.kv.can_place_rt_page():
                     batch.waiting_closed = True  # no waiting RT request can get a block this step
                 continue
             # Eq. (6)'s residual: the time each iteration it still needs may take, for its next
