@@ -79,10 +79,12 @@ def run(drop: bool, model: str, prompts: list[list[int]], args, background_resto
         regrouper = cluster.regrouper
         pulls = cluster.restore_pulls
         steps_sent = sum(cluster.steps_sent.values())
+        changes_beside_steps = cluster.changes_beside_steps
     ttfts = [finished[i].metrics.ttft for i in ids]
     output_tokens = sum(len(finished[i].token_ids) for i in ids)
     result = {"drop": drop, "stepping": stepping, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
               "wall_s": wall_s, "output_tok_s": output_tokens / wall_s, "steps_sent": steps_sent,
+              "changes_beside_steps": changes_beside_steps,
               "preemptions": sum(finished[i].metrics.num_preemptions for i in ids),
               "detect_to_queued_first_token": (min(first_token[i] for i in queued) - detected) if detected else None,
               "changes": [(c.kind, c.seconds, c.kv_bytes_sent, c.capacity_before, c.capacity_after) for c in changes]}

@@ -18,14 +18,15 @@ its own process, behind one dispatcher, with a monitor that detects memory throt
   run without a preemption. The monitor reports how many blocks each throttled instance is
   short; that is the R of the drop plan (`drop_plan.plan_drop`, Fig. 6).
 - `Cluster` starts the instances in one gloo world (instance id = rank), routes requests,
-  steps them (in lockstep, or each group on its own: `stepping`), gathers outputs and, with `drop=True`, answers throttling by dropping
-  layers and regrouping instances into pipelines, and restores them when the burst has passed
-  (cluster/regroup.py), pulling the weights back while the pipelines serve (cluster/restore.py). A
-  dead instance's group recovers from the host copy and its requests are retried on the live
-  instances (§4.4). After a drop, "KunServe re-schedules queued requests" (§3): the requests
-  still queued, never started, on throttled instances the drop did not enlarge (Fig. 6 merges
-  the smallest groups, not necessarily every throttled one) go back through the dispatcher,
-  which now sees the enlarged pools (`redispatched`; sim/cluster.py does the same).
+  steps them (in lockstep, or each group on its own: `stepping`), gathers outputs and, with
+  `drop=True`, answers throttling by dropping layers and regrouping instances into pipelines,
+  and restores them when the burst has passed (cluster/regroup.py), pulling the weights back
+  while the pipelines serve (cluster/restore.py). A dead instance's group recovers from the
+  host copy and its requests are retried on the live instances (§4.4). After a drop,
+  "KunServe re-schedules queued requests" (§3): the requests still queued, never started, on
+  throttled instances the drop did not enlarge (Fig. 6 merges the smallest groups, not
+  necessarily every throttled one) go back through the dispatcher, which now sees the enlarged
+  pools (`redispatched`; sim/cluster.py does the same).
   `abort_request` stops a request on whichever instance holds it. cluster/cluster_engine.py
   serves the cluster behind the OpenAI server (`nanoserve serve --instances N --drop`).
 - Where the instances run is the launcher's business (cluster/instance_launcher.py): by default
@@ -39,7 +40,7 @@ import itertools
 import secrets
 import subprocess
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from multiprocessing.connection import Connection, Listener
@@ -221,6 +222,7 @@ class Cluster:
         self.pending_restore: BackgroundRestore | None = None
         self.restore_pulls: list[dict[str, object]] = []  # per background restore: steps, bytes, outcome
         self.steps_sent: Counter[int] = Counter()  # instance -> steps the front sent it
+        self.changes_beside_steps = 0  # drops and restores run while another group was stepping
         # Step answers read but not yet handed out by `step` (outputs), and what they reported.
         self._outputs: list[RequestOutput] = []
         self._tokens = 0
@@ -319,7 +321,7 @@ class Cluster:
                 self._end_pull(list(self.pending_restore.groups), [])
             change = self.regrouper.drop(short, self.loads, self.call_all)
             if change is not None:
-                self._refresh_loads()
+                self._changed(change)
                 if self.redispatch_queued:
                     self._redispatch(set(short) - enlarged(change))
         elif self.drop_enabled:
@@ -327,9 +329,16 @@ class Cluster:
             if self.background_restore:
                 groups = self._restore_when_pulled(groups)
             if groups:
-                self.regrouper.restore(groups, self.loads, self.call_all)
-                self._refresh_loads()
+                self._changed(self.regrouper.restore(groups, self.loads, self.call_all))
         return outputs + self._take_outputs()  # those a layout change's first phase took in
+
+    def _changed(self, change: LayoutChange) -> None:
+        """After a drop or restore: the loads of the instances it involved. The other groups
+        serve on (their loads as reported); `changes_beside_steps` counts the changes during
+        which one of them had a step in flight."""
+        assert self.channels is not None, "the cluster has started"
+        self.changes_beside_steps += bool(self.channels.in_flight - involved(change))
+        self._refresh_loads(involved(change))
 
     def _live_groups(self) -> list[tuple[int, ...]]:
         return [live for group in self.regrouper.groups
@@ -388,7 +397,7 @@ class Cluster:
             if restorable and not idle:
                 self.pending_restore = BackgroundRestore(restorable, self.regrouper.chunk_bytes, self.loads,
                                                          self.call_all)
-                self._refresh_loads()
+                self._refresh_loads(i for group in restorable for i in group.instances)
                 return []
             return restorable  # idle: nothing to overlap with, and the stop delays no one
         if not pending.ready(self.loads, self.call_all) and not idle:
@@ -418,12 +427,15 @@ class Cluster:
                  for submission in _raise(reply)]
         if not taken:
             return
-        self._refresh_loads()  # their queues without them
+        self._refresh_loads({i for i, _ in taken})  # their queues without them
         for source, submission in taken:
             self.redispatched.append((submission.request_id, source, self._dispatch(submission)))
 
-    def _refresh_loads(self) -> None:
-        for instance, reply in self.call_all({i: ("load",) for i in self.loads}).items():
+    def _refresh_loads(self, instances: Iterable[int] | None = None) -> None:
+        """Read the loads of `instances` (default: every live one) now; with steps in flight
+        (`stepping="group_lockstep"`) each named one first gives its step's answer."""
+        chosen = self.loads if instances is None else [i for i in instances if i in self.loads]
+        for instance, reply in self.call_all({i: ("load",) for i in chosen}).items():
             if isinstance(reply, InstanceGone):
                 self._gone.add(instance)  # the next step recovers
                 continue
@@ -506,6 +518,12 @@ class Cluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def involved(change: LayoutChange) -> set[int]:
+    """The instances whose group a layout change changed (the others kept theirs)."""
+    before, after = set(change.before), set(change.after)
+    return {i for group in before ^ after for i in group.instances}
 
 
 def enlarged(change: LayoutChange) -> set[int]:
