@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanoserve.cluster.instance_channels import InstanceChannels, InstanceGone
+from nanoserve.cluster.instance_channels import InstanceChannels, InstanceGone, stop_instances
 from nanoserve.cluster.instance_launcher import InstanceLauncher
 from nanoserve.cluster.load import InstanceLoad, PeerLost
 from nanoserve.cluster.local_instances import LocalInstances
@@ -503,12 +503,7 @@ class Cluster:
         if self.channels is not None:
             self.channels.stop()
         else:  # a failed start: stop what connected
-            for connection in self._connections.values():
-                try:
-                    connection.send(("stop",))
-                    connection.recv()
-                except (OSError, EOFError):
-                    pass  # already gone
+            stop_instances(self._connections.values())
         self.launcher.stop(30)
         self._connections = {}
         self._listener.close()

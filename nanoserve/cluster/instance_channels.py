@@ -94,10 +94,15 @@ class InstanceChannels:
         """Tell every instance to stop, after taking any step answer still in flight."""
         for instance in sorted(self._in_flight):
             self._take_step_answer(instance)
-        for connection in self._connections.values():
-            try:
-                connection.send(("stop",))
-                connection.recv()
-            except (OSError, EOFError):
-                pass  # already gone
+        stop_instances(self._connections.values())
         self._connections = {}
+
+
+def stop_instances(connections: Iterable[Connection]) -> None:
+    """Tell each instance to stop and wait for its answer; one already gone is skipped."""
+    for connection in connections:
+        try:
+            connection.send(("stop",))
+            connection.recv()
+        except (OSError, EOFError):
+            pass  # already gone
