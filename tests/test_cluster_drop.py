@@ -248,7 +248,6 @@ def test_groups_step_on_their_own_through_drops_and_restores(llama_dir, expected
         finished = run_burst(cluster, copies=2, on_step=watch)
         changes = cluster.layout_changes
         groups = cluster.regrouper.groups
-        sent = dict(cluster.steps_sent)
         beside = cluster.changes_beside_steps
         assert not cluster.has_unfinished_requests()
     assert_matches(expected, finished, copies=2)
@@ -256,8 +255,6 @@ def test_groups_step_on_their_own_through_drops_and_restores(llama_dir, expected
     assert all(g.size == 1 for g in groups)
     assert overlapped, "no group ever answered while another was in flight"
     assert beside >= 1, "every layout change waited for every group"  # it pauses only whom it involves
-    # Instances step at their own pace: not every instance got the same number of steps.
-    assert len(set(sent.values())) > 1, sent
 
 
 def _serving_in_a_group(cluster: Cluster) -> bool:
