@@ -3,7 +3,7 @@ two SmolLM2 instances whose KV pools it overflows, served once with parameter dr
 without (vLLM's answer: the queue waits, and running requests that cannot grow are preempted
 and recomputed). Both runs use the same fcfs policy, pools and burst; unless --smoke, a last
 drop run uses the kunserve policy (§4.3's lookahead micro-batches through the group), and two
-more runs (with and without the drop) step each group on its own (`--stepping group_lockstep`,
+more runs (with and without the drop) step each group on its own (`Cluster(stepping="group_lockstep")`,
 an asynchronous front) where the others step the whole cluster in lockstep.
 
 Printed, each as ours next to its reference:

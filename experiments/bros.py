@@ -332,8 +332,8 @@ def run_fig13(setup: Setup, seed: int, runs: dict[str, SimResult], points: _Poin
     trace, be = rt_trace(setup, rate, seed), be_batches(setup, seed + 2)
     rows = []
     systems = [name for pair in list(FIG13_READINGS.values())[:readings] for name in pair]
-    for name, changes in ((name, FIG13_SYSTEMS[name]) for name in systems):
-        stats = None
+    for name in systems:
+        changes, stats = FIG13_SYSTEMS[name], None
         if not changes:  # "With Bi-cache" is BROS as the sweep ran it
             swept = runs.get(f"{setup.panel} {BROS} @ {rate:g} req/s")
             stats = (rt_stats(swept, setup.slo) if swept is not None

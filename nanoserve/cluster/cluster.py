@@ -162,7 +162,7 @@ class Cluster:
     def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 32 << 20,
                  restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True,
                  redispatch_queued: bool = True, launcher: InstanceLauncher | None = None,
-                 stepping: str = "lockstep"):
+                 stepping: str = STEPPINGS[0]):
         if stepping not in STEPPINGS:
             raise ValueError(f"stepping must be one of {', '.join(STEPPINGS)}, not {stepping!r}")
         if num_instances < 1:
@@ -337,8 +337,9 @@ class Cluster:
         serve on (their loads as reported); `changes_beside_steps` counts the changes during
         which one of them had a step in flight."""
         assert self.channels is not None, "the cluster has started"
-        self.changes_beside_steps += bool(self.channels.in_flight - involved(change))
-        self._refresh_loads(involved(change))
+        changed = involved(change)
+        self.changes_beside_steps += bool(self.channels.in_flight - changed)
+        self._refresh_loads(changed)
 
     def _live_groups(self) -> list[tuple[int, ...]]:
         return [live for group in self.regrouper.groups
