@@ -176,6 +176,7 @@ def test_a_burst_drops_layers_answers_as_one_engine_and_restores(single, cluster
     (["--drop"], "--drop needs --instances 2 or more"),
     (["--instances", "1", "--drop"], "--drop needs --instances 2 or more"),
     (["--instances", "0"], "--instances must be at least 1"),
+    (["--cluster-stepping", "group_lockstep"], "--cluster-stepping group_lockstep needs --instances 2 or more"),
     (["--instances", "2", "--tp", "2"], "does not combine with --tp or --pp"),
 ])
 def test_a_cluster_the_flags_cannot_make_is_refused_before_anything_loads(argv, message):

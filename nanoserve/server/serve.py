@@ -105,7 +105,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def check_cluster_flags(instances: int, drop: bool, engine_args: EngineArgs, world: int | None) -> None:
+def check_cluster_flags(instances: int, drop: bool, engine_args: EngineArgs, world: int | None,
+                        stepping: str = STEPPINGS[0]) -> None:
     """Refuse a cluster the flags cannot make, before anything is built (SystemExit, the message).
     `world`: torchrun's world size, None without torchrun."""
     if instances < 1:
@@ -113,6 +114,9 @@ def check_cluster_flags(instances: int, drop: bool, engine_args: EngineArgs, wor
     if drop and instances < 2:
         raise SystemExit("--drop needs --instances 2 or more: an instance drops layers that a peer holds, "
                          "and the two serve them as a pipeline")
+    if stepping != STEPPINGS[0] and instances < 2:
+        raise SystemExit(f"--cluster-stepping {stepping} needs --instances 2 or more: it steps the cluster's "
+                         "instances, and one engine has none")
     if instances > 1 and engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size != 1:
         raise SystemExit("--instances runs each replica in one process; it does not combine with --tp or --pp")
     if instances > 1 and world is not None and instances != world:
@@ -157,7 +161,8 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(args)
     launched = torchrun_rank()
-    check_cluster_flags(args.instances, args.drop, engine_args, launched[1] if launched is not None else None)
+    check_cluster_flags(args.instances, args.drop, engine_args, launched[1] if launched is not None else None,
+                        args.cluster_stepping)
     launcher: InstanceLauncher | None = None
     if launched is not None and args.instances > 1:  # KunServe's cluster, one instance a rank
         if launched[0] != 0:
