@@ -43,12 +43,12 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Listener
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanoserve.cluster.instance_channels import InstanceChannels, InstanceGone, stop_instances
+from nanoserve.cluster.instance_channels import InstanceChannels, InstanceGone
 from nanoserve.cluster.instance_launcher import InstanceLauncher
 from nanoserve.cluster.load import InstanceLoad, PeerLost
 from nanoserve.cluster.local_instances import LocalInstances
@@ -179,27 +179,25 @@ class Cluster:
         self.drop_enabled = drop
         self.redispatch_queued = redispatch_queued
         self.stepping = stepping
-        self.channels: InstanceChannels | None = None
         self.launcher = launcher if launcher is not None else LocalInstances()
+        # Built first, so that a failed start stops what connected through the same path.
+        self.channels = InstanceChannels(self._take_step_answer)
         authkey = secrets.token_bytes(16)
         self._listener = Listener((self.launcher.listen_host(), 0), authkey=authkey)
-        self._connections: dict[int, Connection] = {}
         try:
             world = (self.launcher.start(self._listener.address, authkey, num_instances), num_instances)
             for _ in range(num_instances):
                 connection = self._listener.accept()
-                self._connections[connection.recv()] = connection
+                self.channels.add(connection.recv(), connection)  # each instance says its id first
             device = self.args.device or ("cuda" if torch.cuda.is_available() else None)
             placed = instance_devices(device, num_instances, torch.cuda.device_count()) \
                 if self.launcher.assigns_devices() else [(device, 1)] * num_instances
-            for i, connection in self._connections.items():
-                instance_device, sharing = placed[i]
-                connection.send((replace(self.args, device=instance_device), world, peer_timeout_s, sharing))
-            started = {i: self._connections[i].recv() for i in range(num_instances)}
+            started = {i: _raise(reply) for i, reply in self.channels.call_all(
+                {i: (replace(self.args, device=placed[i][0]), world, peer_timeout_s, placed[i][1])
+                 for i in range(num_instances)}).items()}
         except BaseException:
             self.shutdown()
             raise
-        self.channels = InstanceChannels(self._connections, self._take_step_answer)
         self.loads: dict[int, InstanceLoad] = {i: reply[0] for i, reply in started.items()}
         _, layer_bytes, block_bytes = started[0]
         self.regrouper = Regrouper(num_instances, layer_bytes, block_bytes, chunk_bytes, restore_fraction)
@@ -246,7 +244,6 @@ class Cluster:
     def call_all(self, messages: Mapping[int, tuple]) -> dict[int, object]:
         """Send every message, then read every reply: the instances work at once. An instance
         that is gone answers `InstanceGone`; one with a step in flight gives that first."""
-        assert self.channels is not None, "the cluster has started"
         return self.channels.call_all(messages)
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -296,7 +293,6 @@ class Cluster:
         outputs of every step answer read since the last call."""
         self._start_steps()
         channels = self.channels
-        assert channels is not None, "the cluster has started"
         if self.stepping == "lockstep":
             channels.wait()
         else:  # until one of the groups in flight has answered whole
@@ -336,7 +332,6 @@ class Cluster:
         """After a drop or restore: the loads of the instances it involved. The other groups
         serve on (their loads as reported); `changes_beside_steps` counts the changes during
         which one of them had a step in flight."""
-        assert self.channels is not None, "the cluster has started"
         changed = involved(change)
         self.changes_beside_steps += bool(self.channels.in_flight - changed)
         self._refresh_loads(changed)
@@ -349,7 +344,6 @@ class Cluster:
         """Lockstep: every live instance. Otherwise every group that has no member in flight
         and has work: a request, a KV exchange or a background pull (cluster/restore.py)."""
         channels = self.channels
-        assert channels is not None, "the cluster has started"
         if self.stepping == "lockstep":
             chosen = [i for i in self.loads if i not in channels.in_flight]
         else:
@@ -462,8 +456,7 @@ class Cluster:
                 self.retried.append((request_id, self._dispatch(self._submitted[request_id])))
 
     def has_unfinished_requests(self) -> bool:
-        in_flight = self.channels is not None and bool(self.channels.in_flight)
-        return (bool(self._submitted) or bool(self._outputs) or in_flight
+        return (bool(self._submitted) or bool(self._outputs) or bool(self.channels.in_flight)
                 or any(load.num_running or load.num_waiting for load in self.loads.values()))
 
     def unfinished_request_ids(self) -> list[str]:
@@ -501,12 +494,8 @@ class Cluster:
         return [finished[i] for i in ids]
 
     def shutdown(self) -> None:
-        if self.channels is not None:
-            self.channels.stop()
-        else:  # a failed start: stop what connected
-            stop_instances(self._connections.values())
+        self.channels.stop()
         self.launcher.stop(30)
-        self._connections = {}
         self._listener.close()
 
     def __enter__(self) -> Cluster:

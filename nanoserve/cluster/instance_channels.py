@@ -31,10 +31,15 @@ class InstanceGone(RuntimeError):
 
 
 class InstanceChannels:
-    def __init__(self, connections: Mapping[int, Connection], on_step_answer: Callable[[int, object], None]):
-        self._connections = dict(connections)
+    def __init__(self, on_step_answer: Callable[[int, object], None]):
+        self._connections: dict[int, Connection] = {}
         self._on_step_answer = on_step_answer
         self._in_flight: set[int] = set()
+
+    def add(self, instance: int, connection: Connection) -> None:
+        """Take the connection of an instance that has just connected (the front's start-up)."""
+        assert instance not in self._connections, f"instance {instance} connected twice"
+        self._connections[instance] = connection
 
     @property
     def in_flight(self) -> frozenset[int]:
