@@ -4,7 +4,8 @@ without (vLLM's answer: the queue waits, and running requests that cannot grow a
 and recomputed). Both runs use the same fcfs policy, pools and burst; unless --smoke, a last
 drop run uses the kunserve policy (§4.3's lookahead micro-batches through the group), and two
 more runs (with and without the drop) step each group on its own (`Cluster(stepping="group_lockstep")`,
-an asynchronous front) where the others step the whole cluster in lockstep.
+an asynchronous front) where the others step the whole cluster in lockstep, and two drop runs (one
+per front) keep each group's steps in flight (`async_pipeline`: each stage on a different step).
 
 Printed, each as ours next to its reference:
 - KV capacity after the drop against the theoretical gain: a member keeps its stage's layers,
@@ -50,11 +51,11 @@ def burst(args) -> list[list[int]]:
 
 
 def run(drop: bool, model: str, prompts: list[list[int]], args, background_restore: bool = True,
-        policy: str = "fcfs", stepping: str = "lockstep") -> dict:
+        policy: str = "fcfs", stepping: str = "lockstep", async_pipeline: bool = False) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     tail = SamplingParams(temperature=0, max_tokens=args.tail_tokens, ignore_eos=True)
     engine_args = EngineArgs(model=model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_tokens,
-                             max_num_batched_tokens=args.budget, policy=policy)
+                             max_num_batched_tokens=args.budget, policy=policy, async_pipeline=async_pipeline)
     with Cluster(engine_args, args.instances, drop=drop, background_restore=background_restore,
                  stepping=stepping) as cluster:
         cluster.generate([[100, 200, 300]], SamplingParams(max_tokens=2))  # warm-up
@@ -80,11 +81,12 @@ def run(drop: bool, model: str, prompts: list[list[int]], args, background_resto
         pulls = cluster.restore_pulls
         steps_sent = sum(cluster.steps_sent.values())
         changes_beside_steps = cluster.changes_beside_steps
+        drains = cluster.drains
     ttfts = [finished[i].metrics.ttft for i in ids]
     output_tokens = sum(len(finished[i].token_ids) for i in ids)
     result = {"drop": drop, "stepping": stepping, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
               "wall_s": wall_s, "output_tok_s": output_tokens / wall_s, "steps_sent": steps_sent,
-              "changes_beside_steps": changes_beside_steps,
+              "changes_beside_steps": changes_beside_steps, "drains": drains,
               "preemptions": sum(finished[i].metrics.num_preemptions for i in ids),
               "detect_to_queued_first_token": (min(first_token[i] for i in queued) - detected) if detected else None,
               "changes": [(c.kind, c.seconds, c.kv_bytes_sent, c.capacity_before, c.capacity_after) for c in changes]}
@@ -152,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     # Issue 46 item 5: each group on its own (an asynchronous front) against the lockstep above.
     base_async = None if args.smoke else run(False, model, prompts, args, stepping="group_lockstep")
     mine_async = None if args.smoke else run(True, model, prompts, args, stepping="group_lockstep")
+    # ...and the groups keeping their steps in flight (each stage on a different step), both fronts.
+    in_flight = None if args.smoke else run(True, model, prompts, args, async_pipeline=True)
+    in_flight_async = None if args.smoke else run(True, model, prompts, args, stepping="group_lockstep",
+                                                  async_pipeline=True)
     print(f"{date.today().isoformat()}; {platform.processor() or platform.machine()}; {os.path.basename(model)} fp32, "
           f"{args.instances} instances (1 thread each); a burst of {args.requests} prompts of {args.prompt} tokens, "
           f"{args.max_tokens} output tokens" + (f", and {args.tail} decoding {args.tail_tokens}" if args.tail else "")
@@ -174,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = ((base, "no drop (recompute)"), (mine, "KunServe drop"), (waiting, "KunServe drop, waiting restore"),
             (lookahead, "KunServe drop + lookahead micro-batches (kunserve policy)"),
             (base_async, "no drop, each instance on its own (group_lockstep)"),
-            (mine_async, "KunServe drop, each group on its own (group_lockstep)"))
+            (mine_async, "KunServe drop, each group on its own (group_lockstep)"),
+            (in_flight, "KunServe drop, steps in flight in the groups (async_pipeline)"),
+            (in_flight_async, "KunServe drop, steps in flight, each group on its own"))
     for r, label in [(r, label) for r, label in rows if r is not None]:
         wait = r["detect_to_queued_first_token"]
         print(f"| {label} | {'-' if wait is None else f'{wait:.2f}'} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} "
@@ -183,13 +191,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asynchronous front / lockstep, with the drop: TTFT p99 "
               f"{mine_async['ttft_p99'] / mine['ttft_p99']:.2f}x, "
               f"output tok/s {mine_async['output_tok_s'] / mine['output_tok_s']:.2f}x")
+    for r, label in ((in_flight, "lockstep front"), (in_flight_async, "group_lockstep front")):
+        if r is not None:
+            reference = mine if r is in_flight else mine_async
+            assert reference is not None
+            print(f"steps in flight / synchronous groups, with the drop, {label}: TTFT p99 "
+                  f"{r['ttft_p99'] / reference['ttft_p99']:.2f}x, output tok/s "
+                  f"{r['output_tok_s'] / reference['output_tok_s']:.2f}x ({r['drains']} drains)")
     if base["detect_to_queued_first_token"] and mine["detect_to_queued_first_token"]:
         print(f"queued request's wait, no drop / drop: "
               f"{base['detect_to_queued_first_token'] / mine['detect_to_queued_first_token']:.2f}x; "
               f"TTFT p99 no drop / drop: {base['ttft_p99'] / mine['ttft_p99']:.2f}x")
     results = {"date": date.today().isoformat(), "args": vars(args), "no_drop": base, "drop": mine,
                "drop_waiting_restore": waiting, "drop_lookahead": lookahead, "no_drop_group_lockstep": base_async,
-               "drop_group_lockstep": mine_async}
+               "drop_group_lockstep": mine_async, "drop_in_flight": in_flight,
+               "drop_in_flight_group_lockstep": in_flight_async}
     if not args.no_pipeline:
         import pipeline  # benchmarks/pipeline.py, beside this file
 

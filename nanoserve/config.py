@@ -59,6 +59,7 @@ class EngineArgs:
     # Keep micro-batches in flight across steps (engine.py's pipelined step; vLLM v1's batch
     # queue): each step is one micro-batch and `pipeline_microbatches` (default: the stages) are
     # in flight. Off: each step's micro-batches fill and drain the pipeline. fcfs and kunserve.
+    # In KunServe's cluster (with the drop) the same for a drop's pipeline groups (cluster/group.py).
     async_pipeline: bool = False
     # vLLM v1's asynchronous scheduling on one device (engine.py): schedule and prepare step
     # n+1 while the device runs step n. fcfs; no host KV store (its copy stream would not be

@@ -297,12 +297,18 @@ class Engine(ServingEngine):
         previous, self.stream_outputs = self.stream_outputs, stream
         return previous
 
-    def use_executor(self, executor: Executor) -> None:
+    def use_executor(self, executor: Executor, pipeline: MicrobatchPipeline | None = None) -> None:
         """Run later steps on `executor` (KunServe's cluster member switching between its own
-        runner and the pipeline group it joined). Only between steps: none may be in flight."""
+        runner and the pipeline group it joined), through `pipeline` (the same object, keeping
+        steps in flight) or synchronously (None); the scheduler must already plan for that
+        pipeline's depth (`Scheduler.keep_in_flight`). Only with no step in flight (`drain`)."""
         if self._in_flight:
             raise RuntimeError("cannot change executors with steps in flight")
-        self.executor = executor
+        depth = pipeline.depth if pipeline is not None else 1
+        if self.scheduler.config.steps_in_flight != depth:
+            raise ValueError(f"the scheduler plans for {self.scheduler.config.steps_in_flight} steps in flight, "
+                             f"the executor keeps {depth}")
+        self.executor, self.pipeline = executor, pipeline
 
     def on_safe_point(self, callback: Callable[[], None]) -> None:
         """Have `callback` run at each safe point of a preemptible forward (ConServe Alg. 2 runs
@@ -325,6 +331,11 @@ class Engine(ServingEngine):
             self._grammar_compiler.shutdown(wait=False)
         if self.kv.host_store is not None:  # the policy's host KV (swap, checkpoints, BE pages)
             self.kv.host_store.release()
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps submitted to an asynchronous pipeline and not landed yet."""
+        return len(self._in_flight)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or bool(self._awaiting_grammar)
@@ -408,34 +419,76 @@ class Engine(ServingEngine):
         """Submit one more micro-batch if the pipeline has room and the policy has work; when it
         is full (or nothing else can run until a token lands), collect the oldest and
         postprocess it. Returns [] while it is still filling. The cost model is not calibrated
-        here: with steps overlapping, no interval measures one step's cost."""
+        here: with steps overlapping, no interval measures one step's cost. A clocked pipeline
+        (`MicrobatchPipeline.clocked`) gets a step every time, empty if need be, and is
+        collected from only when full: its stages move on only when a step is submitted."""
+        clocked = pipeline.clocked
         try:
             # A grammar's next mask needs the token in flight accepted first: while a constrained
             # request lives, one step at a time (ours; vLLM v1 overlaps them with more machinery).
-            if len(self._in_flight) < pipeline.depth and not (self._constrained and self._in_flight):
+            # A clocked pipeline never runs a request with a token in flight (`schedulable`).
+            one_at_a_time = self._constrained and not clocked
+            if len(self._in_flight) < pipeline.depth and not (one_at_a_time and self._in_flight):
                 batch = self.scheduler.schedule()
                 self._scheduled(batch, self.clock())
-                if not batch.is_empty:
-                    self.scheduler.update_after_submit(batch)
-                    self._in_flight.append(batch)
-                    pipeline.submit(batch)
-                    if len(self._in_flight) < pipeline.depth and not self._constrained:
+                if clocked or not batch.is_empty:
+                    self._submit(pipeline, batch)
+                    if len(self._in_flight) < pipeline.depth and not one_at_a_time:
                         return []
             if not self._in_flight:
                 self.scheduler.settle()  # nothing runs and nothing is in flight: as `step` does
                 return []
-            result = pipeline.collect()
+            landed = self._land(pipeline)
         except BaseException:
-            # The pipeline failed (a worker is gone): what was in flight never comes back. The
-            # caller aborts the requests; nothing may wait for their tokens.
-            for batch in self._in_flight:
-                self.scheduler.update_after_landing(batch)
-            self._in_flight.clear()
-            pipeline.discard_in_flight()
+            self._discard_in_flight(pipeline)
             raise
+        return self._end_step(landed)
+
+    def drain(self) -> list[RequestOutput]:
+        """Land every step in flight and schedule nothing new: before the executor changes (a
+        KunServe member's layout), or before anything outside the pipeline reuses blocks a step
+        in flight may still write (a background restore's pull). A clocked pipeline is first
+        given `depth` - 1 empty steps, which carry the latest real one through every stage; that
+        count is the same on every member of a KunServe group, as the group's shared steps need."""
+        pipeline = self.pipeline
+        if pipeline is None or not self._in_flight:
+            return []
+        outputs: list[RequestOutput] = []
+        try:
+            if pipeline.clocked:
+                for _ in range(pipeline.depth - 1):
+                    self._submit(pipeline, SchedulerOutput([]))
+            while self._in_flight:
+                outputs.extend(self._land(pipeline))
+        except BaseException:
+            self._discard_in_flight(pipeline)
+            raise
+        return self._end_step(outputs)
+
+    def _submit(self, pipeline: MicrobatchPipeline, batch: SchedulerOutput) -> None:
+        self.scheduler.update_after_submit(batch)
+        self._in_flight.append(batch)
+        pipeline.submit(batch)
+
+    def _land(self, pipeline: MicrobatchPipeline) -> list[RequestOutput]:
+        """Collect the oldest step in flight and postprocess it."""
+        result = pipeline.collect()
         batch = self._in_flight.popleft()
         self.scheduler.update_after_landing(batch)
-        return self._end_step(self._postprocess(batch, result, self.clock()))
+        return self._postprocess(batch, result, self.clock())
+
+    def discard_in_flight(self) -> None:
+        """Forget the steps in flight: their pipeline failed (a worker or a KunServe group's
+        peer is gone), so their tokens never come. Their requests keep what they had; the
+        caller aborts or recomputes them."""
+        if self.pipeline is not None:
+            self._discard_in_flight(self.pipeline)
+
+    def _discard_in_flight(self, pipeline: MicrobatchPipeline) -> None:
+        for batch in self._in_flight:
+            self.scheduler.update_after_landing(batch)
+        self._in_flight.clear()
+        pipeline.discard_in_flight()
 
     def _postprocess(self, batch: SchedulerOutput, result: ExecutorOutput, now: float) -> list[RequestOutput]:
         outputs = []

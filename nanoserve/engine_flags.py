@@ -60,7 +60,8 @@ _FLAGS: list[tuple[tuple[str, ...], str, Callable[[str], Any] | str, str, tuple[
     (("--pipeline-parallel-size", "--pp"), "pipeline_parallel_size", int,
      "split the layers into this many pipeline stages, one process (group) each", None),
     (("--async-pipeline",), "async_pipeline", "switch",
-     "with --pp: keep one micro-batch per stage in flight across steps (fcfs, kunserve)", None),
+     "with --pp: keep one micro-batch per stage in flight across steps (fcfs, kunserve); with --instances N "
+     "--drop: the same in a drop's pipeline groups", None),
     (("--async-scheduling",), "async_scheduling", "switch",
      "one device: schedule and prepare the next step while the device runs this one (fcfs)", None),
     (("--enforce-eager",), "enforce_eager", "switch", "on a GPU: no CUDA graphs", None),

@@ -70,9 +70,16 @@ class MicrobatchPipeline(Protocol):
     `depth` steps are in flight at once (a pipeline's stages each working on a different one).
     Results come back in submission order. nanoserve/parallel/executor.py's `DriverExecutor` is one
     under pipeline parallelism, `ModelRunner` (two deep) one under asynchronous scheduling; the
-    engine's pipelined step drives them."""
+    engine's pipelined step drives them.
+
+    A `clocked` pipeline advances only when a step is submitted: every submit moves each stage
+    one wave on, so the engine submits a step every time it steps, an empty one when the policy
+    has nothing to run, and after `depth` submits the oldest result is ready. A KunServe group
+    with steps in flight (cluster/group.py) is one: its members' stages hand work on at each
+    shared step. Others (`clocked` False) finish what was submitted on their own."""
 
     depth: int
+    clocked: bool
 
     def submit(self, batch: SchedulerOutput) -> None: ...
 

@@ -43,6 +43,7 @@ class TaggingPipeline(Executor):
         store = HostKVStore(0, BLOCK, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)
         self.tagger = TaggingExecutor(store, num_blocks, BLOCK)
         self.depth = depth
+        self.clocked = False
         self.results: deque[ExecutorOutput] = deque()
         self.max_in_flight = 0
         self.chunks_behind_their_own = 0  # a prompt's chunk submitted while its previous one was in flight

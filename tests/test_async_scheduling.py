@@ -43,6 +43,7 @@ class FeedingPipeline(Executor):
     """A two-deep `MicrobatchPipeline` that draws at submission and tells the host at `collect`."""
 
     depth = 2
+    clocked = False
 
     def __init__(self, num_blocks: int):
         store = HostKVStore(0, BLOCK, LAYERS, HEADS, HEAD_DIM, torch.float32, pin_memory=False)

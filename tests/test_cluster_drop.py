@@ -257,6 +257,34 @@ def test_groups_step_on_their_own_through_drops_and_restores(llama_dir, expected
     assert beside >= 1, "every layout change waited for every group"  # it pauses only whom it involves
 
 
+@pytest.mark.parametrize("instances", [2, 4])
+def test_groups_keep_steps_in_flight_through_drops_and_restores(llama_dir, expected, instances):
+    """`async_pipeline` in a cluster: a drop's group keeps steps in flight, each stage working on
+    a different one (cluster/group.py `GroupExecutor`, `in_flight`). Every layout change and
+    background pull first lands them (`drains`). The answers are still the unthrottled engine's."""
+    in_flight = []
+
+    def watch(cluster: Cluster, outputs) -> None:
+        in_flight.append(max(load.steps_in_flight for load in cluster.loads.values()))
+
+    args = dataclasses.replace(small_pools(llama_dir), async_pipeline=True)
+    with Cluster(args, instances, drop=True, chunk_bytes=2 * 2 * page_bytes()) as cluster:
+        finished = run_burst(cluster, copies=instances // 2, on_step=watch)
+        changes, groups, drains = cluster.layout_changes, cluster.regrouper.groups, cluster.drains
+        while cluster.has_unfinished_requests():  # nothing left but empty steps in flight
+            cluster.step()
+    assert_matches(expected, finished, copies=instances // 2)
+    assert any(c.kind == "drop" for c in changes) and any(c.kind == "restore" for c in changes)
+    assert all(g.size == 1 for g in groups)
+    assert max(in_flight) >= 1, "no group ever kept a step in flight between the cluster's steps"
+    assert drains >= 2  # a group landed its steps before the background pull began and before the restore
+
+
+def test_async_pipeline_in_a_cluster_needs_the_drop(llama_dir):
+    with pytest.raises(ValueError, match="needs drop=True"):
+        Cluster(dataclasses.replace(small_pools(llama_dir), async_pipeline=True), 2)
+
+
 def _serving_in_a_group(cluster: Cluster) -> bool:
     return any(g.size > 1 for g in cluster.regrouper.groups) and not cluster.loads[0].exchanging
 
@@ -292,6 +320,25 @@ def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expect
         assert all(instance == 0 for _, instance in cluster.retried)
         assert [g.instances for g in cluster.regrouper.groups] == [(0,)]
     assert_matches(expected, finished)  # survivors recomputed, retries restarted: same answers
+
+
+def test_a_peer_killed_with_steps_in_flight_leaves_every_request_answered(llama_dir, expected):
+    """§4.4 with `async_pipeline`: the survivor forgets the steps that were in flight through the
+    dead peer (`Engine.discard_in_flight`) and recomputes; every request is answered as before."""
+    killed = []
+
+    def kill(cluster: Cluster, outputs) -> None:
+        if not killed and 1 in cluster.loads and cluster.loads[0].steps_in_flight and _serving_in_a_group(cluster):
+            cluster.processes[1].kill()
+            cluster.processes[1].wait()
+            killed.append(1)
+
+    args = dataclasses.replace(small_pools(llama_dir), async_pipeline=True)
+    with Cluster(args, 2, drop=True, peer_timeout_s=30) as cluster:
+        finished = run_burst(cluster, on_step=kill)
+        assert killed, "the moment to kill never came"
+        assert cluster.dead == {1} and [c.kind for c in cluster.layout_changes][-1] == "recover"
+    assert_matches(expected, finished)
 
 
 def test_the_pool_is_shared_out_after_what_is_in_use():

@@ -178,6 +178,7 @@ def test_a_burst_drops_layers_answers_as_one_engine_and_restores(single, cluster
     (["--instances", "0"], "--instances must be at least 1"),
     (["--cluster-stepping", "group_lockstep"], "--cluster-stepping group_lockstep needs --instances 2 or more"),
     (["--instances", "2", "--tp", "2"], "does not combine with --tp or --pp"),
+    (["--instances", "2", "--async-pipeline"], "--async-pipeline with --instances keeps a drop's pipeline"),
 ])
 def test_a_cluster_the_flags_cannot_make_is_refused_before_anything_loads(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):

@@ -53,7 +53,7 @@ from nanoserve.cluster.instance_launcher import InstanceLauncher
 from nanoserve.cluster.load import InstanceLoad, PeerLost
 from nanoserve.cluster.local_instances import LocalInstances
 from nanoserve.cluster.prefix_routing import RoutedPrefixes
-from nanoserve.cluster.regroup import Regrouper
+from nanoserve.cluster.regroup import CallAll, Regrouper
 from nanoserve.cluster.restore import BackgroundRestore
 from nanoserve.cluster.submission import Submission
 from nanoserve.cluster_stats import ClusterStats
@@ -157,7 +157,12 @@ class Cluster:
     none. A group's members still step together: they exchange step messages and activations
     every step (cluster/group.py). A layout change pauses only the instances it involves, at
     the step each has reached: its first phase takes their step answers first
-    (cluster/instance_channels.py); the other groups serve on meanwhile."""
+    (cluster/instance_channels.py); the other groups serve on meanwhile.
+
+    `args.async_pipeline` (ours; issue 46 item 5; needs `drop`): a drop's groups keep steps in
+    flight, each stage working on a different step (cluster/group.py `GroupExecutor`,
+    `in_flight`), as the paper's members, vLLM engines with virtual engines, do. Before a
+    layout change or a background pull's phases the groups land them first (`drains`)."""
 
     def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 32 << 20,
                  restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True,
@@ -170,6 +175,9 @@ class Cluster:
         if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
             raise ValueError("each instance is one process here; run tensor or pipeline parallelism inside "
                              "an instance in a later version")
+        if args.async_pipeline and not drop:
+            raise ValueError("async_pipeline in a cluster keeps a drop's pipeline groups' steps in flight; "
+                             "it needs drop=True (--drop)")
         if drop and args.kv_manager not in (None, "arena"):
             raise ValueError("dropping layers needs the arena KV manager (kv_manager='arena')")
         self.args = replace(args, kv_manager="arena" if drop else args.kv_manager, kv_manager_options=None)
@@ -179,6 +187,9 @@ class Cluster:
         self.drop_enabled = drop
         self.redispatch_queued = redispatch_queued
         self.stepping = stepping
+        # A drop's groups keep steps in flight (cluster/group.py `GroupExecutor`, `in_flight`).
+        self.pipelined = args.async_pipeline
+        self.drains = 0  # times the groups landed their steps in flight for a change or a pull
         self.launcher = launcher if launcher is not None else LocalInstances()
         # Built first, so that a failed start stops what connected through the same path.
         self.channels = InstanceChannels(self._take_step_answer)
@@ -314,8 +325,8 @@ class Cluster:
             return outputs + self._take_outputs()  # one layout change at a time
         if self.drop_enabled and short:
             if self.pending_restore is not None:  # demand is back: the pulled weights are not used
-                self._end_pull(list(self.pending_restore.groups), [])
-            change = self.regrouper.drop(short, self.loads, self.call_all)
+                self._end_pull(list(self.pending_restore.groups), [], call=self._phases_call())
+            change = self.regrouper.drop(short, self.loads, self._phases_call())
             if change is not None:
                 self._changed(change)
                 if self.redispatch_queued:
@@ -325,7 +336,7 @@ class Cluster:
             if self.background_restore:
                 groups = self._restore_when_pulled(groups)
             if groups:
-                self._changed(self.regrouper.restore(groups, self.loads, self.call_all))
+                self._changed(self.regrouper.restore(groups, self.loads, self._phases_call()))
         return outputs + self._take_outputs()  # those a layout change's first phase took in
 
     def _changed(self, change: LayoutChange) -> None:
@@ -335,6 +346,33 @@ class Cluster:
         changed = involved(change)
         self.changes_beside_steps += bool(self.channels.in_flight - changed)
         self._refresh_loads(changed)
+
+    def _phases_call(self) -> CallAll:
+        """What a drop's, a restore's or a background pull's messages go through: `call_all`,
+        and with groups that keep steps in flight (`async_pipeline`) a drain of every group
+        before the first of them, so that no phase finds a step on its way through a group
+        (a freed block could still be written, a relaid-out member still be a stage). Once per
+        change: its later phases find the groups drained, and perhaps already relaid out."""
+        if not self.pipelined:
+            return self.call_all
+        drained = False
+
+        def call(messages: Mapping[int, tuple]) -> dict[int, object]:
+            nonlocal drained
+            if not drained:
+                drained = True
+                self._drain_groups()
+            return self.call_all(messages)
+        return call
+
+    def _drain_groups(self) -> None:
+        """Every group of two or more lands its steps in flight (the members answer as a step
+        does, and the answers are booked as steps')."""
+        members = [i for group in self._live_groups() if len(group) > 1 for i in group]
+        if members:
+            self.drains += 1
+            for instance, reply in self.call_all({i: ("drain",) for i in members}).items():
+                self._take_step_answer(instance, reply)
 
     def _live_groups(self) -> list[tuple[int, ...]]:
         return [live for group in self.regrouper.groups
@@ -391,23 +429,25 @@ class Cluster:
         if pending is None:
             if restorable and not idle:
                 self.pending_restore = BackgroundRestore(restorable, self.regrouper.chunk_bytes, self.loads,
-                                                         self.call_all)
+                                                         self._phases_call())
                 self._refresh_loads(i for group in restorable for i in group.instances)
                 return []
             return restorable  # idle: nothing to overlap with, and the stop delays no one
-        if not pending.ready(self.loads, self.call_all) and not idle:
+        if not pending.ready(self.loads, self._phases_call()) and not idle:
             return []
         kept = [g for g in pending.groups if g in restorable]
-        self._end_pull([g for g in pending.groups if g not in kept], kept)
+        self._end_pull([g for g in pending.groups if g not in kept], kept, call=self._phases_call())
         return kept
 
-    def _end_pull(self, cancelled: list, kept: list, skip: AbstractSet[int] = frozenset()) -> None:
+    def _end_pull(self, cancelled: list, kept: list, skip: AbstractSet[int] = frozenset(),
+                  call: CallAll | None = None) -> None:
         """The pending pull ends: `cancelled` groups give theirs back (`skip`: members that are
-        gone), `kept` ones switch now; recorded in `restore_pulls`."""
+        gone), `kept` ones switch now; recorded in `restore_pulls`. `call`: default `call_all`
+        (a recovery's: a group that lost a peer cannot drain)."""
         pending = self.pending_restore
         assert pending is not None
         if cancelled:
-            pending.cancel(self.call_all, cancelled, skip)
+            pending.cancel(call or self.call_all, cancelled, skip)
         self.restore_pulls.append({"steps": pending.steps, "pulled_bytes": pending.pulled_bytes(self.loads),
                                    "groups": len(kept), "outcome": "switched" if kept else "cancelled"})
         self.pending_restore = None

@@ -5,7 +5,9 @@ Who schedules. Every member keeps its own scheduler, its own requests and its ow
 vLLM's pipeline-parallel "virtual engines" do: a step runs each member's batch through every
 stage, one after another, so the members' batches are the pipeline's micro-batches (§4.3's
 lookahead micro-batches, when the policy cuts them, subdivide a member's batch further). Nothing
-has to migrate on a drop but KV, and the dispatcher keeps routing to members as before.
+has to migrate on a drop but KV, and the dispatcher keeps routing to members as before. With
+`async_pipeline` the steps stay in flight instead, each stage on a different one
+(`GroupExecutor`, `in_flight`).
 
     member A (stage 0: layers [0, h))         member B (stage 1: layers [h, L))
     schedule A's batch ─┐                  ┌─ schedule B's batch
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -150,11 +153,33 @@ def translate(chunks: Sequence[ScheduledChunk], lut: Sequence[int]) -> list[Sche
 
 class GroupExecutor(Executor):
     """One member's executor while it is in a group (see the module docstring). `luts[owner]`
-    maps the owner's logical blocks to this member's arena blocks."""
+    maps the owner's logical blocks to this member's arena blocks.
 
-    def __init__(self, runner: ModelRunner, layout: GroupLayout, me: int, luts: Mapping[int, Sequence[int]]):
+    `in_flight` (ours; issue 46 item 5; `EngineArgs.async_pipeline` in a cluster): the group keeps
+    steps in flight instead of running each through every stage before the next, as the
+    engine's own asynchronous pipeline does (engine.py). The members still meet at every step
+    to exchange step messages, so stage k runs, at shared step t, the batches of step t − k
+    (a wave), whose activations stage k − 1 sent at step t − 1: every stage works at once, on
+    a different step, and no stage waits for another within a step.
+
+        shared step        t          t+1          t+2
+        stage 0 (A)     [wave t  ]  [wave t+1]  [wave t+2]
+        stage 1 (B)     [wave t-1]  [wave t  ]  [wave t+1]   logits of wave t to their owners
+
+    The engine sees a clocked pipeline (`MicrobatchPipeline.clocked`) `depth` = stages deep:
+    it submits a step every time (empty when its policy has nothing to run: the peers' waves
+    still pass through), and the step it submitted S − 1 steps earlier has its logits by the
+    end of this one. Its scheduler keeps 1/S of the running requests per step and never one
+    whose token is in flight, as vLLM's virtual engines do. Activations and logits have gloo
+    tags of their own, since both are in flight while the next step's messages pass."""
+
+    HIDDEN_TAG, LOGITS_TAG = 1, 2
+
+    def __init__(self, runner: ModelRunner, layout: GroupLayout, me: int, luts: Mapping[int, Sequence[int]],
+                 in_flight: bool = False):
         self.runner, self.layout, self.me, self.luts = runner, layout, me, dict(luts)
         position = layout.members.index(me)
+        self.position = position
         self.is_first, self.is_last = position == 0, position == len(layout.members) - 1
         self.prev = None if self.is_first else layout.members[position - 1]
         self.next = None if self.is_last else layout.members[position + 1]
@@ -162,6 +187,13 @@ class GroupExecutor(Executor):
         self.steps = 0  # steps this member took part in (the cluster joins idle members in)
         self.dtype = next(p for p in runner.model.parameters() if p.numel()).dtype  # dropped ones are empty
         self.busy_seconds = 0.0
+        # MicrobatchPipeline, when `in_flight`: one step in flight per stage.
+        self.clocked = in_flight
+        self.depth = len(layout.members) if in_flight else 1
+        self._waves: deque[tuple[int, list[tuple[int, list[ScheduledChunk]]]]] = deque()  # (step, work)
+        self._own: deque[_OwnStep] = deque()  # this member's steps submitted, oldest first
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.most_in_flight = 0  # the most of its own steps in flight at once
 
     def request_preemption(self) -> None:
         self.runner.request_preemption()
@@ -211,3 +243,71 @@ class GroupExecutor(Executor):
         for handle, _ in sends:
             handle.wait()
         return out
+
+    # -- MicrobatchPipeline, with steps in flight (`in_flight`) -----------------------------------
+    def submit(self, batch: SchedulerOutput) -> None:
+        """One shared step: exchange step messages, queue every owner's batches as this step's
+        wave, then run this stage over the wave of `position` steps ago."""
+        if batch.kv_copies:
+            raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
+        self.steps += 1
+        own = batch.microbatches or [batch.chunks]
+        messages = exchange_objects(StepMessage.of(batch, own), self.me, self.peers)
+        work: list[tuple[int, list[ScheduledChunk]]] = []
+        for owner in self.layout.members:
+            parts = own if owner == self.me else [mb.chunks for mb in messages[owner].outputs()]
+            work.extend((owner, translate(part, self.luts[owner])) for part in parts if part)
+        self._own.append(_OwnStep(self.steps, [c.request for part in own for c in part if c.samples],
+                                  [sum(c.samples for c in part) for part in own]))
+        self.most_in_flight = max(self.most_in_flight, len(self._own))
+        self._waves.append((self.steps, work))
+        self._sends = [s for s in self._sends if not s[0].is_completed()]
+        if len(self._waves) > self.position:
+            self._run_wave(*self._waves.popleft())
+
+    def _run_wave(self, step: int, work: list[tuple[int, list[ScheduledChunk]]]) -> None:
+        runner, dtype = self.runner, self.dtype
+        for owner, chunks in work:
+            prepared = runner.prepare(SchedulerOutput(chunks))
+            hidden, begin = run_stage(runner, prepared, self.prev, dtype, tag=self.HIDDEN_TAG)
+            if not self.is_last:
+                assert self.next is not None  # set for every stage but the last
+                self._sends.append(p2p.isend(hidden, self.next, tag=self.HIDDEN_TAG))
+            elif prepared.sample_rows:
+                logits = runner.model.compute_logits(prepared.sampled(hidden)).contiguous()
+                if owner == self.me:
+                    next(o for o in self._own if o.step == step).logits.append(logits)
+                else:
+                    self._sends.append(p2p.isend(logits, owner, tag=self.LOGITS_TAG))
+            self.busy_seconds += time.perf_counter() - begin
+
+    def collect(self) -> ExecutorOutput:
+        """The oldest own step's tokens: its wave left the last stage during the latest shared
+        step at the latest (the engine collects once `depth` steps are in flight)."""
+        step = self._own.popleft()
+        if not step.requests:
+            return ExecutorOutput()
+        logits = step.logits
+        if not self.is_last:  # the last stage sends them in micro-batch order
+            cfg = self.runner.model_config
+            for rows in step.rows:
+                if rows:
+                    logits.append(torch.empty(rows, cfg.vocab_size, dtype=self.dtype, device=self.runner.device))
+                    p2p.recv(logits[-1], self.layout.members[-1], tag=self.LOGITS_TAG)
+        return self.runner.sample(step.requests, torch.cat(logits))
+
+    def discard_in_flight(self) -> None:
+        self._own.clear()
+        self._waves.clear()
+        self._sends = []
+
+
+@dataclass
+class _OwnStep:
+    """A step this member submitted to its group with steps in flight: its sampling requests,
+    the sampling rows of each of its micro-batches, and (on the last stage) their logits."""
+
+    step: int
+    requests: list
+    rows: list[int]
+    logits: list[torch.Tensor] = field(default_factory=list)

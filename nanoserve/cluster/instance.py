@@ -10,6 +10,7 @@ to stop:
 
     ("add", Submission)                               -> None
     ("step",)                                         -> (outputs, InstanceLoad, EngineStats, tokens stepped)
+    ("drain",)                                        -> the same: every step in flight in its group lands
     ("load",)                                         -> InstanceLoad
     ("abort", request_id)                             -> its final RequestOutput, or None if unknown
     ("take_queued",)                                  -> [Submission]: never-started requests leave (§3)
@@ -84,7 +85,7 @@ def load_of(member: LoadSource) -> InstanceLoad:
     return InstanceLoad(member.id, member.capacity_blocks, kv.num_used_blocks, needs[0] if needs else 0,
                         sum(needs), len(waiting), engine.scheduler.num_running + len(member.stalled),
                         member.replica_blocks, member.exchanging, member.retired_free, member.pull_pages_left,
-                        member.restore_pulled_bytes)
+                        member.restore_pulled_bytes, engine.steps_in_flight)
 
 
 def serve(connection: Connection, instance_id: int, torchrun: bool = False) -> None:
@@ -93,9 +94,11 @@ def serve(connection: Connection, instance_id: int, torchrun: bool = False) -> N
     args, world, timeout_s, sharing = connection.recv()
     if torchrun and (device := resolve_device(args.device)).type == "cuda":
         args = replace(args, device=str(rank_device(device, instance_id)))
-    engine, runner = build_engine_and_runner(shared_device_args(args, sharing))
+    # In a cluster `async_pipeline` keeps a drop's group's steps in flight (cluster/group.py);
+    # the instance itself is one device, whose engine steps synchronously while alone.
+    engine, runner = build_engine_and_runner(shared_device_args(replace(args, async_pipeline=False), sharing))
     join_world(world, instance_id, timedelta(seconds=timeout_s), torchrun)
-    member = ClusterMember(instance_id, engine, runner)
+    member = ClusterMember(instance_id, engine, runner, pipelined=args.async_pipeline)
     connection.send((load_of(member), member.layer_bytes(), member.replica_block_bytes))
     while True:
         kind, *rest = connection.recv()
@@ -107,9 +110,9 @@ def serve(connection: Connection, instance_id: int, torchrun: bool = False) -> N
                                    arrival_time=submission.arrival_time, prompt_text=submission.prompt_text,
                                    priority=submission.priority, slo=submission.slo)
                 reply = None
-            elif kind == "step":
+            elif kind in ("step", "drain"):
                 try:
-                    outputs = member.step()
+                    outputs = member.step() if kind == "step" else member.drain()
                 except RuntimeError as exc:
                     if not (member.group is not None or member.exchanging):
                         raise

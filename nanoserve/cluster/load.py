@@ -23,6 +23,7 @@ class InstanceLoad:
     retired_free: frozenset[int] = frozenset()  # its pool's blocks a background restore may take
     pull_pages_left: int = 0  # reserved pages its background restore can still fill now
     pulled_bytes: int = 0  # weight bytes pulled in the background, over its life
+    steps_in_flight: int = 0  # its steps still on their way through its group (`async_pipeline`)
 
     @property
     def demand_blocks(self) -> int:

@@ -110,10 +110,12 @@ class Relayout:
 
 class ClusterMember:
     """One instance of the cluster: its engine, the model runner under it (`runner`, its
-    executor while it serves alone), and its part in each layout change."""
+    executor while it serves alone), and its part in each layout change. `pipelined`: in a
+    group it keeps steps in flight (cluster/group.py `GroupExecutor`, `in_flight`)."""
 
-    def __init__(self, instance_id: int, engine: Engine, runner: ModelRunner):
+    def __init__(self, instance_id: int, engine: Engine, runner: ModelRunner, pipelined: bool = False):
         self.id, self.engine, self.runner = instance_id, engine, runner
+        self.pipelined = pipelined
         self.arena = runner.arena  # None: this member cannot drop layers
         self.group: GroupExecutor | None = None  # its executor while it serves in a group
         self.layout = GroupLayout.of(Group.replica(instance_id, self.runner.model_config.num_layers))
@@ -161,10 +163,10 @@ class ClusterMember:
     # -- serving ---------------------------------------------------------------------------
     def step(self) -> list:
         """One engine step. In a group a member with nothing to run still runs its stage of
-        its peers' batches."""
+        its peers' batches (with steps in flight its engine submits an empty step for that)."""
         group = self.group
         taken = group.steps if group is not None else 0
-        ran = self.engine.has_unfinished_requests()
+        ran = self.engine.has_unfinished_requests() or (group is not None and group.clocked)
         outputs = self.engine.step() if ran else []
         self.step_tokens = self.engine.last_step_tokens if ran else 0
         if group is not None and group.steps == taken:
@@ -172,6 +174,14 @@ class ClusterMember:
         self.advance()  # the step's activations went first
         if self.arena is not None and self.arena.restoring:
             self.arena.fill_restore(self._pull_chunk)  # §4.4: "prioritizing the pipeline network"
+        return outputs
+
+    def drain(self) -> list:
+        """Land every step in flight (`Engine.drain`): before a layout change or a restore's
+        pages change hands, nothing may still be on its way through the group. Every member of a
+        group drains at once (the same number of shared steps each)."""
+        outputs = self.engine.drain()
+        self.step_tokens = 0
         return outputs
 
     def take_queued(self) -> list[Submission]:
@@ -269,14 +279,16 @@ class ClusterMember:
             self.luts = {}
             kv: PagedKV = ArenaKV(self._arena)
             self.group = None
+            self.engine.scheduler.keep_in_flight(1)
             self.engine.use_executor(self.runner)
         else:
             assert pools is not None
             self.luts = self._deal_blocks(new.members, pools)
             self.owner_pool = BlockPool(pools[self.id], size)
             kv = PagedKV(self.owner_pool)
-            self.group = GroupExecutor(self.runner, new, self.id, self.luts)
-            self.engine.use_executor(self.group)
+            self.group = GroupExecutor(self.runner, new, self.id, self.luts, in_flight=self.pipelined)
+            self.engine.scheduler.keep_in_flight(self.group.depth)
+            self.engine.use_executor(self.group, self.group if self.pipelined else None)
         tables = reserve_manifest(kv, self._relayout.manifests.get(self.id, ()), self.engine.scheduler.running, size)
         self.engine.scheduler.use_kv_manager(kv)
         # max_num_seqs follows the pool, as the simulator's members do (sim/cluster_layout.py
@@ -288,7 +300,10 @@ class ClusterMember:
         # order, its sends asynchronous, so stage k works on one while stage k+1 runs the last.
         stages = len(new.members)
         budget = self.engine.scheduler.config.max_num_batched_tokens
-        self.engine.scheduler.use_pipeline(stages, member_microbatches(stages), lookahead_tokens(stages, budget))
+        if self.group is not None and self.group.clocked:  # a step is one micro-batch, as on one device
+            self.engine.scheduler.use_pipeline(stages, 1)
+        else:
+            self.engine.scheduler.use_pipeline(stages, member_microbatches(stages), lookahead_tokens(stages, budget))
         self.layout = new
         return tables
 
@@ -449,5 +464,7 @@ class ClusterMember:
         self._hold(self.layout)  # a background restore's pulled pages count: the rest is copied
         scheduler.use_kv_manager(ArenaKV(self._arena))
         self.group = None
+        self.engine.discard_in_flight()  # they went through the lost peer
+        scheduler.keep_in_flight(1)
         self.engine.use_executor(self.runner)
         return scheduler.requeue_running()

@@ -160,6 +160,7 @@ class ModelRunner(Executor):
         # Asynchronous scheduling: the steps launched and not yet landed, and for each request
         # whose latest token is still being drawn, where on the device it will be.
         self.depth = 2
+        self.clocked = False  # MicrobatchPipeline: a launched step finishes on its own
         self._launched: deque[LaunchedStep] = deque()
         self._drawing: dict[str, tuple[torch.Tensor, int]] = {}
         self.block_tables = BlockTableRows(pin_memory=device.type == "cuda")  # kept between steps

@@ -149,6 +149,7 @@ class DriverExecutor(Executor):
         # `MicrobatchPipeline.depth`: micro-batches in flight (1: synchronous steps), as
         # `builder.microbatches_in_flight` decides.
         self.depth = depth
+        self.clocked = False  # MicrobatchPipeline: the stages run what was submitted on their own
         self.failed: str | None = None
         self._stopped = False
         atexit.register(self.shutdown)  # an engine never shut down still lets its workers go

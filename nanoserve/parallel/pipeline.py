@@ -55,7 +55,7 @@ def split_microbatches(chunks: list[ScheduledChunk], count: int) -> list[list[Sc
 
 
 def run_stage(runner: ModelRunner, prepared: PreparedBatch, prev: int | None,
-              dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+              dtype: torch.dtype, tag: int = 0) -> tuple[torch.Tensor, float]:
     """This stage's layers over one micro-batch: from the tokens on the first stage (`prev` None),
     else from the activations rank `prev` sends. Returns the hidden states and when computing
     began: the wait for activations is not busy time."""
@@ -63,7 +63,7 @@ def run_stage(runner: ModelRunner, prepared: PreparedBatch, prev: int | None,
         begin = time.perf_counter()
         return runner.run_model(prepared), begin
     hidden = torch.empty(len(prepared.positions), runner.model_config.hidden_size, dtype=dtype, device=runner.device)
-    p2p.recv(hidden, src=prev)
+    p2p.recv(hidden, src=prev, tag=tag)
     begin = time.perf_counter()
     return runner.run_model(prepared, hidden=hidden), begin
 

@@ -257,6 +257,17 @@ class Scheduler(ABC):
             raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
         self.config = replace(self.config, max_num_seqs=max_num_seqs)
 
+    def keep_in_flight(self, steps: int) -> None:
+        """Plan for `steps` steps in flight from now on (a KunServe member whose group keeps its
+        steps in flight, or 1 alone again): each step then takes a 1/steps share of the running
+        requests, and none whose token is still in flight (`running_share`, `schedulable`)."""
+        if steps < 1:
+            raise ValueError(f"steps in flight must be >= 1, not {steps}")
+        if steps > 1 and not self.ASYNC_PIPELINE:
+            raise ValueError(f"policy {self.config.policy!r} cannot schedule for an asynchronous pipeline "
+                             f"(fcfs and kunserve can)")
+        self.config = replace(self.config, microbatches_in_flight=steps)
+
     def use_pipeline(self, num_stages: int, microbatches_per_step: int, step_tokens: int | None = None) -> None:
         """The executor under this policy became a pipeline of `num_stages` stages (a cluster
         member joined a group, or left one: 1), running `microbatches_per_step` micro-batches a

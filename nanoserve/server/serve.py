@@ -117,6 +117,9 @@ def check_cluster_flags(instances: int, drop: bool, engine_args: EngineArgs, wor
     if stepping != STEPPINGS[0] and instances < 2:
         raise SystemExit(f"--cluster-stepping {stepping} needs --instances 2 or more: it steps the cluster's "
                          "instances, and one engine has none")
+    if instances > 1 and engine_args.async_pipeline and not drop:
+        raise SystemExit("--async-pipeline with --instances keeps a drop's pipeline groups' steps in flight; "
+                         "it needs --drop")
     if instances > 1 and engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size != 1:
         raise SystemExit("--instances runs each replica in one process; it does not combine with --tp or --pp")
     if instances > 1 and world is not None and instances != world:
