@@ -113,7 +113,9 @@ class ClusterConfig:
     # reads every reply, and the next step starts when the slowest instance is done (`_run_lockstep`).
     # "group_lockstep": only each group's members step together (`GroupExecutor`'s lockstep),
     # instances and groups each on their own: the real cluster's asynchronous front
-    # (`Cluster(stepping="group_lockstep")`).
+    # (`Cluster(stepping="group_lockstep")`). The real cluster comes nearest "independent" with
+    # that front and `async_pipeline` (a group's steps in flight, each stage on a different one),
+    # though its members still meet once a step to exchange step messages.
     stepping: str = "independent"
 
     def __post_init__(self) -> None:
