@@ -296,13 +296,19 @@ def _exchanging_after(kind: str):
     return moment
 
 
-@pytest.mark.parametrize("moment, chunk", [
-    (_serving_in_a_group, 32 << 20),  # the pipeline's peer dies
-    (_exchanging_after("drop"), 2 * 2 * page_bytes()),  # ...in the middle of the KV exchange
-    (_exchanging_after("restore"), 2 * 2 * page_bytes()),  # the ex-peer dies while the KV comes home
-    (lambda cluster: cluster.pending_restore is not None, 2 * 2 * page_bytes()),  # ...while weights come
-], ids=["serving", "drop-exchange", "restore-exchange", "restore-pull"])
-def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expected, moment, chunk):
+def _in_flight_in_a_group(cluster: Cluster) -> bool:
+    return bool(cluster.loads[0].steps_in_flight) and _serving_in_a_group(cluster)
+
+
+@pytest.mark.parametrize("moment, chunk, async_pipeline", [
+    (_serving_in_a_group, 32 << 20, False),  # the pipeline's peer dies
+    (_exchanging_after("drop"), 2 * 2 * page_bytes(), False),  # ...in the middle of the KV exchange
+    (_exchanging_after("restore"), 2 * 2 * page_bytes(), False),  # the ex-peer dies while the KV comes home
+    (lambda cluster: cluster.pending_restore is not None, 2 * 2 * page_bytes(), False),  # ...while weights come
+    # With steps in flight through the peer: the survivor forgets them (`Engine.discard_in_flight`).
+    (_in_flight_in_a_group, 32 << 20, True),
+], ids=["serving", "drop-exchange", "restore-exchange", "restore-pull", "serving-in-flight"])
+def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expected, moment, chunk, async_pipeline):
     killed = []
 
     def kill(cluster: Cluster, outputs) -> None:
@@ -311,7 +317,8 @@ def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expect
             cluster.processes[1].wait()
             killed.append(1)
 
-    with Cluster(small_pools(llama_dir), 2, drop=True, chunk_bytes=chunk, peer_timeout_s=30) as cluster:
+    args = dataclasses.replace(small_pools(llama_dir), async_pipeline=async_pipeline)
+    with Cluster(args, 2, drop=True, chunk_bytes=chunk, peer_timeout_s=30) as cluster:
         finished = run_burst(cluster, on_step=kill)
         assert killed, "the moment to kill never came"
         assert cluster.dead == {1}
@@ -320,25 +327,6 @@ def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expect
         assert all(instance == 0 for _, instance in cluster.retried)
         assert [g.instances for g in cluster.regrouper.groups] == [(0,)]
     assert_matches(expected, finished)  # survivors recomputed, retries restarted: same answers
-
-
-def test_a_peer_killed_with_steps_in_flight_leaves_every_request_answered(llama_dir, expected):
-    """§4.4 with `async_pipeline`: the survivor forgets the steps that were in flight through the
-    dead peer (`Engine.discard_in_flight`) and recomputes; every request is answered as before."""
-    killed = []
-
-    def kill(cluster: Cluster, outputs) -> None:
-        if not killed and 1 in cluster.loads and cluster.loads[0].steps_in_flight and _serving_in_a_group(cluster):
-            cluster.processes[1].kill()
-            cluster.processes[1].wait()
-            killed.append(1)
-
-    args = dataclasses.replace(small_pools(llama_dir), async_pipeline=True)
-    with Cluster(args, 2, drop=True, peer_timeout_s=30) as cluster:
-        finished = run_burst(cluster, on_step=kill)
-        assert killed, "the moment to kill never came"
-        assert cluster.dead == {1} and [c.kind for c in cluster.layout_changes][-1] == "recover"
-    assert_matches(expected, finished)
 
 
 def test_the_pool_is_shared_out_after_what_is_in_use():
