@@ -281,13 +281,15 @@ def _reduction_ratio(cuts: list[float]) -> float:
 def ablation_variants() -> dict[str, dict]:
     """BROS's variants, each one change from the default (B0 = 8, x2, chunked prefill, copies
     layer by layer): every B0 / growth pair of §4.2's lost symbols, whole-prompt prefill (the
-    paper's), copies waited for whole (ours before this step), and Alg. 1's replacement of RT
-    by BE requests turned off (ours)."""
+    paper's), copies waited for whole (ours before this step), Alg. 1's replacement of RT by BE
+    requests turned off (ours), and the literal reading of Alg. 1's packing, where a waiting RT
+    request that no KV can take ends it (`no_kv_waiting="close"`; the default passes it over)."""
     variants = {f"B0={b0}, {growth}": {"policy_options": {"initial_batch_size": b0, "batch_growth": growth}}
                 for b0 in ABLATION_B0 for growth in ABLATION_GROWTH}
     variants["prefill whole (the paper's)"] = {"policy_options": {"prefill": "whole"}}
     variants["copies waited for whole"] = {"layerwise_copies": False}
     variants["BE never replaces RT (lines 18-33 off)"] = {"policy_options": {"replace_rt": False}}
+    variants["queue closed at an RT request without KV (Alg. 1)"] = {"policy_options": {"no_kv_waiting": "close"}}
     return variants
 
 
