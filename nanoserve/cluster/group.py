@@ -146,6 +146,9 @@ class StageModules:
         self._saved.clear()
 
 
+Work = tuple[int, list[ScheduledChunk]]  # (owner, chunks): one owner's micro-batch on this member's blocks
+
+
 def translate(chunks: Sequence[ScheduledChunk], lut: Sequence[int]) -> list[ScheduledChunk]:
     """Logical block tables -> this member's physical blocks."""
     return [c._replace(block_table=[lut[b] for b in c.block_table]) for c in chunks]
@@ -190,7 +193,7 @@ class GroupExecutor(Executor):
         # MicrobatchPipeline, when `in_flight`: one step in flight per stage.
         self.clocked = in_flight
         self.depth = len(layout.members) if in_flight else 1
-        self._waves: deque[tuple[int, list[tuple[int, list[ScheduledChunk]]]]] = deque()  # (step, work)
+        self._waves: deque[tuple[int, list[Work]]] = deque()  # (step, its work)
         self._own: deque[_OwnStep] = deque()  # this member's steps submitted, oldest first
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.most_in_flight = 0  # the most of its own steps in flight at once
@@ -201,17 +204,23 @@ class GroupExecutor(Executor):
     def on_safe_point(self, callback: Callable[[], None] | None) -> None:
         self.runner.on_safe_point(callback)
 
+    def _exchange(self, batch: SchedulerOutput, own: list[list[ScheduledChunk]]) -> list[Work]:
+        """Swap step messages with the peers: every owner's micro-batches, (owner, chunks) in
+        stage order (the same order on every member), on this member's blocks."""
+        messages = exchange_objects(StepMessage.of(batch, own), self.me, self.peers)
+        work: list[Work] = []
+        for owner in self.layout.members:
+            parts = own if owner == self.me else [mb.chunks for mb in messages[owner].outputs()]
+            work.extend((owner, translate(part, self.luts[owner])) for part in parts if part)
+        return work
+
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
         if batch.kv_copies:
             raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
         self.steps += 1
         runner, cfg = self.runner, self.runner.model_config
         own = batch.microbatches or [batch.chunks]
-        messages = exchange_objects(StepMessage.of(batch, own), self.me, self.peers)
-        work: list[tuple[int, list[ScheduledChunk]]] = []  # (owner, chunks), in stage order
-        for owner in self.layout.members:
-            parts = own if owner == self.me else [mb.chunks for mb in messages[owner].outputs()]
-            work.extend((owner, translate(part, self.luts[owner])) for part in parts if part)
+        work = self._exchange(batch, own)
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         kept: list[torch.Tensor] = []  # logits of this member's own rows (when it runs the last stage)
         sampling: list = []
@@ -252,11 +261,7 @@ class GroupExecutor(Executor):
             raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
         self.steps += 1
         own = batch.microbatches or [batch.chunks]
-        messages = exchange_objects(StepMessage.of(batch, own), self.me, self.peers)
-        work: list[tuple[int, list[ScheduledChunk]]] = []
-        for owner in self.layout.members:
-            parts = own if owner == self.me else [mb.chunks for mb in messages[owner].outputs()]
-            work.extend((owner, translate(part, self.luts[owner])) for part in parts if part)
+        work = self._exchange(batch, own)
         self._own.append(_OwnStep(self.steps, [c.request for part in own for c in part if c.samples],
                                   [sum(c.samples for c in part) for part in own]))
         self.most_in_flight = max(self.most_in_flight, len(self._own))
@@ -265,7 +270,7 @@ class GroupExecutor(Executor):
         if len(self._waves) > self.position:
             self._run_wave(*self._waves.popleft())
 
-    def _run_wave(self, step: int, work: list[tuple[int, list[ScheduledChunk]]]) -> None:
+    def _run_wave(self, step: int, work: list[Work]) -> None:
         runner, dtype = self.runner, self.dtype
         for owner, chunks in work:
             prepared = runner.prepare(SchedulerOutput(chunks))
