@@ -6,8 +6,8 @@
 It needs no network and none of the serving extras (fastapi, uvicorn, gguf): the GPU machine's
 own python3 (torch, Triton, transformers, pytest) runs it. The models are random-weight
 checkpoints that transformers builds on the GPU from the small config files shipped in
-benchmarks/gpu_models/ (SmolLM2-135M's shape with its tokenizer, Llama-3.2-1B's, Llama-2-7B's);
-speed does not depend on the weights' values.
+benchmarks/gpu_models/ (SmolLM2-135M's shape with its tokenizer, Llama-3.2-1B's, Llama-2-7B's,
+Llama-3-8B's); speed does not depend on the weights' values.
 
 Steps, in the default order (each in its own process, under its own time limit; a failure is
 recorded and the next step runs):
@@ -20,6 +20,9 @@ recorded and the next step runs):
     tests         the CUDA tests (pytest -m cuda) and the newest kernels' tests (split-K, fused), compiled
     serve7b       a 7B-shaped model: start-up, KV sized from free memory, 200 requests; again with
                   mixed-step graphs and asynchronous scheduling
+    offline8b     issue 47's headline: a Llama-3-8B-shaped model offline, 1,000 prompts of 256 tokens in
+                  and 256 out (EOS ignored), total tok/s against vLLM's published 12,453 on one H100
+                  (PR #7117); then 1,000 prompts of ShareGPT-like lengths (sim/workloads.py, EcoServe's)
     throughput    benchmarks/throughput.py vs HF generate on the same GPU, SmolLM2- and 1B-shaped; SmolLM2
                   again with mixed-step CUDA graphs and asynchronous scheduling
     attention     benchmarks/attention.py: decode/prefill vs SDPA and the HBM/TFLOP roofline
@@ -47,8 +50,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "gpu_models"
 # The order a short lease should run them in: the decode-step goal first, then whether the new
 # paths (asynchronous scheduling, mixed-step graphs, graph memory in the KV sizing) hold on CUDA.
-STEPS = ["env", "decode", "gemm", "tests", "serve7b", "throughput", "prefix_cache", "attention", "sweep", "fidelity",
-         "kernel_tests"]
+STEPS = ["env", "decode", "gemm", "tests", "serve7b", "offline8b", "throughput", "prefix_cache", "attention", "sweep",
+         "fidelity", "kernel_tests"]
+# vLLM PR #7117 (before V1): 12,453 total tok/s offline on one H100, Llama-3-8B, 1,000 prompts of
+# 256 tokens in and 256 out.
+VLLM_8B_TOTAL_TOK_S = 12_453
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,24 @@ def step_serve7b(out: Path, options: Options) -> dict:
         results[mode] = run([sys.executable, "-m", "benchmarks.gpu_decode", "--model", str(ckpt), "--serve", "200",
                              "--json", str(path)] + flags, 200, out / f"serve7b_{mode}.log", path)
     results["checkpoint_build_s"] = round(built, 1)
+    return results
+
+
+def step_offline8b(out: Path, options: Options) -> dict:
+    """The Llama-3-8B shape offline, as vLLM's published H100 figure was measured (fixed 256 / 256,
+    `ignore_eos`), with vLLM's H100-class batch limits (256 sequences, 8,192 tokens a step), then
+    ShareGPT-like lengths. Each run reports output and total tok/s."""
+    t = time.time()
+    ckpt = build_checkpoint("llama-8b", options.cache)
+    results: dict = {"checkpoint_build_s": round(time.time() - t, 1)}
+    base = [sys.executable, "benchmarks/throughput.py", "--model", str(ckpt), "--device", "cuda", "--dtype",
+            "bfloat16", "--kv-cache-tokens", "0", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+            "--skip-hf"]
+    for mode, flags in (("fixed_256_256", ["--num-prompts", "1000", "--input-len", "256", "--output-len", "256",
+                                           "--reference", str(VLLM_8B_TOTAL_TOK_S)]),
+                        ("sharegpt", ["--num-prompts", "1000", "--lengths", "sharegpt-ecoserve"])):
+        path = out / f"offline8b_{mode}.json"
+        results[mode] = run(base + flags + ["--json", str(path)], 240, out / f"offline8b_{mode}.log", path)
     return results
 
 

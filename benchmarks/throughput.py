@@ -10,6 +10,13 @@ useful output, for both engines; HF's raw rate (all rows, all steps) is printed 
 
     python benchmarks/throughput.py [--num-prompts 64] [--device cpu] [--dtype float32]
     python benchmarks/throughput.py --device cuda --dtype bfloat16   # Triton attention on the GPU
+
+`--input-len N --output-len M` gives every request N prompt tokens and M output tokens instead
+(vLLM's `benchmark_throughput` with its random dataset); `--lengths sharegpt-ecoserve` (any key
+of nanoserve/sim/workloads.py `LENGTHS`) draws them from that synthetic distribution. Total
+tok/s counts prompt and output tokens, as vLLM's "total" does; `--reference TOK_S` prints the
+ratio to a published total (vLLM PR #7117: 12,453 tok/s on one H100, Llama-3-8B, 1,000 prompts
+of 256 in and 256 out).
 """
 from __future__ import annotations
 
@@ -23,15 +30,33 @@ import torch
 from nanoserve import LLM, SamplingParams, default_model
 
 
-def make_requests(num: int, seed: int, vocab: int, first_id: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids drawn from [first_id, vocab), output length) per request."""
+def make_requests(num: int, seed: int, vocab: int, first_id: int,
+                  lengths: list[tuple[int, int]] | None = None) -> list[tuple[list[int], int]]:
+    """(prompt token ids drawn from [first_id, vocab), output length) per request: lengths from
+    `lengths` ((prompt, output) pairs), else uniform in 16-256 in and 16-128 out."""
     g = torch.Generator().manual_seed(seed)
     requests = []
-    for _ in range(num):
-        n_in = int(torch.randint(16, 257, (1,), generator=g))
-        n_out = int(torch.randint(16, 129, (1,), generator=g))
+    for k in range(num):
+        if lengths is None:
+            n_in = int(torch.randint(16, 257, (1,), generator=g))
+            n_out = int(torch.randint(16, 129, (1,), generator=g))
+        else:
+            n_in, n_out = lengths[k]
         requests.append((torch.randint(first_id, vocab, (n_in,), generator=g).tolist(), n_out))
     return requests
+
+
+def request_lengths(args: argparse.Namespace) -> list[tuple[int, int]] | None:
+    """The (prompt, output) lengths `--input-len/--output-len` or `--lengths` ask for (None: the default)."""
+    if args.lengths is not None:
+        from nanoserve.sim.workloads import LENGTHS
+
+        return LENGTHS[args.lengths].sample(args.num_prompts, seed=args.seed)
+    if args.input_len is not None or args.output_len is not None:
+        if args.input_len is None or args.output_len is None:
+            raise SystemExit("--input-len and --output-len go together")
+        return [(args.input_len, args.output_len)] * args.num_prompts
+    return None
 
 
 def run_nanoserve(model: str, requests, args) -> tuple[float, int, LLM]:
@@ -91,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CUDA graphs for mixed prefill/decode steps too (nanoserve/model/cuda_graphs.py)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="launch step n+1 before step n's tokens reach the host (nanoserve/engine.py)")
+    parser.add_argument("--input-len", type=int, default=None, help="every prompt this many tokens")
+    parser.add_argument("--output-len", type=int, default=None, help="every output this many tokens")
+    parser.add_argument("--lengths", default=None, help="draw lengths from nanoserve.sim.workloads.LENGTHS[KEY]")
+    parser.add_argument("--reference", type=float, default=None,
+                        help="a published total tok/s for the same work (prompt + output tokens per second)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
     return parser
@@ -109,15 +139,21 @@ def main(argv: list[str] | None = None) -> None:
     vocab = (Tokenizer.from_dir(model).vocab_size if (Path(model) / "tokenizer.json").exists()
              else load_config(Path(model)).vocab_size)
     # SmolLM2's control tokens are ids 0-16; prompts use only ordinary tokens.
-    requests = make_requests(args.num_prompts, args.seed, vocab, first_id=17)
+    requests = make_requests(args.num_prompts, args.seed, vocab, first_id=17, lengths=request_lengths(args))
     print(f"{len(requests)} requests: {sum(len(i) for i, _ in requests)} prompt tokens, "
           f"{sum(n for _, n in requests)} output tokens; device {args.device}, {args.dtype}, "
           f"torch threads {torch.get_num_threads()}")
 
     ns_time, ns_tokens, llm = run_nanoserve(model, requests, args)
-    result = {"nanoserve_tok_s": ns_tokens / ns_time, "nanoserve_s": ns_time,
-              "preemptions": llm.engine.stats().num_preemptions}
-    print(f"nanoserve   : {ns_tokens} tokens in {ns_time:6.2f} s = {ns_tokens / ns_time:7.1f} tok/s")
+    prompt_tokens = sum(len(ids) for ids, _ in requests)
+    result = {"nanoserve_tok_s": ns_tokens / ns_time, "nanoserve_total_tok_s": (prompt_tokens + ns_tokens) / ns_time,
+              "nanoserve_s": ns_time, "preemptions": llm.engine.stats().num_preemptions}
+    print(f"nanoserve   : {ns_tokens} tokens in {ns_time:6.2f} s = {ns_tokens / ns_time:7.1f} tok/s "
+          f"(total, prompts included: {result['nanoserve_total_tok_s']:.1f} tok/s)")
+    if args.reference:
+        result["reference_total_tok_s"] = args.reference
+        result["total_ratio_to_reference"] = result["nanoserve_total_tok_s"] / args.reference
+        print(f"total tok/s / the published reference ({args.reference:g}): {result['total_ratio_to_reference']:.2f}x")
     llm_backend = llm.engine.executor.backend.name
     print(f"nanoserve attention backend: {llm_backend}")
     del llm

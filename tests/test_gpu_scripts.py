@@ -178,3 +178,34 @@ def test_the_lease_script_packs_the_suite_into_out(tmp_path):
     assert "env" in json.loads((out / "suite.json").read_text())
     with tarfile.open(out / "results.tar.gz") as tar:
         assert not any(name.endswith("suite.json") for name in tar.getnames())
+
+
+def test_throughput_takes_vllm_s_fixed_lengths_and_reports_total_tok_s(tiny_llama_dir, tmp_path):
+    """The 8B headline's shape of work (`offline8b`): every request N in and M out, total tok/s
+    (prompts included) and the ratio to a published figure; on the CPU stand-in."""
+    out = tmp_path / "throughput.json"
+    throughput.main(["--model", str(tiny_llama_dir), "--num-prompts", "3", "--input-len", "24", "--output-len", "5",
+                     "--kv-cache-tokens", "1024", "--skip-hf", "--reference", "100", "--json", str(out)])
+    result = json.loads(out.read_text())
+    tokens = 3 * (24 + 5)
+    assert result["nanoserve_total_tok_s"] == pytest.approx(tokens / result["nanoserve_s"])
+    assert result["total_ratio_to_reference"] == pytest.approx(result["nanoserve_total_tok_s"] / 100)
+
+
+def test_throughput_draws_lengths_from_a_named_distribution():
+    args = throughput.build_parser().parse_args(["--num-prompts", "50", "--lengths", "sharegpt-ecoserve"])
+    lengths = throughput.request_lengths(args)
+    assert lengths is not None and len(lengths) == 50
+    assert all(16 <= p <= 3200 and 19 <= o <= 991 for p, o in lengths)  # EcoServe's ShareGPT bounds
+    fixed = throughput.request_lengths(throughput.build_parser().parse_args(["--input-len", "8", "--output-len", "2"]))
+    assert fixed == [(8, 2)] * 64
+    with pytest.raises(SystemExit):
+        throughput.request_lengths(throughput.build_parser().parse_args(["--input-len", "8"]))
+
+
+def test_the_8b_headline_model_has_llama_3_8b_s_shape():
+    from nanoserve.model.loader import load_config
+
+    cfg = load_config(gpu_suite.MODELS / "llama-8b")
+    shape = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
+    assert shape == (32, 4096, 32, 8, 128256)
