@@ -215,11 +215,16 @@ SWEEP = {  # the tile and launch settings --sweep times, per kind of case
                for st in (2, 3, 4)],
 }
 SWEEP_SPLITS = (2, 4)  # decode: also the context cut into this many parts (split-K), default tiles
+# Small decode batches, which split-K serves: the fewest positions a split takes
+# (paged_attention's `min_split_tokens`, MIN_SPLIT_TOKENS by default), 0 for no minimum.
+SWEEP_MIN_SPLIT = (0, 128, 256, 512)
 
 
 # A prefill case and two decode cases: head_dim 128, and 64 (Llama-3.2-1B's layer, the model of
-# the decode-step goal).
+# the decode-step goal); then split-K's cases, batch 1 and 16 at 1k (where it lost to the unsplit
+# kernel on an H200) and batch 1 at 16k (where it won 11x).
 SWEEP_CASES = [Case("prefill", 1, 4096, 2048), Case("decode", 64, 1024, 1), Case("decode", 64, 1024, 1, head_dim=64)]
+SPLIT_SWEEP_CASES = [Case("decode", 1, 1024, 1), Case("decode", 16, 1024, 1), Case("decode", 1, 16384, 1)]
 
 
 def sweep(dtype: torch.dtype, device: torch.device) -> list[dict]:
@@ -250,6 +255,25 @@ def sweep(dtype: torch.dtype, device: torch.device) -> list[dict]:
         best = min(timed, key=lambda r: r["ms"], default=None)
         print(f"{label}: default {default_ms:.3f} ms, best "
               + ("none compiled" if best is None else f"{best['ms']:.3f} ms with {best['tuning']}"), flush=True)
+    return rows + split_sweep(dtype, device)
+
+
+def split_sweep(dtype: torch.dtype, device: torch.device) -> list[dict]:
+    """Split-K's minimum positions per split (SWEEP_MIN_SPLIT) on SPLIT_SWEEP_CASES, the split
+    count as `decode_splits` picks it, beside the unsplit kernel: the data for MIN_SPLIT_TOKENS."""
+    rows = []
+    for case in SPLIT_SWEEP_CASES:
+        q, k_cache, v_cache, tables, seq_lens, qsl, _, _ = paged_inputs(case, dtype, device)
+        scale = case.head_dim ** -0.5
+        unsplit_ms = bench(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, None, scale,
+                                                   num_splits=1), device, 3)
+        splits = decode_splits(case.batch, case.kv_heads, device)
+        label = f"decode {case.batch}x{case.context} head_dim {case.head_dim}, {splits} splits"
+        for min_split in SWEEP_MIN_SPLIT:
+            ms = bench(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, None, scale,
+                                               min_split_tokens=min_split), device, 3)  # noqa: B023
+            rows.append(asdict(case) | {"tuning": {"min_split_tokens": min_split}, "ms": ms, "unsplit_ms": unsplit_ms})
+            print(f"{label}: min {min_split} positions a split {ms:.4f} ms (unsplit {unsplit_ms:.4f})", flush=True)
     return rows
 
 

@@ -209,3 +209,14 @@ def test_the_8b_headline_model_has_llama_3_8b_s_shape():
     cfg = load_config(gpu_suite.MODELS / "llama-8b")
     shape = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
     assert shape == (32, 4096, 32, 8, 128256)
+
+
+def test_the_split_k_sweep_runs_each_minimum_on_the_cpu_stand_in(monkeypatch):
+    """`attention.py --sweep`'s split-K part (MIN_SPLIT_TOKENS's data) runs and records every
+    minimum; on the CPU the interpreter never splits, so only the path is checked."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(attention, "SPLIT_SWEEP_CASES", [attention.Case("decode", 1, 40, 1, heads=4, kv_heads=2,
+                                                                        head_dim=16)])
+    rows = attention.split_sweep(torch.float32, torch.device("cpu"))
+    assert [r["tuning"]["min_split_tokens"] for r in rows] == list(attention.SWEEP_MIN_SPLIT)
+    assert all(r["ms"] > 0 and r["unsplit_ms"] > 0 for r in rows)

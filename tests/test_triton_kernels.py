@@ -88,14 +88,16 @@ def test_padding_rows_are_skipped_and_empty_batches_return():
 
 @settings(max_examples=60, deadline=None)
 @given(case_specs(dtypes=DTYPES, max_len=80, max_seqs=3).filter(lambda s: all(q.new == 1 for q in s.seqs)),
-       st.sampled_from([2, 3, 7, 32]), st.integers(0, 2**31 - 1))
-def test_split_decode_matches_reference(spec, splits, seed):
-    """Flash-decoding: each context cut into `splits` parts (some empty for short contexts),
-    combined by their log-sum-exp; BROS directions and shared pages included."""
+       st.sampled_from([2, 3, 7, 32]), st.sampled_from([0, 32, 256]), st.integers(0, 2**31 - 1))
+def test_split_decode_matches_reference(spec, splits, min_split, seed):
+    """Flash-decoding: each context cut into `splits` parts of at least `min_split` positions
+    (some empty for short contexts), combined by their log-sum-exp; BROS directions and shared
+    pages included."""
     case = build_case(spec, seed, DEVICE)
     reference.store_kv(case.new_k, case.new_v, case.k_cache, case.v_cache, case.slot_mapping)
     ref = reference.paged_attention(*case.attention_args(case.k_cache, case.v_cache))
-    out = paged_attention(*case.attention_args(case.k_cache, case.v_cache), num_splits=splits)
+    out = paged_attention(*case.attention_args(case.k_cache, case.v_cache), num_splits=splits,
+                          min_split_tokens=min_split)
     assert_matches(case, out, ref)
 
 
@@ -107,5 +109,7 @@ def test_split_decode_long_contexts(head_dim, num_heads, num_kv_heads):
     case = build_case(spec, seed=11, device=DEVICE)
     reference.store_kv(case.new_k, case.new_v, case.k_cache, case.v_cache, case.slot_mapping)
     ref = reference.paged_attention(*case.attention_args(case.k_cache, case.v_cache))
-    for splits in (1, 4, 5):
-        assert_matches(case, paged_attention(*case.attention_args(case.k_cache, case.v_cache), num_splits=splits), ref)
+    for splits, min_split in ((1, 0), (4, 0), (5, 0), (5, 64), (4, 256)):  # 256: the 300-token context in 2
+        out = paged_attention(*case.attention_args(case.k_cache, case.v_cache), num_splits=splits,
+                              min_split_tokens=min_split)
+        assert_matches(case, out, ref)
