@@ -31,6 +31,8 @@ recorded and the next step runs):
     fidelity      benchmarks/sim_fidelity.py: the simulator's roofline for this GPU vs the real engine,
                   its engine constants from a graphed and an eager batch-1 decode step (gpu_decode.py);
                   again with mixed-step graphs and asynchronous scheduling (the roofline's host_overlap)
+    limits        issue 47's Hopper-sized defaults: offline throughput of the 1B shape under each of LIMITS
+                  (token budget, max_num_seqs), from the CPU-sized default to vLLM's H100 ones and past
     kernel_tests  every test that runs a Triton kernel, compiled (long: leave it out of a short lease)
 
 It writes suite.json (every step's numbers and log tail) and suite.md (a summary table).
@@ -51,7 +53,10 @@ MODELS = ROOT / "benchmarks" / "gpu_models"
 # The order a short lease should run them in: the decode-step goal first, then whether the new
 # paths (asynchronous scheduling, mixed-step graphs, graph memory in the KV sizing) hold on CUDA.
 STEPS = ["env", "decode", "gemm", "tests", "serve7b", "offline8b", "throughput", "prefix_cache", "attention", "sweep",
-         "fidelity", "kernel_tests"]
+         "fidelity", "limits", "kernel_tests"]
+# (max_num_batched_tokens, max_num_seqs) the `limits` step runs: ours today (CPU-sized), vLLM's on
+# H100-class GPUs (8,192-16,384 tokens, 256 sequences), and wider.
+LIMITS = ((2048, 128), (8192, 256), (16384, 256), (16384, 512))
 # vLLM PR #7117 (before V1): 12,453 total tok/s offline on one H100, Llama-3-8B, 1,000 prompts of
 # 256 tokens in and 256 out.
 VLLM_8B_TOTAL_TOK_S = 12_453
@@ -267,6 +272,21 @@ def step_offline8b(out: Path, options: Options) -> dict:
                         ("sharegpt", ["--num-prompts", "1000", "--lengths", "sharegpt-ecoserve"])):
         path = out / f"offline8b_{mode}.json"
         results[mode] = run(base + flags + ["--json", str(path)], 240, out / f"offline8b_{mode}.log", path)
+    return results
+
+
+def step_limits(out: Path, options: Options) -> dict:
+    """Offline throughput of the 1B shape (1,000 prompts, the default lengths) under each of
+    LIMITS: the data to choose Hopper-sized defaults from."""
+    ckpt = build_checkpoint("llama-1b", options.cache)
+    results = {}
+    for tokens, seqs in LIMITS:
+        path = out / f"limits_{tokens}_{seqs}.json"
+        results[f"{tokens} tokens, {seqs} seqs"] = run(
+            [sys.executable, "benchmarks/throughput.py", "--model", str(ckpt), "--device", "cuda", "--dtype",
+             "bfloat16", "--num-prompts", "1000", "--kv-cache-tokens", "0", "--max-num-batched-tokens", str(tokens),
+             "--max-num-seqs", str(seqs), "--skip-hf", "--json", str(path)], 90, out / f"limits_{tokens}_{seqs}.log",
+            path)
     return results
 
 
