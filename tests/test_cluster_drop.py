@@ -15,6 +15,7 @@ from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.cluster.cluster import Cluster
+from nanoserve.cluster.group import GroupExecutor, GroupLayout
 from nanoserve.cluster.regroup import split_pool
 from nanoserve.config import EngineArgs
 
@@ -85,6 +86,22 @@ def assert_matches(expected, finished, copies: int = 1) -> None:
 def page_bytes() -> int:
     """One layer's K (or V) of one block: block_size x kv_heads x head_dim x fp32."""
     return BLOCK * 2 * (64 // 4) * 4  # the tiny llama of conftest: 2 KV heads of 16 dims
+
+
+def test_a_group_step_after_a_solo_step_widened_the_block_tables(llama_dir):
+    """The runner's block-table rows are re-allocated, wider, in a solo step, which runs under
+    inference mode; a group step then writes them, so it runs under inference mode too (found by
+    benchmarks/cluster.py's long prompts: the error came back as a lost peer, and the recovery it
+    set off left the regrouper with a group its members had left)."""
+    llm = LLM(str(llama_dir), device="cpu", dtype="float32", kv_cache_tokens=2048, block_size=BLOCK)
+    long_prompt = [5 + i % 200 for i in range(300)]  # 19 blocks: wider than the rows' first 16
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate([long_prompt], params, use_tqdm=False)[0]
+    engine = llm.engine
+    runner = engine.executor
+    layout = GroupLayout((0,), (range(runner.model_config.num_layers),))  # a group of one: no peer to talk to
+    engine.use_executor(GroupExecutor(runner, layout, 0, {0: list(range(engine.kv.num_blocks))}))
+    assert llm.generate([long_prompt], params, use_tqdm=False)[0].token_ids == alone.token_ids
 
 
 def test_drop_exchange_serve_restore_on_two_instances(llama_dir, expected):
@@ -327,6 +344,31 @@ def test_a_member_killed_mid_run_leaves_every_request_answered(llama_dir, expect
         assert all(instance == 0 for _, instance in cluster.retried)
         assert [g.instances for g in cluster.regrouper.groups] == [(0,)]
     assert_matches(expected, finished)  # survivors recomputed, retries restarted: same answers
+
+
+def test_a_member_lost_without_a_death_splits_its_group():
+    """A member whose group step failed (`PeerLost`) while every instance lives recovers as a
+    whole replica (`ClusterMember.recover`), so its group splits and its peer reloads too; before,
+    the regrouper kept the pair and the next restore asked a whole replica to pull layers."""
+    from nanoserve.cluster.load import InstanceLoad
+    from nanoserve.cluster.regroup import Regrouper
+
+    sent: list[dict] = []
+    replies = {"manifest": (), "reweigh": 10, "allocate": (), "recover": 0,
+               "exchange": {"sent": 0, "rounds": 0, "kept": 0, "weights_copied": 0}}
+
+    def call(messages):
+        sent.append(dict(messages))
+        return {i: replies[message[0]] for i, message in messages.items()}
+
+    loads = {i: InstanceLoad(i, 10, 10, 1, 1, 1, 1, replica_blocks=10) for i in (0, 1, 2)}
+    regrouper = Regrouper(3, [100] * 4, 40)
+    assert regrouper.drop({0: 1}, loads, call) is not None
+    pair = next(g for g in regrouper.groups if g.size == 2)
+    sent.clear()
+    regrouper.recover(set(), {pair.instances[0]}, loads, call)
+    assert sent == [{i: ("recover",) for i in pair.instances}]
+    assert all(g.size == 1 for g in regrouper.groups) and len(regrouper.groups) == 3
 
 
 def test_the_pool_is_shared_out_after_what_is_in_use():

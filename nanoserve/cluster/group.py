@@ -214,6 +214,9 @@ class GroupExecutor(Executor):
             work.extend((owner, translate(part, self.luts[owner])) for part in parts if part)
         return work
 
+    # Under inference mode, as the runner's own steps: the runner's tensors kept between steps (the
+    # block-table rows) may have been made in one, and only inference mode may write those.
+    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
         if batch.kv_copies:
             raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
@@ -254,6 +257,7 @@ class GroupExecutor(Executor):
         return out
 
     # -- MicrobatchPipeline, with steps in flight (`in_flight`) -----------------------------------
+    @torch.inference_mode()
     def submit(self, batch: SchedulerOutput) -> None:
         """One shared step: exchange step messages, queue every owner's batches as this step's
         wave, then run this stage over the wave of `position` steps ago."""
@@ -286,6 +290,7 @@ class GroupExecutor(Executor):
                     self._sends.append(p2p.isend(logits, owner, tag=self.LOGITS_TAG))
             self.busy_seconds += time.perf_counter() - begin
 
+    @torch.inference_mode()
     def collect(self) -> ExecutorOutput:
         """The oldest own step's tokens: its wave left the last stage during the latest shared
         step at the latest (the engine collects once `depth` steps are in flight)."""

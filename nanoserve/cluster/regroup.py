@@ -114,12 +114,15 @@ class Regrouper:
         return self._run("restore", plan.after.groups, loads, call)
 
     def recover(self, dead: set[int], lost: set[int], loads: Mapping[int, InstanceLoad], call: CallAll) -> LayoutChange:
-        """Split every group that lost a member; its survivors, and any member whose KV exchange
-        with the dead broke (`lost`), reload from the host copy."""
+        """Split every group that lost a member, or that has a member whose step or KV exchange
+        failed on a peer (`lost`); every live member of those groups reloads from the host copy
+        (`ClusterMember.recover` makes each a whole replica, so its group must split even when
+        no one died)."""
         started = time.perf_counter()
         before = self.groups
-        plan = plan_restore(before, self.layer_bytes, instances=(), failed=dead)
-        survivors = sorted({i for g in before if set(g.instances) & dead for i in g.instances} - dead | lost)
+        broken = {i for g in before if set(g.instances) & (dead | lost) for i in g.instances} | lost
+        survivors = sorted(broken - dead)
+        plan = plan_restore(before, self.layer_bytes, instances=survivors, failed=dead)
         call({i: ("recover",) for i in survivors})
         self.groups = plan.after.groups
         change = LayoutChange("recover", before, self.groups, time.perf_counter() - started, 0, 0, 0, 0,
