@@ -19,6 +19,11 @@ top of that); in flight, the next step's micro-batches fill what the last one's 
             │k+1││ k │ ─► stages ─►          stage 1        [k  ][k+1][k+2]
             └───┘└───┘    collect k ─► postprocess, schedule k+2, submit it
 
+A KunServe group with steps in flight (cluster/group.py) is a *clocked* pipeline: its stages
+move on only when every member submits, so the engine submits a step every time (an empty one
+when its policy has nothing to run) and collects once `depth` are in flight; `drain` lands them
+all before the group changes.
+
 Asynchronous scheduling (`SchedulerConfig.async_scheduling`, vLLM v1's) is the same loop over
 one device, two steps deep: the host schedules, prepares and launches step n+1, then waits for
 step n's tokens and post-processes them, all while the device runs step n+1. A request decoding
