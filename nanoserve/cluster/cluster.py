@@ -161,8 +161,10 @@ class Cluster:
 
     `args.async_pipeline` (ours; issue 46 item 5; needs `drop`): a drop's groups keep steps in
     flight, each stage working on a different step (cluster/group.py `GroupExecutor`,
-    `in_flight`), as the paper's members, vLLM engines with virtual engines, do. Before a
-    layout change or a background pull's phases the groups land them first (`drains`)."""
+    `in_flight`), as vLLM's pipeline parallelism keeps micro-batches in flight (virtual
+    engines); kunserve.txt §4.3 builds on such "modern pipeline implementations" and does not
+    say how its members step. Before a layout change or a background pull's phases the groups
+    land them first (`drains`)."""
 
     def __init__(self, args: EngineArgs, num_instances: int, drop: bool = False, chunk_bytes: int = 32 << 20,
                  restore_fraction: float = 0.5, peer_timeout_s: float = 60.0, background_restore: bool = True,
