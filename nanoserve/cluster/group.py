@@ -196,7 +196,6 @@ class GroupExecutor(Executor):
         self._waves: deque[tuple[int, list[Work]]] = deque()  # (step, its work)
         self._own: deque[_OwnStep] = deque()  # this member's steps submitted, oldest first
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self.most_in_flight = 0  # the most of its own steps in flight at once
 
     def request_preemption(self) -> None:
         self.runner.request_preemption()
@@ -207,6 +206,8 @@ class GroupExecutor(Executor):
     def _exchange(self, batch: SchedulerOutput, own: list[list[ScheduledChunk]]) -> list[Work]:
         """Swap step messages with the peers: every owner's micro-batches, (owner, chunks) in
         stage order (the same order on every member), on this member's blocks."""
+        if batch.kv_copies:
+            raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
         messages = exchange_objects(StepMessage.of(batch, own), self.me, self.peers)
         work: list[Work] = []
         for owner in self.layout.members:
@@ -218,8 +219,6 @@ class GroupExecutor(Executor):
     # block-table rows) may have been made in one, and only inference mode may write those.
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ExecutorOutput:
-        if batch.kv_copies:
-            raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
         self.steps += 1
         runner, cfg = self.runner, self.runner.model_config
         own = batch.microbatches or [batch.chunks]
@@ -261,14 +260,11 @@ class GroupExecutor(Executor):
     def submit(self, batch: SchedulerOutput) -> None:
         """One shared step: exchange step messages, queue every owner's batches as this step's
         wave, then run this stage over the wave of `position` steps ago."""
-        if batch.kv_copies:
-            raise RuntimeError("a regrouped pipeline runs over the arena, which makes no KV copies")
         self.steps += 1
         own = batch.microbatches or [batch.chunks]
         work = self._exchange(batch, own)
         self._own.append(_OwnStep(self.steps, [c.request for part in own for c in part if c.samples],
                                   [sum(c.samples for c in part) for part in own]))
-        self.most_in_flight = max(self.most_in_flight, len(self._own))
         self._waves.append((self.steps, work))
         self._sends = [s for s in self._sends if not s[0].is_completed()]
         if len(self._waves) > self.position:
