@@ -120,7 +120,7 @@ class Regrouper:
         no one died)."""
         started = time.perf_counter()
         before = self.groups
-        broken = {i for g in before if set(g.instances) & (dead | lost) for i in g.instances} | lost
+        broken = {i for g in before if set(g.instances) & (dead | lost) for i in g.instances}
         survivors = sorted(broken - dead)
         plan = plan_restore(before, self.layer_bytes, instances=survivors, failed=dead)
         call({i: ("recover",) for i in survivors})

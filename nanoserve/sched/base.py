@@ -49,9 +49,7 @@ class Scheduler(ABC):
         if unknown:
             raise ValueError(f"policy {config.policy!r} takes no option {', '.join(sorted(unknown))} "
                              f"(it takes: {', '.join(sorted(self.OPTIONS)) or 'none'})")
-        if config.microbatches_in_flight > 1 and not self.ASYNC_PIPELINE:
-            raise ValueError(f"policy {config.policy!r} cannot schedule for an asynchronous pipeline "
-                             f"(fcfs and kunserve can)")
+        self._check_in_flight(config)
         if config.async_scheduling and not self.ASYNC_SCHEDULING:
             raise ValueError(f"policy {config.policy!r} cannot schedule asynchronously (fcfs can)")
         self.kv = PagedKV(kv) if isinstance(kv, BlockPool) else kv
@@ -261,12 +259,14 @@ class Scheduler(ABC):
         """Plan for `steps` steps in flight from now on (a KunServe member whose group keeps its
         steps in flight, or 1 alone again): each step then takes a 1/steps share of the running
         requests, and none whose token is still in flight (`running_share`, `schedulable`)."""
-        if steps < 1:
-            raise ValueError(f"steps in flight must be >= 1, not {steps}")
-        if steps > 1 and not self.ASYNC_PIPELINE:
-            raise ValueError(f"policy {self.config.policy!r} cannot schedule for an asynchronous pipeline "
+        config = replace(self.config, microbatches_in_flight=steps)  # SchedulerConfig refuses steps < 1
+        self._check_in_flight(config)
+        self.config = config
+
+    def _check_in_flight(self, config: SchedulerConfig) -> None:
+        if config.microbatches_in_flight > 1 and not self.ASYNC_PIPELINE:
+            raise ValueError(f"policy {config.policy!r} cannot schedule for an asynchronous pipeline "
                              f"(fcfs and kunserve can)")
-        self.config = replace(self.config, microbatches_in_flight=steps)
 
     def use_pipeline(self, num_stages: int, microbatches_per_step: int, step_tokens: int | None = None) -> None:
         """The executor under this policy became a pipeline of `num_stages` stages (a cluster
