@@ -10,6 +10,7 @@ where the client sees them: for HTTP, when the first and last content chunks arr
 
     python benchmarks/server_load.py [--num-requests 128] [--rate 32] [--max-tokens 32] [--policy fcfs]
     python benchmarks/server_load.py --smoke      # a few requests: checks that it runs
+    python benchmarks/server_load.py --output-thread-ab   # in-process, outputs on/off the engine's thread
 
 Where the server process spends its CPU (Linux): over the timed run, each thread's CPU seconds
 from /proc. The main thread is the HTTP server (parsing, validation, tokenizing, JSON, streaming);
@@ -19,6 +20,11 @@ whether moving tokenizing and streaming off the engine's core could help TTFT; w
 engine thread may keep the GIL while the HTTP thread waits for it). `--warmup N` sends N requests
 shaped like the workload (another seed) before timing, instead of two 2-token ones: the first
 longer requests after start-up pay one-off costs that otherwise land in the TTFT p99.
+
+`--output-thread-ab` runs the in-process path twice on the same work, the outputs made on the
+engine's thread and then on a thread of their own (`EngineArgs.output_thread`,
+output_processor.py), and prints each thread's CPU seconds: the engine thread's are the host
+work in series with a GPU's steps, what the output thread takes off it.
 """
 from __future__ import annotations
 
@@ -176,6 +182,42 @@ def serve_process(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
+def output_thread_ab(args: argparse.Namespace, warm: list[Work]) -> None:
+    """The in-process path with outputs made on the engine's thread, then on their own."""
+    work = workload(args.num_requests, args.rate, args.max_tokens, args.seed, VOCAB)
+    rows = []
+    for on in (False, True):
+        engine = AsyncEngine.build(lambda: build_engine(EngineArgs(model=args.model, device=args.device,
+                                                                   policy=args.policy,
+                                                                   max_num_seqs=args.max_num_seqs,
+                                                                   output_thread=on)), output_thread=on)
+        engine.start()
+        try:
+            asyncio.run(drive_engine(engine, warm))
+            threads = engine.thread_ids()
+            before = thread_cpu_seconds(os.getpid())
+            row = summary(f"outputs on {'their own thread' if on else 'the engine thread'}",
+                          asyncio.run(drive_engine(engine, work)), len(work) * args.max_tokens)
+            after = thread_cpu_seconds(os.getpid())
+        finally:
+            engine.shutdown()
+            engine.engine.shutdown()
+        for name, tid in threads.items():
+            row[f"{name}_cpu_s"] = after.get(tid, 0.0) - before.get(tid, 0.0) if tid is not None else 0.0
+        rows.append(row)
+    print(f"{args.num_requests} requests, Poisson {args.rate:g}/s, prompts 16-128 tokens, {args.max_tokens} output "
+          f"tokens each, policy {args.policy}, max_num_seqs {args.max_num_seqs}, in-process; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
+    print("| outputs made on | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+          "engine thread CPU-s | output thread CPU-s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['path'].removeprefix('outputs on ')} | {row['tok_s']:.1f} | {row['ttft_p50_ms']:.0f} | "
+              f"{row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} | {row['tpot_p99_ms']:.1f} | "
+              f"{row['engine_cpu_s']:.2f} | {row['outputs_cpu_s']:.2f} |")
+    print(f"\nown thread / engine thread throughput: {rows[1]['tok_s'] / rows[0]['tok_s']:.3f}")
+
+
 def summary(label: str, timings: list[Timing], expected_tokens: int) -> dict:
     tokens = sum(t.tokens for t in timings)
     assert tokens == expected_tokens, f"{label}: {tokens} tokens, expected {expected_tokens}"
@@ -202,10 +244,15 @@ def main() -> None:
     p.add_argument("--gil-switch-interval", type=float, default=None, metavar="S",
                    help="run the server with sys.setswitchinterval(S) (Python's default: 0.005)")
     p.add_argument("--smoke", action="store_true", help="8 requests of 4 tokens")
+    p.add_argument("--output-thread-ab", action="store_true",
+                   help="in-process only: outputs on the engine's thread, then on their own (EngineArgs.output_thread)")
     args = p.parse_args()
     if args.smoke:
         args.num_requests, args.max_tokens = 8, 4
     warm = warmup_work(args.warmup, args.max_tokens, args.seed)
+    if args.output_thread_ab:
+        output_thread_ab(args, warm)
+        return
 
     proc, url = serve_process(args)  # the server first, alone on the machine
     try:

@@ -5,6 +5,17 @@ asyncio handlers talk to it through queues.
        ▲                                                                        │
        └───────────────────────── async for output in stream ◄──────────────────┘
 
+With `output_thread` (the default), the engine thread stops at the core outputs
+(`step_core`) and a second thread makes the outputs: it detokenizes, finds stop strings and
+builds each request's snapshot while the engine thread schedules and launches the next step or
+waits for the device (output_processor.py; vLLM v1 runs this in another process). A stop string
+it finds goes back through the inbox (`stop_request`). Errors and outputs reach a stream through
+that thread in the order the engine made them.
+
+    engine thread: step_core() ──► output queue ──► output thread: process() ──► per-request queue
+                         ▲                                   │
+                         └──────── inbox: StringStop ◄───────┘
+
 The engine is any `ServingEngine` (serving.py): one `Engine`, or KunServe's cluster behind its
 adapter (`ClusterEngine`, `nanoserve serve --instances N`); this loop calls only the interface.
 
@@ -45,7 +56,8 @@ import torch
 
 from nanoserve.cluster_stats import ClusterStats
 from nanoserve.engine_stats import EngineStats
-from nanoserve.outputs import RequestOutput
+from nanoserve.output_processor import OutputProcessor
+from nanoserve.outputs import EngineCoreOutput, RequestOutput, StringStop
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import ServingEngine
 from nanoserve.slo import SLO, RequestClass
@@ -88,35 +100,60 @@ class _Call:
     loop: asyncio.AbstractEventLoop
 
 
-Message = _Add | _Abort | _Call
+@dataclass(frozen=True)
+class _Stop:
+    """End a request at the stop string the output thread found."""
+    stop: StringStop
+
+
+Message = _Add | _Abort | _Call | _Stop
+
+
+@dataclass(frozen=True)
+class _Core:
+    """Core outputs for the output thread to make outputs of."""
+    outputs: list[EngineCoreOutput]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The request failed (`error` goes to its stream); the output thread forgets it."""
+    request_id: str
+    error: BaseException
 
 
 class AsyncEngine:
     @classmethod
-    def build(cls, make_engine: Callable[[], ServingEngine]) -> AsyncEngine:
-        """`AsyncEngine(make_engine())`, run on a thread of its own that has ended when this
-        returns: the way to start a server's engine (the module docstring says why). Built there,
-        the AsyncEngine takes the CUDA device build_engine set on that thread. Exceptions from
-        the build propagate."""
+    def build(cls, make_engine: Callable[[], ServingEngine], output_thread: bool = True) -> AsyncEngine:
+        """`AsyncEngine(make_engine(), output_thread)`, run on a thread of its own that has ended
+        when this returns: the way to start a server's engine (the module docstring says why).
+        Built there, the AsyncEngine takes the CUDA device build_engine set on that thread.
+        Exceptions from the build propagate."""
         with ThreadPoolExecutor(1, thread_name_prefix="nanoserve-build") as pool:  # joined on exit
-            return pool.submit(lambda: cls(make_engine())).result()
+            return pool.submit(lambda: cls(make_engine(), output_thread)).result()
 
-    def __init__(self, engine: ServingEngine):
+    def __init__(self, engine: ServingEngine, output_thread: bool = True):
+        """`output_thread`: make the outputs on a thread of their own (the module docstring),
+        where the engine lets its caller (`ServingEngine.output_processor`)."""
         self.engine = engine
         self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        # Written by handlers (generate), read and emptied by the thread that delivers outputs.
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         # CUDA's current device is per thread: the engine thread takes the one the engine was
         # built on (build_engine set it), or Triton and the copy streams would use cuda:0.
         self._cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._processor: OutputProcessor | None = engine.output_processor() if output_thread else None
+        self._outbox: queue.SimpleQueue[_Core | _Failed | None] = queue.SimpleQueue()
+        self._output_thread: threading.Thread | None = None
         self._stats = engine.stats()
         self._cluster_stats = engine.cluster_stats()
         # Called from the engine thread with each step's wall-clock seconds (the server's metrics).
         # Told of each step that ran: its wall-clock seconds and the tokens it scheduled.
         self.step_observers: list[Callable[[float, int], None]] = []
         self.last_error: str | None = None
-        self._deferred: list[_Abort | _Call | None] = []  # inbox messages that must wait for the step's end
+        self._deferred: list[_Abort | _Call | _Stop | None] = []  # inbox messages that must wait for the step's end
         # ConServe's Alg. 2 runs when an online request arrives, which may be in the middle of a
         # forward pass; the runner's safe points let this loop take arrivals in then. Only for
         # a policy that can ask to stop the forward: others see the arrival one step later.
@@ -161,10 +198,25 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def makes_outputs_on_own_thread(self) -> bool:
+        """Whether a thread of their own makes the outputs (the module docstring)."""
+        return self._processor is not None
+
+    def thread_ids(self) -> dict[str, int | None]:
+        """The OS ids of the engine thread and the output thread (None: not running), for a
+        benchmark that reads their CPU time."""
+        return {"engine": self._thread.native_id if self._thread is not None else None,
+                "outputs": self._output_thread.native_id if self._output_thread is not None else None}
+
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         if self.is_running:
             return
+        if self._processor is not None:
+            self._output_thread = threading.Thread(target=self._output_loop, args=(self._processor,),
+                                                   name="nanoserve-outputs", daemon=True)
+            self._output_thread.start()
         self._thread = threading.Thread(target=self._loop, name="nanoserve-engine", daemon=True)
         self._thread.start()
 
@@ -174,6 +226,10 @@ class AsyncEngine:
         self._inbox.put(None)
         self._thread.join(timeout)
         self._thread = None
+        if self._output_thread is not None:  # after the engine thread's last outputs and errors
+            self._outbox.put(None)
+            self._output_thread.join(timeout)
+            self._output_thread = None
 
     # -- the handler side ----------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -192,8 +248,12 @@ class AsyncEngine:
             raise EngineError("the engine is not running")
         request_id = request_id or f"req-{next(self._ids)}"
         sink: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        entry = (sink, loop)
+        if self._sinks.setdefault(request_id, entry) is not entry:  # atomic: one of two handlers wins
+            raise ValueError(f"request id {request_id!r} is already in use")
         self._inbox.put(_Add(request_id, token_ids, prompt if isinstance(prompt, str) else None,
-                             params, sink, asyncio.get_running_loop(), RequestClass(priority), slo))
+                             params, sink, loop, RequestClass(priority), slo))
         finished = False
         try:
             while True:
@@ -225,11 +285,12 @@ class AsyncEngine:
 
     # -- the engine thread ---------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Hand an output or error to its stream (from the thread that makes outputs)."""
         sink = self._sinks.get(request_id)
         if sink is None:
             return
         if isinstance(item, BaseException) or item.finished:
-            del self._sinks[request_id]
+            self._sinks.pop(request_id, None)
         q, loop = sink
         try:
             loop.call_soon_threadsafe(q.put_nowait, item)
@@ -246,16 +307,30 @@ class AsyncEngine:
                 self._settle(message, result)
             return
         if isinstance(message, _Abort):
-            out = self.engine.abort_request(message.request_id)
-            if out is not None:
-                self._deliver(message.request_id, out)
+            if self._processor is not None:
+                core = self.engine.abort_core(message.request_id)
+                if core is not None:
+                    self._outbox.put(_Core([core]))
+            else:
+                out = self.engine.abort_request(message.request_id)
+                if out is not None:
+                    self._deliver(message.request_id, out)
             return
-        self._sinks[message.request_id] = (message.sink, message.loop)
+        if isinstance(message, _Stop):
+            self.engine.stop_request(message.stop)
+            return
         try:
             self.engine.add_request(message.token_ids, message.params, message.request_id,
                                     prompt_text=message.prompt, priority=message.priority, slo=message.slo)
         except Exception as exc:  # e.g. a duplicate id: the request's own problem
-            self._deliver(message.request_id, exc)
+            self._fail(message.request_id, exc)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """Send a request's error to its stream, after the outputs made before it."""
+        if self._processor is not None:
+            self._outbox.put(_Failed(request_id, error))
+        else:
+            self._deliver(request_id, error)
 
     @staticmethod
     def _settle(call: _Call, outcome: Any) -> None:
@@ -311,7 +386,13 @@ class AsyncEngine:
                 continue
             try:
                 started = time.perf_counter()
-                outputs = self.engine.step()
+                if self._processor is not None:
+                    core = self.engine.step_core()
+                    if core:
+                        self._outbox.put(_Core(core))
+                    outputs = []
+                else:
+                    outputs = self.engine.step()
                 for observe in self.step_observers:
                     observe(time.perf_counter() - started, self.engine.last_step_tokens)
             except Exception as exc:
@@ -323,13 +404,43 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
             self._publish_stats()
 
+    # -- the output thread ----------------------------------------------------------------
+    def _output_loop(self, processor: OutputProcessor) -> None:
+        """Make and deliver the outputs of the engine thread's core outputs, in its order; send
+        the stop strings found back to it."""
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            if isinstance(item, _Failed):
+                processor.forget([item.request_id])
+                self._deliver(item.request_id, item.error)
+                continue
+            try:
+                made, stops = processor.process(item.outputs)
+            except Exception as exc:  # a bug here: fail these requests, keep serving the rest
+                log.error("making outputs failed:\n%s", traceback.format_exc())
+                error = EngineError(f"the engine failed while serving this request: {type(exc).__name__}: {exc}")
+                for core in item.outputs:
+                    processor.forget([core.request_id])
+                    self._deliver(core.request_id, error)
+                    self._inbox.put(_Abort(core.request_id))
+                continue
+            for stop in stops:
+                self._inbox.put(_Stop(stop))
+            for out in made:
+                self._deliver(out.request_id, out)
+
     def _publish_stats(self) -> None:
         self._stats = self.engine.stats()
         self._cluster_stats = self.engine.cluster_stats()
 
     def _fail_all(self, error: EngineError) -> None:
         for request_id in self.engine.unfinished_request_ids():
-            self.engine.abort_request(request_id)
-            self._deliver(request_id, error)
+            if self._processor is not None:
+                self.engine.abort_core(request_id)  # its output processor forgets it on `_fail`
+            else:
+                self.engine.abort_request(request_id)
+            self._fail(request_id, error)
         for request_id in list(self._sinks):
-            self._deliver(request_id, error)
+            self._fail(request_id, error)

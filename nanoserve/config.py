@@ -65,6 +65,11 @@ class EngineArgs:
     # n+1 while the device runs step n. fcfs; no host KV store (its copy stream would not be
     # ordered after a step still in flight). Off by default.
     async_scheduling: bool = False
+    # A server makes its outputs (detokenizing, stop strings, each request's snapshot) on a
+    # thread of its own, off the engine's (async_engine.py, output_processor.py; vLLM v1 uses a
+    # process): on a GPU that host work no longer runs in series with the steps. Neutral on our
+    # 2-core CPU (benchmarks/RESULTS.md, "Outputs off the engine's thread"), so on everywhere.
+    output_thread: bool = True
     # Decode steps replay CUDA graphs (model/cuda_graphs.py) on one CUDA device unless this is
     # set (vLLM's enforce_eager). `decode_graph_sizes`: the batch sizes to record; None: 1, 2, 4,
     # 8, then every 8 up to max_num_seqs on CUDA, none elsewhere (given on a CPU, the same path

@@ -3,7 +3,11 @@
     add_request ─► Scheduler.waiting
     step():  batch = scheduler.schedule()        which requests advance, by how many tokens
              result = executor.execute(batch)    real model (ModelRunner) or simulator
-             postprocess(batch, result)          append tokens, detokenize, stop, free KV
+             postprocess(batch, result)          append tokens, stop, free KV: EngineCoreOutputs
+             outputs.process(core outputs)       detokenize, stop strings: RequestOutputs
+
+`step` does all of it; `step_core` stops before the last line, for a caller that makes the
+outputs on a thread of its own (output_processor.py says why, and how stop strings come back).
 
 The engine is single-threaded. The server drives it from one background thread
 (`async_engine.py`); `LLM.generate` drives it in a plain loop.
@@ -48,14 +52,15 @@ from nanoserve.engine_stats import EngineStats
 from nanoserve.executor import Executor, ExecutorOutput, MicrobatchPipeline
 from nanoserve.grammar import CompiledGrammar, GrammarBackend, GrammarCompiler, make_backend
 from nanoserve.memory.manager import KVManager
-from nanoserve.outputs import RequestMetrics, RequestOutput
+from nanoserve.output_processor import OutputProcessor, RequestText
+from nanoserve.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, StringStop
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling import SamplingParams
 from nanoserve.sched.base import Scheduler
 from nanoserve.sched.output import SchedulerOutput
 from nanoserve.serving import ServingEngine
 from nanoserve.slo import PRIORITIES, SLO, ClassMetrics, RequestClass
-from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.engine")
 
@@ -63,8 +68,7 @@ log = logging.getLogger("nanoserve.engine")
 class Handover(NamedTuple):
     """A request between two engines (`Engine.detach_request` -> `attach_request`)."""
     request: Request
-    emitted: int  # characters of its text already streamed
-    detokenizer: IncrementalDetokenizer | None
+    text: RequestText | None  # its output so far (detokenizer, text streamed)
 
 
 class _StoppedExecutor(Executor):
@@ -90,7 +94,8 @@ class Engine(ServingEngine):
         """`calibrate_cost_model`: scale the policy's cost model by how long steps really take
         (`sched.cost_model.Calibration`); for a real executor, not a mock one. Without
         `stream_outputs`, `step` returns only the requests that finished (the simulator's
-        choice: an output per token is a third of a simulated step's cost). `pipeline`: run
+        choice: an output per token is a third of a simulated step's cost), and a request
+        without stop strings makes a core output only when it finishes. `pipeline`: run
         steps through it asynchronously (see the module docstring); the scheduler must be
         configured with `steps_in_flight` equal to its depth. Asynchronous scheduling is such a
         pipeline of depth 2 over one device (`ModelRunner.submit`). `sampling_defaults`: the
@@ -126,8 +131,10 @@ class Engine(ServingEngine):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, int] = {}  # characters of output text already handed out
+        # The text half of each step (output_processor.py); `step_core`'s caller may run it
+        # elsewhere. `_reported`: per live request, its output tokens already in a core output.
+        self.outputs = OutputProcessor(tokenizer, stream_outputs)
+        self._reported: dict[str, int] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -173,10 +180,8 @@ class Engine(ServingEngine):
         if params.bad_words:
             request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.requests[request_id] = request
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids,
-                                                                    params.skip_special_tokens)
-        self._emitted[request_id] = 0
+        self.outputs.add_request(request_id, request.prompt, token_ids, params)
+        self._reported[request_id] = 0
         self.prompt_tokens_total += len(token_ids)
         if params.structured_outputs is not None:
             request.grammar_after_token = self._reasoning_end_token(token_ids)
@@ -221,10 +226,12 @@ class Engine(ServingEngine):
         last_start = len(prompt) - 1 - prompt[::-1].index(start)
         return end if end not in prompt[last_start:] else None
 
-    def _admit_compiled(self) -> None:
-        """Schedule the requests whose grammars have compiled; a failed compile ends its request."""
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Schedule the requests whose grammars have compiled; a failed compile ends its request
+        (its final core output is returned)."""
+        failed: list[EngineCoreOutput] = []
         if not self._awaiting_grammar:
-            return
+            return failed
         if not self.scheduler.has_unfinished_requests() and not self._in_flight:
             # Nothing else to run: wait a little for a compile rather than spin.
             wait([f for _, f in self._awaiting_grammar.values()], timeout=0.05, return_when=FIRST_COMPLETED)
@@ -237,8 +244,10 @@ class Engine(ServingEngine):
             except Exception as exc:  # a constraint `check` passed that the library still refused
                 request.stop_reason = f"structured_outputs: {exc}"
                 self._finish_unscheduled(request)
+                failed.append(self._core_output(request, self.clock()))
                 continue
             self._schedule(request)
+        return failed
 
     def _finish_unscheduled(self, request: Request) -> None:
         """End a request the scheduler never saw (still waiting for its grammar)."""
@@ -261,16 +270,49 @@ class Engine(ServingEngine):
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its KV. Unknown or finished ids are ignored."""
+        core = self.abort_core(request_id)
+        made = self.make_outputs([core] if core is not None else [])
+        return made[0] if made else None
+
+    def abort_core(self, request_id: str) -> EngineCoreOutput | None:
+        """`abort_request`, for a caller that makes the outputs itself (`step_core`): the
+        request's final core output, or None for an unknown or finished id."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         if self._awaiting_grammar.pop(request_id, None) is not None:
             self._finish_unscheduled(request)
-            return self._output(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED, self.clock())
+            return self._core_output(request, self.clock())
+        now = self.clock()
+        self._finish(request, RequestStatus.FINISHED_ABORTED, now)
         if not self.has_unfinished_requests():
             self.scheduler.settle()
-        return self._output(request)
+        return self._core_output(request, now)
+
+    def stop_request(self, stop: StringStop) -> None:
+        """End a request at the stop string the output processor found (`make_outputs`, or the
+        caller of `step_core`): it finishes as stopped after the stop's token, at that token's
+        time, and any tokens computed past it are dropped. Ignored if it has already finished
+        (by EOS or its length at the same token, or an abort)."""
+        request = self.requests.get(stop.request_id)
+        if request is None or request.is_finished:
+            return
+        request.stop_reason = stop.stop
+        self._finish(request, RequestStatus.FINISHED_STOPPED, stop.time, stop.num_output_tokens)
+        self._forget(request.request_id)
+        if not self.has_unfinished_requests():
+            self.scheduler.settle()
+
+    def output_processor(self) -> OutputProcessor:
+        return self.outputs
+
+    def make_outputs(self, core_outputs: Sequence[EngineCoreOutput]) -> list[RequestOutput]:
+        """The text half of a step, on this thread: the engine's output processor makes the
+        `RequestOutput`s, and the requests whose stop strings it found end here."""
+        made, stops = self.outputs.process(core_outputs)
+        for stop in stops:
+            self.stop_request(stop)
+        return made
 
     def detach_request(self, request_id: str) -> Handover:
         """Hand a request over to another engine (Llumnix's migration): it leaves this engine's
@@ -280,7 +322,8 @@ class Engine(ServingEngine):
             raise ValueError(f"{request_id} is in a micro-batch still in flight; detach it after that lands")
         request = self.requests.pop(request_id)
         self.scheduler.detach(request)
-        return Handover(request, self._emitted.pop(request_id), self._detokenizers.pop(request_id, None))
+        self._reported.pop(request_id, None)
+        return Handover(request, self.outputs.detach(request_id))
 
     def attach_request(self, handover: Handover) -> None:
         """Go on serving a request `detach_request` took from another engine; its K/V must
@@ -290,9 +333,9 @@ class Engine(ServingEngine):
             raise ValueError(f"request {request.request_id!r} is already here")
         self.scheduler.attach(request)
         self.requests[request.request_id] = request
-        if handover.detokenizer is not None:
-            self._detokenizers[request.request_id] = handover.detokenizer
-        self._emitted[request.request_id] = handover.emitted
+        self._reported[request.request_id] = request.num_output_tokens
+        if handover.text is not None:
+            self.outputs.attach(handover.text)
 
     def set_stream_outputs(self, stream: bool) -> bool:
         """Whether `step` returns an output for every request it advanced (True) or only for
@@ -300,6 +343,7 @@ class Engine(ServingEngine):
         runs: it needs only the finished requests, and an output per token costs a copy of the
         request's tokens so far."""
         previous, self.stream_outputs = self.stream_outputs, stream
+        self.outputs.stream = stream
         return previous
 
     def use_executor(self, executor: Executor, pipeline: MicrobatchPipeline | None = None) -> None:
@@ -374,7 +418,18 @@ class Engine(ServingEngine):
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one step; return outputs of those that changed."""
-        self._admit_compiled()
+        return self.make_outputs(self.step_core())
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """`step` up to its text: the core outputs of the requests that changed, for a caller
+        that makes the outputs itself (the output processor `outputs`, on a thread of its own;
+        the `StringStop`s it finds go to `stop_request`)."""
+        failed = self._admit_compiled()
+        if failed:
+            return failed + self._step_core()
+        return self._step_core()
+
+    def _step_core(self) -> list[EngineCoreOutput]:
         if self.pipeline is not None:
             return self._pipelined_step(self.pipeline)
         # The scheduler's clock: wall time in a server, virtual time in the simulator, where the
@@ -388,7 +443,7 @@ class Engine(ServingEngine):
             self.scheduler.settle()
             return []
         result = self.executor.execute(batch)
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineCoreOutput] = []
         # ConServe's layer-wise preemption (conserve.txt §4.3): the runner stopped a pure-offline
         # forward at a safe point for an online arrival. The step is discarded: no request
         # advances or samples, so none loses a token; the K/V it wrote past num_computed_tokens
@@ -413,14 +468,14 @@ class Engine(ServingEngine):
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
 
-    def _end_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _end_step(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if not self.has_unfinished_requests():
             self.scheduler.settle()  # idle from here: free what the last copies held
         if self.check_invariants:
             self.kv.check_invariants()
         return outputs
 
-    def _pipelined_step(self, pipeline: MicrobatchPipeline) -> list[RequestOutput]:
+    def _pipelined_step(self, pipeline: MicrobatchPipeline) -> list[EngineCoreOutput]:
         """Submit one more micro-batch if the pipeline has room and the policy has work; when it
         is full (or nothing else can run until a token lands), collect the oldest and
         postprocess it. Returns [] while it is still filling. The cost model is not calibrated
@@ -458,7 +513,7 @@ class Engine(ServingEngine):
         pipeline = self.pipeline
         if pipeline is None or not self._in_flight:
             return []
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineCoreOutput] = []
         try:
             if pipeline.clocked:
                 for _ in range(pipeline.depth - 1):
@@ -468,14 +523,14 @@ class Engine(ServingEngine):
         except BaseException:
             self._discard_in_flight(pipeline)
             raise
-        return self._end_step(outputs)
+        return self.make_outputs(self._end_step(outputs))
 
     def _submit(self, pipeline: MicrobatchPipeline, batch: SchedulerOutput) -> None:
         self.scheduler.update_after_submit(batch)
         self._in_flight.append(batch)
         pipeline.submit(batch)
 
-    def _land(self, pipeline: MicrobatchPipeline) -> list[RequestOutput]:
+    def _land(self, pipeline: MicrobatchPipeline) -> list[EngineCoreOutput]:
         """Collect the oldest step in flight and postprocess it."""
         result = pipeline.collect()
         batch = self._in_flight.popleft()
@@ -495,7 +550,7 @@ class Engine(ServingEngine):
         self._in_flight.clear()
         pipeline.discard_in_flight()
 
-    def _postprocess(self, batch: SchedulerOutput, result: ExecutorOutput, now: float) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, result: ExecutorOutput, now: float) -> list[EngineCoreOutput]:
         outputs = []
         for request_id, (first, rows) in result.prompt_logprobs.items():
             request = self.requests.get(request_id)
@@ -516,15 +571,17 @@ class Engine(ServingEngine):
                 log.error("%s: token %d is not in its grammar; the request is aborted", request.request_id, token)
                 request.stop_reason = "structured_outputs: the output left its grammar"
                 self._finish(request, RequestStatus.FINISHED_ABORTED, now)
-                outputs.append(self._output(request, new_tokens=1))
+                outputs.append(self._core_output(request, now))
                 continue
             if request.logprobs is not None:
                 request.logprobs.append(result.logprobs[request.request_id])
             status = self._stop_status(request, token)
             if status is not None:
                 self._finish(request, status, now)
-            if self.stream_outputs or status is not None:
-                outputs.append(self._output(request, new_tokens=1))
+            # The output processor needs each token of a request with stop strings at once, to
+            # end it there; the others' tokens can wait for their finish unless streamed.
+            if self.stream_outputs or status is not None or request.params.stop_strings:
+                outputs.append(self._core_output(request, now))
         return outputs
 
     @staticmethod
@@ -539,22 +596,11 @@ class Engine(ServingEngine):
         return request.grammar.accept(token)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        """Whether `token` ends the request, by what the engine can see without its text; stop
+        strings are the output processor's (`make_outputs`)."""
         params = request.params
-        detok = self._detokenizers.get(request.request_id)
         # vLLM's min_tokens: no stop of any kind (EOS, stop tokens, stop strings) before it.
         may_stop = request.num_output_tokens >= params.min_tokens
-        if detok is not None:
-            before = len(detok.text)
-            detok.append(token)
-            text = detok.text
-            # A stop string this token completed must end in the new text: search only there.
-            for stop in params.stop_strings if may_stop else ():
-                at = text.find(stop, max(0, before - len(stop) + 1))
-                if at >= 0:
-                    request.output_text = text[:at + len(stop) if params.include_stop_str_in_output else at]
-                    request.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
-            request.output_text = text
         if request.grammar is not None and request.grammar.is_terminated():
             return RequestStatus.FINISHED_STOPPED  # the output is complete: its grammar took EOS
         if may_stop and not params.ignore_eos and token in request.eos_token_ids:
@@ -566,10 +612,15 @@ class Engine(ServingEngine):
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+    def _finish(self, request: Request, status: RequestStatus, now: float,
+                num_output_tokens: int | None = None) -> None:
+        """End the request and free its KV. `num_output_tokens`: where its output ends, if
+        tokens past that were computed (a stop string found after they were)."""
         if request.is_finished:
             return
         self.scheduler.finish_request(request, status)
+        if num_output_tokens is not None:  # after the KV is freed: its blocks hold what was computed
+            request.truncate_output(num_output_tokens)
         request.finished_time = now
         self.requests_finished_total += 1
         if status != RequestStatus.FINISHED_ABORTED:
@@ -577,35 +628,32 @@ class Engine(ServingEngine):
             self.class_metrics[request.priority].observe(metrics.ttft, metrics.tpot, metrics.num_output_tokens,
                                                          request.slo, request.arrival_time, now)
 
-    def _output(self, request: Request, new_tokens: int = 0) -> RequestOutput:
+    def _core_output(self, request: Request, now: float) -> EngineCoreOutput:
+        """The request's tokens and logprobs since its last core output; a finished request is
+        forgotten here."""
         rid = request.request_id
-        # While a stop string may still be forming, hold back the characters that could begin it.
-        hold = 0 if request.is_finished else max((len(s) - 1 for s in request.params.stop_strings), default=0)
-        visible = len(request.output_text) - hold
-        start = self._emitted[rid]
-        new_text = request.output_text[start:visible] if visible > start else ""
-        self._emitted[rid] = max(start, visible)
-        output = RequestOutput(
+        reported = self._reported.get(rid, 0)
+        n = request.num_output_tokens
+        self._reported[rid] = n
+        output = EngineCoreOutput(
             request_id=rid,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            text=request.output_text,
-            token_ids=request.output_token_ids,
+            new_token_ids=request.token_ids[request.num_prompt_tokens + reported:],
+            new_logprobs=request.logprobs[reported:] if request.logprobs is not None else None,
             finish_reason=request.finish_reason,
-            logprobs=list(request.logprobs) if request.logprobs is not None else None,
-            metrics=self._metrics(request),
-            new_text=new_text,
-            new_token_ids=request.token_ids[len(request.token_ids) - new_tokens:] if new_tokens else [],
             stop_reason=request.stop_reason,
+            metrics=self._metrics(request),
+            time=now,
             num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
         if request.is_finished:
-            self.requests.pop(rid, None)
-            self._detokenizers.pop(rid, None)
-            self._emitted.pop(rid, None)
-            self._constrained.discard(rid)
+            self._forget(rid)
         return output
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._reported.pop(request_id, None)
+        self._constrained.discard(request_id)
 
     @staticmethod
     def _metrics(request: Request) -> RequestMetrics:

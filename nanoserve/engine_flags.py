@@ -64,6 +64,9 @@ _FLAGS: list[tuple[tuple[str, ...], str, Callable[[str], Any] | str, str, tuple[
      "--drop: the same in a drop's pipeline groups", None),
     (("--async-scheduling",), "async_scheduling", "switch",
      "one device: schedule and prepare the next step while the device runs this one (fcfs)", None),
+    (("--output-thread",), "output_thread", "on-off",
+     "make outputs (detokenize, stop strings) on a thread of their own, off the engine's; "
+     "--no-output-thread keeps them on the engine's thread", None),
     (("--enforce-eager",), "enforce_eager", "switch", "on a GPU: no CUDA graphs", None),
     (("--mixed-graphs",), "mixed_graphs", "switch",
      "on a GPU: CUDA graphs for steps that mix prompt chunks with decodes too", None),

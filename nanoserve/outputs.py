@@ -1,4 +1,11 @@
-"""What the engine hands back to callers: one `RequestOutput` per request per step it advanced."""
+"""What the engine hands back to callers: one `RequestOutput` per request per step it advanced.
+
+A step's results are made in two halves, as in vLLM v1. The engine's thread makes an
+`EngineCoreOutput` per request, the token-level facts (new token ids, logprobs, whether EOS, a
+stop token or the length ended it); the `OutputProcessor` (output_processor.py) turns those into
+`RequestOutput`s, the text half (detokenizing, stop strings, the snapshot a caller keeps). A stop
+string it finds comes back to the engine as a `StringStop`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,6 +24,40 @@ class RequestMetrics:
     num_preemptions: int = 0
     queue_time: float | None = None  # arrival to first scheduled
     prefill_time: float | None = None  # first scheduled to first token
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """What the engine's latest steps did to one request, before any text is made (vLLM v1's
+    `EngineCoreOutput`): the tokens and logprobs added since the request's previous core output,
+    and its finish if it finished. `time`: when the newest token was appended (the scheduler's
+    clock); `metrics`: the request's latencies then."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    metrics: RequestMetrics
+    time: float
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # all rows so far, when asked for
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StringStop:
+    """A stop string the output processor found: the request ends after its first
+    `num_output_tokens` output tokens, the one at `time` completing `stop`. The engine may have
+    computed tokens past it meanwhile (outputs made on another thread); it drops them."""
+
+    request_id: str
+    num_output_tokens: int
+    stop: str
+    time: float
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,8 @@ class Request:
     # after which the grammar starts to apply (None: it applies now).
     grammar: GrammarMatcher | None = field(default=None, repr=False)
     grammar_after_token: int | None = None
-    # Text state, filled by the engine's detokenizer.
-    output_text: str = ""
+    # What ended it: a stop string or stop token (the output's text lives in the engine's
+    # output processor, output_processor.py).
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     # Per prompt token, {token: logprob} with the top alternatives; None for the first (nothing
@@ -138,6 +138,15 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first `num_output_tokens` output tokens (and their logprobs): a stop
+        string ended the output there after later tokens were computed. Only for a finished
+        request, whose KV is already freed."""
+        assert self.is_finished
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens:]
+        if self.logprobs is not None:
+            del self.logprobs[num_output_tokens:]
 
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)

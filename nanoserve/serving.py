@@ -11,8 +11,9 @@ The loop calls only what is declared here, all of it from its own thread but `to
 bad request before it is queued: those must read only what does not change after the build.
 
 Capabilities an engine may lack are methods with defaults here (`on_safe_point`,
-`reset_prefix_cache`, `cluster_stats`, `supports_prompt_logprobs`, `grammar_backend`); an engine
-that has one overrides it, and nobody asks an engine what it is.
+`reset_prefix_cache`, `cluster_stats`, `supports_prompt_logprobs`, `grammar_backend`,
+`output_processor` with `step_core`, `abort_core` and `stop_request`); an engine that has one
+overrides it, and nobody asks an engine what it is.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from nanoserve.cluster_stats import ClusterStats
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine_stats import EngineStats
 from nanoserve.grammar import GrammarBackend
-from nanoserve.outputs import RequestOutput
+from nanoserve.output_processor import OutputProcessor
+from nanoserve.outputs import EngineCoreOutput, RequestOutput, StringStop
 from nanoserve.sampling import SamplingParams
 from nanoserve.slo import SLO, RequestClass
 from nanoserve.tokenizer import Tokenizer
@@ -96,6 +98,27 @@ class ServingEngine(ABC):
     def grammar_backend(self) -> GrammarBackend:
         """The structured-output library requests' constraints are checked with. Default: none."""
         raise ValueError("structured outputs are not supported by this engine")
+
+    # -- outputs made off the engine's thread (output_processor.py) ---------------------------
+    def output_processor(self) -> OutputProcessor | None:
+        """The processor that makes this engine's outputs from its core outputs, where a caller
+        may run it on a thread of its own: `step_core`, `abort_core` and `stop_request` then
+        replace `step` and `abort_request` (the server's output thread, async_engine.py).
+        Default: None, the engine makes its outputs in `step` (a cluster's come built from
+        its instances' processes)."""
+        return None
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """`step` without its text: the core outputs for `output_processor()`."""
+        raise NotImplementedError("this engine makes its outputs in step()")
+
+    def abort_core(self, request_id: str) -> EngineCoreOutput | None:
+        """`abort_request` without its text: the request's final core output, or None."""
+        raise NotImplementedError("this engine makes its outputs in abort_request()")
+
+    def stop_request(self, stop: StringStop) -> None:
+        """End a request at a stop string `output_processor()` found."""
+        raise NotImplementedError("this engine finds its stop strings itself")
 
     # -- checks a handler runs before anything is queued ----------------------------------------
     def validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:

@@ -113,7 +113,7 @@ def live_server(app_kwargs: dict | None = None, make_engine: Callable[[EngineArg
     from the EngineArgs (default: one `Engine`; a cluster's front, test_server_cluster.py)."""
     args = EngineArgs(**{"device": "cpu", "kv_cache_tokens": KV_CACHE_TOKENS, "max_model_len": MAX_MODEL_LEN,
                          **engine_kwargs})
-    engine = AsyncEngine.build(lambda: make_engine(args))
+    engine = AsyncEngine.build(lambda: make_engine(args), output_thread=args.output_thread)
     app = create_app(engine, **(app_kwargs or {}))  # its lifespan starts and stops the engine thread
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

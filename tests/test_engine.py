@@ -71,12 +71,13 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
 
 
 def test_generate_builds_outputs_only_for_finished_requests_and_streams_again_after(llm, monkeypatch):
-    """`LLM.generate` returns finished requests only, so its engine builds no per-token output;
-    a stream driven by hand afterwards (or after a failed generate) gets every delta again."""
+    """`LLM.generate` returns finished requests only, so its engine builds no per-token output
+    (not even a core output, for requests without stop strings); a stream driven by hand
+    afterwards (or after a failed generate) gets every delta again."""
     built = []
-    output = llm.engine._output
-    monkeypatch.setattr(llm.engine, "_output", lambda request, new_tokens=0: (built.append(request.is_finished),
-                                                                               output(request, new_tokens))[1])
+    output = llm.engine._core_output
+    monkeypatch.setattr(llm.engine, "_core_output", lambda request, now: (built.append(request.is_finished),
+                                                                          output(request, now))[1])
     outs = llm.generate(["Hello", "The sea"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [9, 9] and built == [True, True]

@@ -39,7 +39,7 @@ def test_a_request_moved_mid_decode_with_its_kv_gives_the_same_greedy_output(tin
     assert source.kv.num_used_blocks == used - len(target.kv.block_table(moving))  # its blocks freed here
     assert ids[1] not in source.requests and moving in target.scheduler.running
     with pytest.raises(ValueError, match="already here"):  # one engine serves a request once
-        target.attach_request(Handover(moving, 0, None))
+        target.attach_request(Handover(moving, None))
     finished = {}
     for engine in (source, target):
         while engine.has_unfinished_requests():

@@ -176,12 +176,13 @@ def test_errors_are_counted_in_metrics(server: LiveServer):
 
 def test_engine_failure_is_a_500_and_the_server_recovers(server: LiveServer, http: httpx.Client):
     engine = server.engine.engine
-    real_step = engine.step
+    assert server.engine.makes_outputs_on_own_thread  # the default: the engine thread runs step_core
+    real_step = engine.step_core
 
     def broken_step():
         raise RuntimeError("simulated device failure")
 
-    engine.step = broken_step  # the engine thread picks it up at its next step
+    engine.step_core = broken_step  # the engine thread picks it up at its next step
     try:
         resp = http.post(COMP, json={"prompt": "hi", "max_tokens": 4})
         assert resp.status_code == 500
@@ -194,7 +195,7 @@ def test_engine_failure_is_a_500_and_the_server_recovers(server: LiveServer, htt
         assert events[-1] == "[DONE]"
         assert "simulated device failure" in json.loads(events[-2])["error"]["message"]
     finally:
-        engine.step = real_step
+        engine.step_core = real_step
     assert server.wait_idle()["nanoserve_kv_blocks_used"] == 0
     assert http.get("/health").status_code == 200
     ok = http.post(COMP, json={"prompt": "hi", "max_tokens": 2})

@@ -189,7 +189,7 @@ def serve(args: argparse.Namespace) -> None:
                                       stepping=args.cluster_stepping))
         if args.instances > 1
         else (lambda: build_engine(engine_args)))
-    async_engine = AsyncEngine.build(make_engine)
+    async_engine = AsyncEngine.build(make_engine, output_thread=engine_args.output_thread)
     engine = async_engine.engine
     keys = [*(args.api_key or []), *([os.environ["NANOSERVE_API_KEY"]] if os.environ.get("NANOSERVE_API_KEY") else [])]
     cors = CORSOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
