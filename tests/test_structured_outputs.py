@@ -137,6 +137,26 @@ def test_a_request_waiting_for_its_grammar_holds_nobody_back(llm, stuck_compiles
     assert re.fullmatch("[a-z]{3,5}", finished[waiting.request_id].text)
 
 
+def test_a_grammar_the_library_refuses_at_compile_ends_its_request_with_an_output(llm, monkeypatch):
+    """A constraint that passed the handler's check but fails to compile ends its request: its
+    final output names the reason, and nothing of it stays in the engine."""
+    backend = llm.engine.grammar_backend()
+
+    def refuse(self, spec):
+        raise ValueError("simulated compile failure")
+
+    monkeypatch.setattr(type(backend), "compile", refuse)
+    engine = llm.engine
+    spec = StructuredOutputsParams(regex="[q-z]{2,7}")  # not compiled before: a cache miss
+    request = engine.add_request(PROMPT, SamplingParams(max_tokens=8, structured_outputs=spec))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (final,) = [o for o in outputs if o.request_id == request.request_id]
+    assert final.finish_reason == "abort" and "simulated compile failure" in final.stop_reason
+    assert request.request_id not in engine.requests and len(engine.output_processor()) == 0
+
+
 def test_abort_while_waiting_for_the_grammar(llm, stuck_compiles):
     engine = llm.engine
     request = engine.add_request(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]{4}")))
