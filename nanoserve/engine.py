@@ -633,20 +633,18 @@ class Engine(ServingEngine):
         forgotten here."""
         rid = request.request_id
         reported = self._reported.get(rid, 0)
-        n = request.num_output_tokens
-        self._reported[rid] = n
+        self._reported[rid] = len(request.token_ids) - len(request.prompt_token_ids)
+        finish_reason = request.finish_reason
         output = EngineCoreOutput(
-            request_id=rid,
-            new_token_ids=request.token_ids[request.num_prompt_tokens + reported:],
-            new_logprobs=request.logprobs[reported:] if request.logprobs is not None else None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            metrics=self._metrics(request),
-            time=now,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            rid, request.token_ids[len(request.prompt_token_ids) + reported:],
+            request.logprobs[reported:] if request.logprobs is not None else None,
+            finish_reason, request.stop_reason,
+            request.finished_time if finish_reason is not None and request.finished_time is not None else now,
+            request.arrival_time, request.first_scheduled_time, request.first_token_time, request.num_preemptions,
+            request.num_cached_tokens or 0,
+            list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
-        if request.is_finished:
+        if finish_reason is not None:
             self._forget(rid)
         return output
 

@@ -26,10 +26,9 @@ outputs from the one thread to the other orders the two.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 
-from nanoserve.outputs import EngineCoreOutput, RequestOutput, StringStop
+from nanoserve.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, StringStop
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -85,6 +84,19 @@ class RequestText:
         """The caller's snapshot after `core`: everything so far, and what this step added."""
         # While a stop string may still be forming, hold back the characters that could begin it.
         finished = finish_reason is not None
+        n_out, first, scheduled = len(self.token_ids), core.first_token_time, core.first_scheduled_time
+        done = core.time if finished else None
+        metrics = RequestMetrics(
+            arrival_time=core.arrival_time,
+            ttft=None if first is None else first - core.arrival_time,
+            tpot=None if first is None or done is None or n_out < 2 else (done - first) / (n_out - 1),
+            e2e=None if done is None else done - core.arrival_time,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_output_tokens=n_out,
+            num_preemptions=core.num_preemptions,
+            queue_time=None if scheduled is None else scheduled - core.arrival_time,
+            prefill_time=None if scheduled is None or first is None else first - scheduled,
+        )
         hold = 0 if finished else max((len(s) - 1 for s in self.params.stop_strings), default=0)
         visible = len(self.text) - hold
         start = self.emitted
@@ -98,7 +110,7 @@ class RequestText:
             token_ids=list(self.token_ids),
             finish_reason=finish_reason,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            metrics=core.metrics,
+            metrics=metrics,
             new_text=new_text,
             new_token_ids=self.token_ids[len(self.token_ids) - new_tokens:] if new_tokens else [],
             stop_reason=stop_reason,
@@ -151,27 +163,15 @@ class OutputProcessor:
                 state.prompt_logprobs = core.prompt_logprobs
             have = len(state.token_ids)
             stop = state.append(core)
-            finish_reason, stop_reason, metrics_core = core.finish_reason, core.stop_reason, core
+            finish_reason, stop_reason = core.finish_reason, core.stop_reason
             if stop is not None:
                 # The output ends at the token that completed the stop string (`append` took
-                # none after it), whatever the engine decided about that token.
-                kept = len(state.token_ids)
+                # none after it), at that token's time, whatever the engine decided about it.
                 finish_reason, stop_reason = "stop", stop
-                metrics_core = _ended_at(core, kept)
-                stops.append(StringStop(core.request_id, kept, stop, core.time))
+                stops.append(StringStop(core.request_id, len(state.token_ids), stop, core.time))
             if finish_reason is not None:
                 del self._requests[core.request_id]
             if self.stream or finish_reason is not None:
-                made.append(state.output(metrics_core, len(state.token_ids) - have, finish_reason, stop_reason))
+                made.append(state.output(core, len(state.token_ids) - have, finish_reason, stop_reason))
         return made, stops
 
-
-def _ended_at(core: EngineCoreOutput, num_output_tokens: int) -> EngineCoreOutput:
-    """`core` with the latencies of a request that ended at its `num_output_tokens`-th output
-    token, at `core.time`."""
-    m = core.metrics
-    first_token = None if m.ttft is None else m.arrival_time + m.ttft
-    tpot = (None if first_token is None or num_output_tokens < 2
-            else (core.time - first_token) / (num_output_tokens - 1))
-    metrics = dataclasses.replace(m, e2e=core.time - m.arrival_time, num_output_tokens=num_output_tokens, tpot=tpot)
-    return dataclasses.replace(core, metrics=metrics)

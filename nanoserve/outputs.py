@@ -30,16 +30,20 @@ class RequestMetrics:
 class EngineCoreOutput:
     """What the engine's latest steps did to one request, before any text is made (vLLM v1's
     `EngineCoreOutput`): the tokens and logprobs added since the request's previous core output,
-    and its finish if it finished. `time`: when the newest token was appended (the scheduler's
-    clock); `metrics`: the request's latencies then."""
+    and its finish if it finished. `time`: when the newest token was appended, or when the
+    request finished (the scheduler's clock). The request's timestamps travel raw: the output
+    processor, off the engine's thread, makes its `RequestMetrics`."""
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: int | str | None
-    metrics: RequestMetrics
     time: float
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    num_preemptions: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # all rows so far, when asked for
 
