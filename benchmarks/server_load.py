@@ -11,6 +11,7 @@ where the client sees them: for HTTP, when the first and last content chunks arr
     python benchmarks/server_load.py [--num-requests 128] [--rate 32] [--max-tokens 32] [--policy fcfs]
     python benchmarks/server_load.py --smoke      # a few requests: checks that it runs
     python benchmarks/server_load.py --output-thread-ab   # in-process, outputs on/off the engine's thread
+    python benchmarks/server_load.py --step-split         # per step: the engine's and the outputs' post-processing
 
 Where the server process spends its CPU (Linux): over the timed run, each thread's CPU seconds
 from /proc. The main thread is the HTTP server (parsing, validation, tokenizing, JSON, streaming);
@@ -24,7 +25,11 @@ longer requests after start-up pay one-off costs that otherwise land in the TTFT
 `--output-thread-ab` runs the in-process path twice on the same work, the outputs made on the
 engine's thread and then on a thread of their own (`EngineArgs.output_thread`,
 output_processor.py), and prints each thread's CPU seconds: the engine thread's are the host
-work in series with a GPU's steps, what the output thread takes off it.
+work in series with a GPU's steps, what the output thread takes off it. `--step-split` times,
+per step of `--max-num-seqs` decoding requests driven by `Engine.step`, the engine's half of the
+post-processing (`Engine._postprocess`: append, EOS / length, core outputs) and the output
+processor's (`OutputProcessor.process`: detokenize, stop strings, snapshots), without and with a
+stop string in every request.
 """
 from __future__ import annotations
 
@@ -218,6 +223,44 @@ def output_thread_ab(args: argparse.Namespace, warm: list[Work]) -> None:
     print(f"\nown thread / engine thread throughput: {rows[1]['tok_s'] / rows[0]['tok_s']:.3f}")
 
 
+def step_split(args: argparse.Namespace) -> None:
+    """Milliseconds per step in each half of the post-processing (the module docstring)."""
+    engine = build_engine(EngineArgs(model=args.model, device=args.device, policy=args.policy,
+                                     max_num_seqs=args.max_num_seqs))
+    spent = {"engine": 0.0, "outputs": 0.0}
+
+    def timed(half: str, fn):
+        def run(*a, **k):
+            started = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[half] += time.perf_counter() - started
+        return run
+
+    engine._postprocess = timed("engine", engine._postprocess)  # type: ignore[method-assign]
+    engine.outputs.process = timed("outputs", engine.outputs.process)  # type: ignore[method-assign]
+    print(f"{args.max_num_seqs} requests decoding {args.max_tokens} tokens each, policy {args.policy}; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
+    print("| stop strings | steps | ms per step | engine thread's half, ms/step | output processor's half, ms/step |")
+    print("|---|---|---|---|---|")
+    for stop in (None, ["NEVER-APPEARS-123"]):
+        spent.update(engine=0.0, outputs=0.0)
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, stop=stop)
+        for i in range(args.max_num_seqs):
+            engine.add_request(f"Tell me a story about the number {i}.", params)
+        engine.step()  # the prompts' step
+        steps, started = 0, time.perf_counter()
+        spent.update(engine=0.0, outputs=0.0)
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        wall = time.perf_counter() - started
+        print(f"| {'one, never met' if stop else 'none'} | {steps} | {wall * 1e3 / steps:.2f} | "
+              f"{spent['engine'] * 1e3 / steps:.3f} | {spent['outputs'] * 1e3 / steps:.3f} |")
+    engine.shutdown()
+
+
 def summary(label: str, timings: list[Timing], expected_tokens: int) -> dict:
     tokens = sum(t.tokens for t in timings)
     assert tokens == expected_tokens, f"{label}: {tokens} tokens, expected {expected_tokens}"
@@ -244,6 +287,8 @@ def main() -> None:
     p.add_argument("--gil-switch-interval", type=float, default=None, metavar="S",
                    help="run the server with sys.setswitchinterval(S) (Python's default: 0.005)")
     p.add_argument("--smoke", action="store_true", help="8 requests of 4 tokens")
+    p.add_argument("--step-split", action="store_true",
+                   help="per step of --max-num-seqs decoding requests: the engine's and the output processor's halves")
     p.add_argument("--output-thread-ab", action="store_true",
                    help="in-process only: outputs on the engine's thread, then on their own (EngineArgs.output_thread)")
     args = p.parse_args()
@@ -252,6 +297,9 @@ def main() -> None:
     warm = warmup_work(args.warmup, args.max_tokens, args.seed)
     if args.output_thread_ab:
         output_thread_ab(args, warm)
+        return
+    if args.step_split:
+        step_split(args)
         return
 
     proc, url = serve_process(args)  # the server first, alone on the machine
