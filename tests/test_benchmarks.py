@@ -156,3 +156,15 @@ def test_server_load_benchmark_smoke():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| HTTP (examples/serve.py, streaming) | 8 |" in proc.stdout
     assert "| in-process (AsyncEngine.generate) | 8 |" in proc.stdout and "HTTP / in-process throughput" in proc.stdout
+
+
+def test_server_load_output_modes_smoke():
+    """The output thread's two measurements run: the A/B in-process, and the per-step split."""
+    ab = subprocess.run([sys.executable, "benchmarks/server_load.py", "--smoke", "--output-thread-ab"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+    assert ab.returncode == 0, ab.stdout + ab.stderr
+    assert "| the engine thread |" in ab.stdout and "| their own thread |" in ab.stdout
+    split = subprocess.run([sys.executable, "benchmarks/server_load.py", "--step-split", "--max-num-seqs", "4",
+                            "--max-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert split.returncode == 0, split.stdout + split.stderr
+    assert "| none | 3 |" in split.stdout and "| one, never met | 3 |" in split.stdout
