@@ -94,7 +94,7 @@ BASELINES: dict[str, Baseline] = {b.label: b for b in (
 
 
 def markdown() -> str:
-    """The table, for the README and the experiments' reports."""
+    """The table, for docs/reference/experiments.md and the experiments' reports."""
     rows = ["| baseline | policy | KV manager | defined by |", "|---|---|---|---|"]
     rows += [f"| {b.label} | `{b.policy}` | `{b.kv_manager}` | {b.defined_by} |" for b in BASELINES.values()]
     return "\n".join(rows) + "\n"

@@ -1,45 +1,68 @@
-"""The documentation's snippets cannot rot: every `pycon` block on a page of `docs/` is a
-doctest, run here in page order in one namespace (a page reads like one session), and what it
-prints must match what the page shows. The site itself is built with `mkdocs build --strict` by
-`make lint`, which fails on a broken link or a link to code that moved (docs/hooks.py); the hook's
-symbol lookup is checked here."""
+"""The documentation's snippets cannot rot: every `pycon` and `python` block of the README and of
+the pages under `docs/` runs here, a page's blocks in order in one namespace (a page reads like
+one session). A `pycon` block is a doctest: what it prints must match what the page shows. A
+`python` block must run without error; one that talks to "http://127.0.0.1:8000" (the server
+`make serve` starts) is pointed at a live server on the embedded model instead. Shell blocks name
+commands and are not run. The site itself is built with `mkdocs build --strict` by `make lint`,
+which fails on a broken link or a link to code that moved (docs/hooks.py); the hook's symbol
+lookup is checked here."""
 from __future__ import annotations
 
+import contextlib
 import doctest
 import importlib.util
+import io
 import re
 from pathlib import Path
 
 import pytest
+from server_fixtures import live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-BLOCK = re.compile(r"^```pycon[^\n]*\n(.*?)^```", re.S | re.M)
-PAGES = sorted(p for p in DOCS.rglob("*.md") if BLOCK.search(p.read_text()))
+BLOCK = re.compile(r"^```(pycon|python)[^\n]*\n(.*?)^```", re.S | re.M)
+SERVER = "http://127.0.0.1:8000"  # where `make serve` listens, as the snippets say
+PAGES = sorted(p for p in [ROOT / "README.md", *DOCS.rglob("*.md")] if BLOCK.search(p.read_text()))
 
 
-def page_blocks(page: Path) -> list[tuple[int, str]]:
-    """Each pycon block of the page: (its first line's number, its text)."""
+def page_blocks(page: Path) -> list[tuple[str, int, str]]:
+    """Each pycon or python block of the page: (its kind, its first line's number, its text)."""
     text = page.read_text()
-    return [(text[:m.start(1)].count("\n") + 1, m.group(1)) for m in BLOCK.finditer(text)]
+    return [(m.group(1), text[:m.start(2)].count("\n") + 1, m.group(2)) for m in BLOCK.finditer(text)]
 
 
 def test_the_docs_have_snippets():
-    assert PAGES, "no page of docs/ has a pycon block"
+    assert any("tour" in p.parts for p in PAGES), "no page of the tour has a snippet"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
-def test_page_snippets_print_what_the_page_shows(page: Path, monkeypatch):
+@pytest.fixture(scope="module")
+def served():
+    """A live server on the embedded model, for the snippets that talk to one."""
+    with live_server() as live:
+        yield live
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_page_snippets_run_and_print_what_the_page_shows(page: Path, monkeypatch, request):
     monkeypatch.chdir(ROOT)
+    # The suite's per-step allocator checks (conftest.py) would make the pages' simulations ten
+    # times slower; the snippets show what a reader runs, without them.
+    monkeypatch.setenv("NANOSERVE_CHECK_INVARIANTS", "0")
     parser = doctest.DocTestParser()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     namespace: dict = {"__name__": "__docs__"}
     name = str(page.relative_to(ROOT))
-    for line, block in page_blocks(page):
-        test = parser.get_doctest(block, namespace, name, name, line)
-        result = runner.run(test, clear_globs=False)
-        namespace = test.globs  # the next block goes on from here (DocTest copies its globals)
-        assert result.failed == 0, f"{name}: the pycon block at line {line} does not print what the page shows"
+    for kind, line, block in page_blocks(page):
+        if kind == "pycon":
+            test = parser.get_doctest(block, namespace, name, name, line)
+            result = runner.run(test, clear_globs=False)
+            namespace = test.globs  # the next block goes on from here (DocTest copies its globals)
+            assert result.failed == 0, f"{name}: the pycon block at line {line} does not print what the page shows"
+            continue
+        if SERVER in block:
+            block = block.replace(SERVER, request.getfixturevalue("served").url)
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(block, f"{name}:{line}", "exec"), namespace)
 
 
 def _hooks():

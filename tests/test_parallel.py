@@ -208,7 +208,7 @@ def test_shutdown_stops_every_worker(tiny_dirs):
 
 
 def test_torchrun_runs_the_server_with_rank_0_serving(tiny_dirs, tmp_path):
-    """The README's multi-process command: every rank runs serve.py, rank 0 answers."""
+    """The multi-process command of docs/reference/parallelism.md: every rank runs serve.py, rank 0 answers."""
     import os
     import signal
     import socket

@@ -1,6 +1,6 @@
 """What happens to each field a client may send that the request models do not declare.
 
-The promise (README): a field that would change the output is honoured or refused, never
+The promise (docs/reference/server.md): a field that would change the output is honoured or refused, never
 dropped. The request models (`protocol.py`) declare every field nanoserve honours, and every
 field it refuses at values other than a neutral one (`best_of`, `use_beam_search`, ...). A body
 may also carry fields of OpenAI's or vLLM's schemas that the models do not declare; they land
