@@ -285,3 +285,23 @@ def test_progress_counts_points_and_simulated_seconds(monkeypatch, capsys):
     quiet.done(1.0)
     quiet.close()
     assert "quiet" not in capsys.readouterr().err
+
+
+def test_ecoserve_fig11_plot_reads_saved_points(tmp_path):
+    """`python -m experiments.ecoserve_fig11` draws Fig. 11's ablation from points files alone:
+    each variant's JCT against vLLM (2023)'s at the chosen rate, flat pricing only."""
+    from experiments import ecoserve_fig11
+
+    def point(system, rate, jct, pricing="flat"):
+        key = f"ShareGPT|{system}|{rate}|seed 0|10 requests|v2|Fig. 11 {pricing}"
+        return json.dumps({"key": key, "row": {"system": system, "rate": rate, "jct_mean": jct}})
+
+    lines = [point(VLLM_2023.label, 2.0, 10.0), point("EcoServe-D", 2.0, 15.0), point("EcoServe", 2.0, 5.0),
+             point("EcoServe", 2.0, 99.0, pricing="measured"), point("EcoServe", 3.0, 99.0)]
+    points = tmp_path / "seed0.jsonl"
+    points.write_text("\n".join(lines) + "\n")
+    assert ecoserve_fig11.jct_changes(points, 2.0) == {"EcoServe-D": 0.5, "EcoServe": -0.5}
+    with pytest.raises(ValueError, match="no Fig. 11 point"):
+        ecoserve_fig11.jct_changes(points, 5.0)
+    out = ecoserve_fig11.plot([points, points], 2.0, tmp_path / "fig11.png")
+    assert out.stat().st_size > 1000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
