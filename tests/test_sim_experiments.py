@@ -305,3 +305,23 @@ def test_ecoserve_fig11_plot_reads_saved_points(tmp_path):
         ecoserve_fig11.jct_changes(points, 5.0)
     out = ecoserve_fig11.plot([points, points], 2.0, tmp_path / "fig11.png")
     assert out.stat().st_size > 1000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bros_ablation_plot_reads_saved_points(tmp_path):
+    """`python -m experiments.bros_ablation` draws §4.2's ablation from points files alone: each
+    variant's RT normalized latency over the default's."""
+    from experiments import bros_ablation
+
+    def point(label, latency):
+        return json.dumps({"key": f"Fig. 10(a)|BROS|20.5|seed 0|600 s|{label}|v1", "row": {"rt_norm_latency": latency}})
+
+    points = tmp_path / "seed0.jsonl"
+    points.write_text("\n".join([point("Fig. 10", 9.0), point(bros_ablation.DEFAULT, 2.0),
+                                 point("§4.2 B0=8, +1", 4.0), point("§4.2 prefill whole (the paper's)", 2.0)]) + "\n")
+    assert bros_ablation.latency_ratios(points) == {"§4.2 B0=8, +1": 2.0, "§4.2 prefill whole (the paper's)": 1.0}
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(point("§4.2 B0=8, +1", 4.0) + "\n")
+    with pytest.raises(ValueError, match="no '§4.2 B0=8, x2' point"):
+        bros_ablation.latency_ratios(empty)
+    out = bros_ablation.plot([points], tmp_path / "ablation.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,66 @@
+"""BROS's §4.2 ablation as a plot, from the points a run saved (no simulation):
+
+    python -m experiments.bros_ablation OUT.png POINTS.jsonl [POINTS.jsonl ...]
+
+Each points file is one seed's (`python -m experiments bros --points FILE`). Every "§4.2 ..."
+variant run at Fig. 10(a)'s top rate is shown as its RT normalized latency over the default
+BROS's (B0 = 8, x2) in the same file: the mean over the files, the range as error bars. The
+paper gives no numbers to set beside them (the section's symbols were lost), so the plot shows
+ours alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+DEFAULT = "§4.2 B0=8, x2"  # BROS's defaults, run again under the ablation's label
+
+
+def latency_ratios(points: Path) -> dict[str, float]:
+    """Each §4.2 variant's RT normalized latency over the default's, from one seed's points."""
+    latency: dict[str, float] = {}
+    for line in points.read_text().splitlines():
+        entry = json.loads(line)
+        parts = entry["key"].split("|")
+        if len(parts) > 5 and parts[5].startswith("§4.2 "):
+            latency[parts[5]] = entry["row"]["rt_norm_latency"]
+    if DEFAULT not in latency:
+        raise ValueError(f"{points}: no '{DEFAULT}' point (run the experiment's ablation first)")
+    return {label: value / latency[DEFAULT] for label, value in latency.items() if label != DEFAULT}
+
+
+def plot(points: list[Path], out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [latency_ratios(p) for p in points]
+    variants = [v for v in runs[0] if all(v in run for run in runs)]
+    values = [[run[v] for run in runs] for v in variants]
+    means = [statistics.mean(vs) for vs in values]
+    spread = [[m - min(vs) for m, vs in zip(means, values)], [max(vs) - m for m, vs in zip(means, values)]]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.barh([v.removeprefix("§4.2 ") for v in variants], means, xerr=spread, capsize=3)
+    ax.axvline(1, color="black", linewidth=0.8)
+    ax.set_xlabel(f"RT normalized latency over BROS's default (B0 = 8, x2); seeds: {len(runs)}, range")
+    ax.set_title("BROS §4.2 ablation at capacity (Fig. 10(a)'s top rate)", fontsize=9)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("points", type=Path, nargs="+")
+    args = parser.parse_args()
+    print(f"wrote {plot(args.points, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
