@@ -41,10 +41,10 @@ def plot(points: list[Path], out: Path) -> Path:
     values = [[run[v] for run in runs] for v in variants]
     means = [statistics.mean(vs) for vs in values]
     spread = [[m - min(vs) for m, vs in zip(means, values)], [max(vs) - m for m, vs in zip(means, values)]]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.barh([v.removeprefix("§4.2 ") for v in variants], means, xerr=spread, capsize=3)
     ax.axvline(1, color="black", linewidth=0.8)
-    ax.set_xlabel(f"RT normalized latency over BROS's default (B0 = 8, x2); seeds: {len(runs)}, range")
+    ax.set_xlabel(f"RT normalized latency / the default's (B0 = 8, x2); {len(runs)} seeds, range")
     ax.set_title("BROS §4.2 ablation at capacity (Fig. 10(a)'s top rate)", fontsize=9)
     ax.invert_yaxis()
     fig.tight_layout()
