@@ -10,10 +10,11 @@ ours alone.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
+
+from experiments.report import points_plot_parser, save_figure
 
 DEFAULT = "§4.2 B0=8, x2"  # BROS's defaults, run again under the ablation's label
 
@@ -47,17 +48,11 @@ def plot(points: list[Path], out: Path) -> Path:
     ax.set_xlabel(f"RT normalized latency / the default's (B0 = 8, x2); {len(runs)} seeds, range")
     ax.set_title("BROS §4.2 ablation at capacity (Fig. 10(a)'s top rate)", fontsize=9)
     ax.invert_yaxis()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path)
-    parser.add_argument("points", type=Path, nargs="+")
+    parser = points_plot_parser(__doc__)
     args = parser.parse_args()
     print(f"wrote {plot(args.points, args.out)}")
 

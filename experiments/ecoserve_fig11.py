@@ -10,12 +10,12 @@ is better): ours as the mean over the files with the range as error bars, beside
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 from experiments.ecoserve import ABLATION, PAPER_ABLATION, VLLM_2023
+from experiments.report import points_plot_parser, save_figure
 
 VARIANTS = tuple(s.label for s in ABLATION if s.label in PAPER_ABLATION)
 
@@ -53,17 +53,11 @@ def plot(points: list[Path], rate: float, out: Path) -> Path:
     ax.set_ylabel(f"mean JCT vs {VLLM_2023.label} (%)")
     ax.set_title(f"EcoServe Fig. 11 ablation: JCT against vLLM (2023), {rate:g} req/s (ShareGPT units)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path)
-    parser.add_argument("points", type=Path, nargs="+")
+    parser = points_plot_parser(__doc__)
     parser.add_argument("--rate", type=float, default=2.0, help="the ablation rate (ShareGPT's units)")
     args = parser.parse_args()
     print(f"wrote {plot(args.points, args.rate, args.out)}")

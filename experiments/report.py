@@ -8,6 +8,7 @@ gets its own table and a latency-against-rate plot, as the papers draw it.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import textwrap
@@ -182,6 +183,25 @@ def _save_with_heading(fig: Any, result: ExperimentResult, width: int, path: Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def save_figure(fig: Any, out: Path) -> Path:
+    """Lay out, save (creating its folder) and close a figure; returns where it went."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def points_plot_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command line of a plot drawn from saved points files: OUT.png POINTS.jsonl..."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("points", type=Path, nargs="+", help="one seed's points file each (--points)")
+    return parser
 
 
 if __name__ == "__main__":
