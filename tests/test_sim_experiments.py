@@ -325,3 +325,23 @@ def test_bros_ablation_plot_reads_saved_points(tmp_path):
         bros_ablation.latency_ratios(empty)
     out = bros_ablation.plot([points], tmp_path / "ablation.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kunserve_fig14_plot_reads_saved_tables(tmp_path):
+    """`python -m experiments.kunserve_fig14` draws Fig. 14's ablation from the saved Markdown
+    tables alone, bubbles only for the variants that ran pipelines."""
+    from experiments import kunserve_fig14
+
+    table = tmp_path / "fig14-seed0.txt"
+    table.write_text("| dataset | variant | ttft_p99 | bubble_ratio |\n|---|---|---|---|\n"
+                     "| LongBench | vLLM (DP) | 381.7 | None |\n"
+                     "| LongBench | + Dynamic drop, token-count micro-batches (Fig. 17 (a)) | 116.8 | 0.3119 |\n\nwall 63\n")
+    rows = kunserve_fig14.read_table(table)
+    assert [r["variant"] for r in rows] == ["vLLM (DP)", "+ Dynamic drop, token-count micro-batches (Fig. 17 (a))"]
+    assert rows[1]["bubble_ratio"] == "0.3119"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("no table here\n")
+    with pytest.raises(ValueError, match="no Markdown table"):
+        kunserve_fig14.read_table(empty)
+    out = kunserve_fig14.plot([table, table], tmp_path / "fig14.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
