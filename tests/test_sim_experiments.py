@@ -335,7 +335,8 @@ def test_kunserve_fig14_plot_reads_saved_tables(tmp_path):
     table = tmp_path / "fig14-seed0.txt"
     table.write_text("| dataset | variant | ttft_p99 | bubble_ratio |\n|---|---|---|---|\n"
                      "| LongBench | vLLM (DP) | 381.7 | None |\n"
-                     "| LongBench | + Dynamic drop, token-count micro-batches (Fig. 17 (a)) | 116.8 | 0.3119 |\n\nwall 63\n")
+                     "| LongBench | + Dynamic drop, token-count micro-batches (Fig. 17 (a)) | 116.8 | 0.3119 |\n"
+                     "\nwall 63\n")
     rows = kunserve_fig14.read_table(table)
     assert [r["variant"] for r in rows] == ["vLLM (DP)", "+ Dynamic drop, token-count micro-batches (Fig. 17 (a))"]
     assert rows[1]["bubble_ratio"] == "0.3119"
