@@ -413,7 +413,7 @@ class AsyncEngine:
             if item is None:
                 return
             if isinstance(item, _Failed):
-                processor.forget([item.request_id])
+                processor.forget(item.request_id)
                 self._deliver(item.request_id, item.error)
                 continue
             try:
@@ -422,7 +422,7 @@ class AsyncEngine:
                 log.error("making outputs failed:\n%s", traceback.format_exc())
                 error = EngineError(f"the engine failed while serving this request: {type(exc).__name__}: {exc}")
                 for core in item.outputs:
-                    processor.forget([core.request_id])
+                    processor.forget(core.request_id)
                     self._deliver(core.request_id, error)
                     self._inbox.put(_Abort(core.request_id))
                 continue

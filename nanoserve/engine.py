@@ -629,8 +629,9 @@ class Engine(ServingEngine):
                                                          request.slo, request.arrival_time, now)
 
     def _core_output(self, request: Request, now: float) -> EngineCoreOutput:
-        """The request's tokens and logprobs since its last core output; a finished request is
-        forgotten here."""
+        """The request's tokens and logprobs since its last core output, at its finish time if it
+        finished; a finished request is forgotten here. Its prompt logprobs go in its first core
+        output only: they are complete once it samples, and no later step changes them."""
         rid = request.request_id
         reported = self._reported.get(rid, 0)
         self._reported[rid] = len(request.token_ids) - len(request.prompt_token_ids)
@@ -639,10 +640,10 @@ class Engine(ServingEngine):
             rid, request.token_ids[len(request.prompt_token_ids) + reported:],
             request.logprobs[reported:] if request.logprobs is not None else None,
             finish_reason, request.stop_reason,
-            request.finished_time if finish_reason is not None and request.finished_time is not None else now,
+            now if request.finished_time is None else request.finished_time,
             request.arrival_time, request.first_scheduled_time, request.first_token_time, request.num_preemptions,
             request.num_cached_tokens or 0,
-            list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            list(request.prompt_logprobs) if request.prompt_logprobs is not None and not reported else None,
         )
         if finish_reason is not None:
             self._forget(rid)
@@ -655,17 +656,6 @@ class Engine(ServingEngine):
 
     @staticmethod
     def _metrics(request: Request) -> RequestMetrics:
-        first, done = request.first_token_time, request.finished_time
-        n_out = request.num_output_tokens
-        scheduled = request.first_scheduled_time
-        return RequestMetrics(
-            queue_time=None if scheduled is None else scheduled - request.arrival_time,
-            prefill_time=None if scheduled is None or first is None else first - scheduled,
-            arrival_time=request.arrival_time,
-            ttft=None if first is None else first - request.arrival_time,
-            tpot=None if first is None or done is None or n_out < 2 else (done - first) / (n_out - 1),
-            e2e=None if done is None else done - request.arrival_time,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=n_out,
-            num_preemptions=request.num_preemptions,
-        )
+        return RequestMetrics.of(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                 request.finished_time, request.num_prompt_tokens, request.num_output_tokens,
+                                 request.num_preemptions)

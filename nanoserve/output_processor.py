@@ -26,7 +26,7 @@ outputs from the one thread to the other orders the two.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from nanoserve.outputs import EngineCoreOutput, RequestMetrics, RequestOutput, StringStop
 from nanoserve.sampling import SamplingParams
@@ -84,19 +84,9 @@ class RequestText:
         """The caller's snapshot after `core`: everything so far, and what this step added."""
         # While a stop string may still be forming, hold back the characters that could begin it.
         finished = finish_reason is not None
-        n_out, first, scheduled = len(self.token_ids), core.first_token_time, core.first_scheduled_time
-        done = core.time if finished else None
-        metrics = RequestMetrics(
-            arrival_time=core.arrival_time,
-            ttft=None if first is None else first - core.arrival_time,
-            tpot=None if first is None or done is None or n_out < 2 else (done - first) / (n_out - 1),
-            e2e=None if done is None else done - core.arrival_time,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            num_output_tokens=n_out,
-            num_preemptions=core.num_preemptions,
-            queue_time=None if scheduled is None else scheduled - core.arrival_time,
-            prefill_time=None if scheduled is None or first is None else first - scheduled,
-        )
+        metrics = RequestMetrics.of(core.arrival_time, core.first_scheduled_time, core.first_token_time,
+                                    core.time if finished else None, len(self.prompt_token_ids),
+                                    len(self.token_ids), core.num_preemptions)
         hold = 0 if finished else max((len(s) - 1 for s in self.params.stop_strings), default=0)
         visible = len(self.text) - hold
         start = self.emitted
@@ -142,10 +132,9 @@ class OutputProcessor:
     def attach(self, state: RequestText) -> None:
         self._requests[state.request_id] = state
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop the state of requests whose outputs nobody will ask for (a failed engine's)."""
-        for request_id in request_ids:
-            self._requests.pop(request_id, None)
+    def forget(self, request_id: str) -> None:
+        """Drop the state of a request whose outputs nobody will ask for (it failed)."""
+        self._requests.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -159,7 +148,7 @@ class OutputProcessor:
             state = self._requests.get(core.request_id)
             if state is None:
                 continue
-            if core.prompt_logprobs is not None:
+            if core.prompt_logprobs is not None:  # the request's first core output carries them
                 state.prompt_logprobs = core.prompt_logprobs
             have = len(state.token_ids)
             stop = state.append(core)

@@ -25,6 +25,24 @@ class RequestMetrics:
     queue_time: float | None = None  # arrival to first scheduled
     prefill_time: float | None = None  # first scheduled to first token
 
+    @classmethod
+    def of(cls, arrival: float, scheduled: float | None, first_token: float | None, finished: float | None,
+           num_prompt_tokens: int, num_output_tokens: int, num_preemptions: int) -> RequestMetrics:
+        """The latencies of a request from its timestamps (None: not reached yet)."""
+        n_out = num_output_tokens
+        decoding = None if first_token is None or finished is None or n_out < 2 else finished - first_token
+        return cls(
+            arrival_time=arrival,
+            ttft=None if first_token is None else first_token - arrival,
+            tpot=None if decoding is None else decoding / (n_out - 1),
+            e2e=None if finished is None else finished - arrival,
+            num_prompt_tokens=num_prompt_tokens,
+            num_output_tokens=n_out,
+            num_preemptions=num_preemptions,
+            queue_time=None if scheduled is None else scheduled - arrival,
+            prefill_time=None if scheduled is None or first_token is None else first_token - scheduled,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class EngineCoreOutput:
