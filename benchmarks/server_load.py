@@ -194,8 +194,8 @@ def output_thread_ab(args: argparse.Namespace, warm: list[Work]) -> None:
     for on in (False, True):
         engine = AsyncEngine.build(lambda: build_engine(EngineArgs(model=args.model, device=args.device,
                                                                    policy=args.policy,
-                                                                   max_num_seqs=args.max_num_seqs,
-                                                                   output_thread=on)), output_thread=on)
+                                                                   max_num_seqs=args.max_num_seqs)),
+                                   output_thread=on)
         engine.start()
         try:
             asyncio.run(drive_engine(engine, warm))
@@ -245,7 +245,6 @@ def step_split(args: argparse.Namespace) -> None:
     print("| stop strings | steps | ms per step | engine thread's half, ms/step | output processor's half, ms/step |")
     print("|---|---|---|---|---|")
     for stop in (None, ["NEVER-APPEARS-123"]):
-        spent.update(engine=0.0, outputs=0.0)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, stop=stop)
         for i in range(args.max_num_seqs):
             engine.add_request(f"Tell me a story about the number {i}.", params)
