@@ -49,23 +49,26 @@ def symbol_line(path: str, symbol: str) -> int:
     """The 1-based line where `symbol` is defined in `path`: `Class`, `function`, `Class.method`
     or a module-level `NAME = ...`."""
     lines = (ROOT / path).read_text().splitlines()
-    start, indent = 0, ""
-    parts = symbol.split(".")
+    start, parts = 0, symbol.split(".")
     for depth, name in enumerate(parts):
-        word = re.escape(name)
-        pattern = re.compile(rf"^{indent}(?:async\s+def|def|class)\s+{word}\b|^{indent}{word}\s*[:=]")
-        for number in range(start, len(lines)):
-            if depth and number > start and re.match(r"\S", lines[number]) and not lines[number].startswith(("#", ")")):
-                break  # left the class: not in it
-            if pattern.match(lines[number]):
-                start = number
-                break
-        else:
-            number = -1
-        if number < 0 or not pattern.match(lines[number]):
+        found = _definition(lines, start, name, inside=depth > 0)
+        if found is None:
             raise PluginError(f"src:{path}#{symbol}: no {'.'.join(parts[:depth + 1])} in {path}")
-        indent = r"\s+"
+        start = found
     return start + 1
+
+
+def _definition(lines: list[str], start: int, name: str, inside: bool) -> int | None:
+    """The index of the line from `start` on that defines `name`: at the top level, or, `inside`
+    the class defined at `start`, indented and before the class ends (the next top-level line)."""
+    indent, word = (r"\s+" if inside else ""), re.escape(name)
+    pattern = re.compile(rf"^{indent}(?:async\s+def|def|class)\s+{word}\b|^{indent}{word}\s*[:=]")
+    for number in range(start, len(lines)):
+        if inside and number > start and re.match(r"[^\s#)]", lines[number]):
+            return None  # left the class
+        if pattern.match(lines[number]):
+            return number
+    return None
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
