@@ -5,7 +5,8 @@ one session). A `pycon` block is a doctest: what it prints must match what the p
 `make serve` starts) is pointed at a live server on the embedded model instead. Shell blocks name
 commands and are not run. The site itself is built with `mkdocs build --strict` by `make lint`,
 which fails on a broken link or a link to code that moved (docs/hooks.py); the hook's symbol
-lookup is checked here."""
+lookup is checked here. So is every `pytest …` command a page names (an exercise's check): each
+must select at least one test."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,9 @@ import doctest
 import importlib.util
 import io
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +87,49 @@ def test_code_links_land_on_the_symbol_and_refuse_one_that_moved():
         hooks.symbol_line("nanoserve/engine.py", "Engine.no_such_method")
     with pytest.raises(PluginError, match="no Handover.step"):  # a method of another class is not its
         hooks.symbol_line("nanoserve/engine.py", "Handover.step")
+
+
+def _pytest_commands() -> list[str]:
+    """The arguments of every `pytest …` command the README and the docs name, line breaks folded."""
+    found: set[str] = set()
+    for page in [ROOT / "README.md", *DOCS.rglob("*.md")]:
+        found |= set(re.findall(r"`pytest ([^`]+)`", re.sub(r"\s+", " ", page.read_text())))
+    return sorted(found)
+
+
+def _keyword_match(expression: str, node_id: str) -> bool:
+    """pytest's `-k`: case-insensitive substrings of the test's node id, with and, or, not and
+    parentheses."""
+    python = []
+    for token in re.findall(r"\(|\)|[^\s()]+", expression):
+        python.append(token if token in ("(", ")", "and", "or", "not") else repr(token.lower()) + " in node")
+    return bool(eval(" ".join(python), {"__builtins__": {}}, {"node": node_id.lower()}))
+
+
+def test_every_pytest_command_the_docs_name_selects_tests():
+    commands = [shlex.split(c) for c in _pytest_commands()]
+    assert len(commands) >= 20, "the exercises' checks were not found"
+    files = sorted({a for c in commands for a in c if a.startswith("tests/")})
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+    collected = subprocess.run(collect, cwd=ROOT, capture_output=True, text=True)
+    assert collected.returncode == 0, collected.stdout[-2000:]
+    node_ids = [line for line in collected.stdout.splitlines() if "::" in line]
+    tests_text = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
+    for command in commands:
+        args = iter(command)
+        paths, keyword, marker = [], None, None
+        for arg in args:
+            if arg == "-k":
+                keyword = next(args)
+            elif arg == "-m":
+                marker = next(args)
+            else:
+                paths.append(arg)
+        if marker is not None:  # a marker: some test must carry it
+            assert f"pytest.mark.{marker}" in tests_text, command
+        chosen = [n for n in node_ids if any(n.startswith(p + "::") for p in paths)] if paths else node_ids
+        if paths:
+            assert all(any(n.startswith(p + "::") for n in node_ids) for p in paths), f"{command}: a file has no tests"
+        if keyword is not None:
+            chosen = [n for n in chosen if _keyword_match(keyword, n)]
+        assert chosen, f"`pytest {shlex.join(command)}` selects no test"
