@@ -53,16 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ablation", action="store_true",
                         help="ecoserve: skip Fig. 11's ablation at each trace's table rate; bros: skip §4.2's")
     parser.add_argument("--points", metavar="FILE",
-                        help="ecoserve and bros: a JSON-lines file of finished runs, read and appended to as each "
-                             "finishes, so that a stopped sweep resumes (with several seeds: FILE with -seedN "
-                             "before its suffix)")
+                        help="ecoserve, bros and conserve: a JSON-lines file of finished runs, read and appended "
+                             "to as each finishes, so that a stopped sweep resumes (with several seeds: FILE with "
+                             "-seedN before its suffix)")
     parser.add_argument("--panels", nargs="+", metavar="PANEL", choices=("a", "b", "c"),
                         help="bros only: Fig. 10's panels to run (a, b, c; default: all three at paper scale)")
     args = parser.parse_args(argv)
     if (args.datasets or args.requests) and args.experiment != "ecoserve":
         parser.error("--datasets and --requests are for the ecoserve experiment")
-    if (args.points or args.no_ablation) and args.experiment not in ("ecoserve", "bros"):
-        parser.error("--points and --no-ablation are for the ecoserve and bros experiments")
+    if args.points and args.experiment not in ("ecoserve", "bros", "conserve"):
+        parser.error("--points is for the ecoserve, bros and conserve experiments")
+    if args.no_ablation and args.experiment not in ("ecoserve", "bros"):
+        parser.error("--no-ablation is for the ecoserve and bros experiments")
     if args.panels and args.experiment != "bros":
         parser.error("--panels is for the bros experiment")
     if args.no_calibration:

@@ -56,11 +56,14 @@ the copies they read, and ConServe's runs how many preempted tokens a checkpoint
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from experiments import Comparison, ExperimentResult, baselines, check_scale
+from experiments.points import SavedPoints
 from experiments.progress import Progress
 from nanoserve.sim.hardware import gpu
 from nanoserve.sim.metrics import percentile, summarize
@@ -479,17 +482,50 @@ def configs(setup: Setup, slo: SLO) -> dict[str, SimConfig]:
             CAPPED: replace(conserve, policy_options={"offline_batch_tokens": 2048})}
 
 
-def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
+class _Points(SavedPoints):
+    """ConServe's finished runs (`experiments/points.py`), so that a paper-scale seed (minutes
+    each, a quarter of an hour for three) resumes where it stopped, and so that Fig. 8's plot
+    (`python -m experiments.conserve_fig8`) is drawn from saved rows without simulating (ours).
+    A point is keyed by scale, run (system, figure, CV), rate, the SLOs §6.2's procedure
+    derived, and seed, and holds `window_stats`' row (Fig. 6's: `fig6_stats`')."""
+
+    # Bumped when a change makes saved points stale.
+    VERSION = 1
+
+    @classmethod
+    def key(cls, scale: str, run: str, rate: float, slo: SLO, seed: int) -> str:
+        return f"{scale}|{run}|{rate!r} req/s|SLO {slo.ttft!r} s / {slo.tpot!r} s|seed {seed}|v{cls.VERSION}"
+
+    def point(self, key: str, runs: dict[str, SimResult], name: str, simulate_it: Callable[[], SimResult],
+              stats_of: Callable[[SimResult], dict[str, float]], progress: Progress) -> dict[str, float]:
+        """The saved row under `key`, or `stats_of(simulate_it())` (the run kept in `runs` under
+        `name`, the row saved)."""
+        row = self.get(key)
+        if row is None:
+            result = runs[name] = simulate_it()
+            row = stats_of(result)
+            self.add(key, row)
+            progress.done(result.duration)
+        else:
+            progress.done()
+        return row
+
+
+def run(scale: str = "paper", seed: int = 0, points: str | Path | None = None) -> ExperimentResult:
+    """Fig. 5, Fig. 7/8 (with Fig. 8's bars at CV 1) and Fig. 6, each system on one seed's
+    traces, at the rates and SLOs of §6.2's procedure (`derive`). `points`: a JSON-lines file of
+    finished runs (`_Points`), read and appended to as each finishes, so that a stopped run
+    resumes; a run read from it is not in the result's `runs`."""
     check_scale(scale)
     setup = SETUPS[scale]
     derived = derive(scale)
     pool = offline_pool(setup, seed + 2)
     systems = configs(setup, derived.slo)
     main = [b.label for b in BASELINES] + [CONSERVE]
+    saved = _Points(points)
     runs: dict[str, SimResult] = {}
     table: dict[str, dict[str, float]] = {}
     comparisons: list[Comparison] = []
-    # (a seed takes minutes at paper scale, so it is not resumable: the bar only shows it moving)
     progress = Progress(sum(len(main) * len(p.cvs) for p in setup.parts) + 2 + len(FIG6_SYSTEMS),
                         f"ConServe seed {seed}")
     for part in setup.parts:
@@ -500,20 +536,23 @@ def run(scale: str = "paper", seed: int = 0) -> ExperimentResult:
             stats = {}
             labels = main + ([SCHED_ONLY, WITH_CKPT] if part.figure == FIG78 and cv == FIG8_CV else [])
             for label in labels:
-                result = simulate(systems[label], online if label == ONLINE_ONLY else mixed)
-                progress.done(result.duration)
-                runs[run_label(label, part, cv)] = result
-                stats[label] = table[run_label(label, part, cv)] = window_stats(result, setup.duration)
+                name = run_label(label, part, cv)
+                trace = online if label == ONLINE_ONLY else mixed
+                stats[label] = table[name] = saved.point(
+                    _Points.key(scale, name, rate, derived.slo, seed), runs, name,
+                    lambda: simulate(systems[label], trace),  # noqa: B023 (called at once)
+                    lambda result: window_stats(result, setup.duration), progress)
             comparisons += _comparisons(part, cv, stats)
     # Fig. 6: ON/OFF at the system's max capacity, beside a pool sized for its length.
     online6 = fig6_trace(setup, derived.fig6_rate, seed)
     mixed6 = merge_traces(online6, offline_pool(setup, seed + 2, setup.fig6_duration))
     stats6: dict[str, dict[str, float]] = {}
     for label in FIG6_SYSTEMS:
-        result = simulate(systems[label], online6 if label == ONLINE_ONLY else mixed6)
-        progress.done(result.duration)
-        runs[run_label(label, FIG6)] = result
-        stats6[label] = fig6_stats(result, setup)
+        name = run_label(label, FIG6)
+        trace6 = online6 if label == ONLINE_ONLY else mixed6
+        stats6[label] = saved.point(_Points.key(scale, name, derived.fig6_rate, derived.slo, seed), runs, name,
+                                    lambda: simulate(systems[label], trace6),  # noqa: B023 (called at once)
+                                    lambda result: fig6_stats(result, setup), progress)
     progress.close()
     comparisons += fig6_comparisons(stats6, derived.slo)
     parts = "; ".join(f"{p.figure}: {p.online_lengths.label}, CV {', '.join(f'{c:g}' for c in p.cvs)}"

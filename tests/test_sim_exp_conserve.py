@@ -3,9 +3,13 @@ counts, and only the directions that held with a margin over every seed tried (0
 paper's magnitudes (the notes and RESULTS.md compare those at paper scale)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from experiments import ExperimentResult
+from experiments import conserve as conserve_experiment
 from experiments.conserve import (
     BASELINES,
     BURSTGPT,
@@ -33,8 +37,13 @@ PARTS = {part.figure: part for part in SETUPS["ci"].parts}
 
 
 @pytest.fixture(scope="module")
-def result() -> ExperimentResult:
-    return run("ci", seed=0)
+def points(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("conserve") / "seed0.jsonl"
+
+
+@pytest.fixture(scope="module")
+def result(points) -> ExperimentResult:
+    return run("ci", seed=0, points=points)
 
 
 def stats(result: ExperimentResult, label: str, figure: str) -> dict[str, float]:
@@ -167,3 +176,39 @@ def test_the_result_states_its_setup_and_compares_with_the_paper(result):
     assert any("SLOs by §6.2's procedure" in note for note in result.notes)
     # Every comparison names its figure (issue 45).
     assert all("Fig. " in c.metric for c in result.comparisons)
+
+
+def test_a_run_resumes_from_its_saved_points(result, points, monkeypatch):
+    """Every run the experiment made is a saved point; started again on the file, it simulates
+    nothing and comes to the same comparisons (a stopped paper-scale seed resumes)."""
+    lines = points.read_text().splitlines()
+    assert len(lines) == len(result.extra["policies"]) + len(result.extra["ablation"])
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("a saved point was simulated again")
+
+    monkeypatch.setattr(conserve_experiment, "simulate", no_simulation)
+    again = run("ci", seed=0, points=points)
+    assert [c.ours for c in again.comparisons] == [c.ours for c in result.comparisons]
+    same = json.dumps  # NaN (a counter with nothing to count) is equal to itself only as text
+    assert same(again.extra["policies"]) == same(result.extra["policies"]) and not again.runs
+    assert points.read_text().splitlines() == lines
+
+
+def test_the_fig8_plot_reads_saved_points(points, tmp_path):
+    """`python -m experiments.conserve_fig8` draws Fig. 8's bars from points files alone, each
+    over vLLM++'s on the same seed; a file without Fig. 8's runs is refused."""
+    pytest.importorskip("matplotlib")
+    from experiments import conserve_fig8
+
+    ratios = conserve_fig8.fig8_over_vllmpp(points)
+    assert ratios["offline_processed_tok_s"][VLLMPP] == 1.0 == ratios["online_ttft_p99"][VLLMPP]
+    rows = {json.loads(line)["key"].split("|")[1]: json.loads(line)["row"] for line in points.read_text().splitlines()}
+    full, pp = rows[run_label(CONSERVE, FIG78, FIG8_CV)], rows[run_label(VLLMPP, FIG78, FIG8_CV)]
+    assert ratios["online_ttft_p99"][CONSERVE] == full["online_ttft_p99"] / pp["online_ttft_p99"]
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("\n".join(line for line in points.read_text().splitlines() if "checkpointing" not in line))
+    with pytest.raises(ValueError, match="no Fig. 8 point of ConServe: \\+ incremental checkpointing"):
+        conserve_fig8.fig8_over_vllmpp(partial)
+    out = conserve_fig8.plot([points, points], tmp_path / "fig8.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
