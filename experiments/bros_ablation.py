@@ -11,10 +11,9 @@ ours alone.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
-from experiments.report import points_plot_parser, save_figure
+from experiments.report import mean_and_range, points_plot_main, save_figure
 
 DEFAULT = "§4.2 B0=8, x2"  # BROS's defaults, run again under the ablation's label
 
@@ -40,8 +39,7 @@ def plot(points: list[Path], out: Path) -> Path:
     runs = [latency_ratios(p) for p in points]
     variants = [v for v in runs[0] if all(v in run for run in runs)]
     values = [[run[v] for run in runs] for v in variants]
-    means = [statistics.mean(vs) for vs in values]
-    spread = [[m - min(vs) for m, vs in zip(means, values)], [max(vs) - m for m, vs in zip(means, values)]]
+    means, spread = mean_and_range(values)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.barh([v.removeprefix("§4.2 ") for v in variants], means, xerr=spread, capsize=3)
     ax.axvline(1, color="black", linewidth=0.8)
@@ -51,11 +49,5 @@ def plot(points: list[Path], out: Path) -> Path:
     return save_figure(fig, out)
 
 
-def main() -> None:
-    parser = points_plot_parser(__doc__)
-    args = parser.parse_args()
-    print(f"wrote {plot(args.points, args.out)}")
-
-
 if __name__ == "__main__":
-    main()
+    points_plot_main(__doc__, plot)

@@ -15,11 +15,10 @@ for the scheduler alone and 316 ms for ConServe (the text gives none for checkpo
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from experiments.conserve import CONSERVE, FIG8_CV, FIG78, SCHED_ONLY, VLLMPP, WITH_CKPT, run_label
-from experiments.report import points_plot_parser, save_figure
+from experiments.report import mean_and_range, points_plot_main, save_figure
 
 BARS = (VLLMPP, SCHED_ONLY, WITH_CKPT, CONSERVE)
 SHORT = {VLLMPP: "vLLM++", SCHED_ONLY: "scheduler only\n(swap)", WITH_CKPT: "+ checkpointing",
@@ -59,8 +58,7 @@ def plot(points: list[Path], out: Path) -> Path:
     x = range(len(BARS))
     for ax, (metric, label, paper) in zip(axes, METRICS):
         ours = [[seed[metric][s] for seed in seeds] for s in BARS]
-        means = [statistics.mean(values) for values in ours]
-        spread = [[m - min(v) for m, v in zip(means, ours)], [max(v) - m for m, v in zip(means, ours)]]
+        means, spread = mean_and_range(ours)
         ax.bar([i - 0.2 for i in x], means, 0.4, yerr=spread, capsize=3, label=f"ours (seeds: {len(seeds)}, range)")
         paper_bars = [(i + 0.2, paper[s]) for i, s in zip(x, BARS) if paper[s] is not None]
         ax.bar([i for i, _ in paper_bars], [v for _, v in paper_bars], 0.4, label="paper (§6.4.1)")
@@ -72,10 +70,5 @@ def plot(points: list[Path], out: Path) -> Path:
     return save_figure(fig, out)
 
 
-def main() -> None:
-    args = points_plot_parser(__doc__).parse_args()
-    print(f"wrote {plot(args.points, args.out)}")
-
-
 if __name__ == "__main__":
-    main()
+    points_plot_main(__doc__, plot)

@@ -11,11 +11,10 @@ is better): ours as the mean over the files with the range as error bars, beside
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from experiments.ecoserve import ABLATION, PAPER_ABLATION, VLLM_2023
-from experiments.report import points_plot_parser, save_figure
+from experiments.report import mean_and_range, points_plot_parser, save_figure
 
 VARIANTS = tuple(s.label for s in ABLATION if s.label in PAPER_ABLATION)
 
@@ -41,8 +40,7 @@ def plot(points: list[Path], rate: float, out: Path) -> Path:
     runs = [jct_changes(p, rate) for p in points]
     variants = [v for v in VARIANTS if all(v in run for run in runs)]
     ours = [[100 * run[v] for run in runs] for v in variants]
-    means = [statistics.mean(values) for values in ours]
-    spread = [[m - min(values) for m, values in zip(means, ours)], [max(values) - m for m, values in zip(means, ours)]]
+    means, spread = mean_and_range(ours)
     paper = [-100 * PAPER_ABLATION[v]["jct"] for v in variants]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = range(len(variants))

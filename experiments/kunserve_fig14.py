@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experiments.report import points_plot_parser, save_figure
+from experiments.report import points_plot_main, save_figure
 
 PAPER_BUBBLES = {"token-count micro-batches": 0.219, "lookahead": 0.083}  # §5.3, Fig. 14's text
 
@@ -58,10 +58,5 @@ def plot(tables: list[Path], out: Path) -> Path:
     return save_figure(fig, out)
 
 
-def main() -> None:
-    args = points_plot_parser(__doc__).parse_args()
-    print(f"wrote {plot(args.points, args.out)}")
-
-
 if __name__ == "__main__":
-    main()
+    points_plot_main(__doc__, plot)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +204,20 @@ def points_plot_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("out", type=Path)
     parser.add_argument("points", type=Path, nargs="+", help="one seed's points file each (--points)")
     return parser
+
+
+def points_plot_main(doc: str | None, draw: Callable[[list[Path], Path], Path]) -> None:
+    """A plot module's command line, `OUT.png POINTS.jsonl...` (`points_plot_parser`): `draw`
+    the points files into OUT.png."""
+    args = points_plot_parser(doc).parse_args()
+    print(f"wrote {draw(args.points, args.out)}")
+
+
+def mean_and_range(values: list[list[float]]) -> tuple[list[float], list[list[float]]]:
+    """Each list's mean, and the distances from it down to the list's min and up to its max:
+    a bar's height and its error bar (matplotlib's `yerr`) over seeds."""
+    means = [statistics.mean(v) for v in values]
+    return means, [[m - min(v) for m, v in zip(means, values)], [max(v) - m for m, v in zip(means, values)]]
 
 
 if __name__ == "__main__":
