@@ -77,13 +77,22 @@ class FCFSMachine(RuleBasedStateMachine):
         self.engine, self.executor = make_engine(num_blocks=10, block_size=4, budget=12, max_seqs=3, max_len=32)
         self.next_id = 0
         self.finished: set[str] = set()
+        self.prompt_len: dict[str, int] = {}
         self.last_batch: SchedulerOutput | None = None
+
+    def check_tokens(self, out) -> None:
+        """The echo executor's token for a position is the position % 100 (the next one it
+        writes): preemption and recomputation must not change a finished request's tokens."""
+        if out.finish_reason != "abort":
+            start = self.prompt_len[out.request_id]
+            assert out.token_ids == [p % 100 for p in range(start, start + len(out.token_ids))]
 
     @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 12))
     def add(self, prompt_len, max_tokens):
         rid = f"r{self.next_id}"
         self.next_id += 1
         self.engine.add_request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), rid)
+        self.prompt_len[rid] = prompt_len
 
     @precondition(lambda self: self.engine.requests)
     @rule(data=st.data())
@@ -100,6 +109,7 @@ class FCFSMachine(RuleBasedStateMachine):
             assert out.request_id not in self.finished, "a finished request produced output"
             if out.finished:
                 self.finished.add(out.request_id)
+                self.check_tokens(out)
         self.last_batch = self.executor.batches[-1] if len(self.executor.batches) > before else None
 
     @invariant()
@@ -137,7 +147,8 @@ class FCFSMachine(RuleBasedStateMachine):
         assert len(ids) == len(set(ids))
 
     def teardown(self):
-        run_to_completion(self.engine)
+        for out in run_to_completion(self.engine).values():
+            self.check_tokens(out)
         assert self.engine.kv.num_used_blocks == 0
         self.engine.kv.check_invariants()
 
