@@ -10,9 +10,9 @@ ours alone.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from experiments.points import read_points
 from experiments.report import mean_and_range, points_plot_main, save_figure
 
 DEFAULT = "§4.2 B0=8, x2"  # BROS's defaults, run again under the ablation's label
@@ -21,11 +21,10 @@ DEFAULT = "§4.2 B0=8, x2"  # BROS's defaults, run again under the ablation's la
 def latency_ratios(points: Path) -> dict[str, float]:
     """Each §4.2 variant's RT normalized latency over the default's, from one seed's points."""
     latency: dict[str, float] = {}
-    for line in points.read_text().splitlines():
-        entry = json.loads(line)
-        parts = entry["key"].split("|")
+    for key, row in read_points(points).items():
+        parts = key.split("|")
         if len(parts) > 5 and parts[5].startswith("§4.2 "):
-            latency[parts[5]] = entry["row"]["rt_norm_latency"]
+            latency[parts[5]] = row["rt_norm_latency"]
     if DEFAULT not in latency:
         raise ValueError(f"{points}: no '{DEFAULT}' point (run the experiment's ablation first)")
     return {label: value / latency[DEFAULT] for label, value in latency.items() if label != DEFAULT}

@@ -14,10 +14,10 @@ for the scheduler alone and 316 ms for ConServe (the text gives none for checkpo
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from experiments.conserve import CONSERVE, FIG8_CV, FIG78, SCHED_ONLY, VLLMPP, WITH_CKPT, run_label
+from experiments.points import read_points
 from experiments.report import mean_and_range, points_plot_main, save_figure
 
 BARS = (VLLMPP, SCHED_ONLY, WITH_CKPT, CONSERVE)
@@ -35,17 +35,14 @@ def fig8_over_vllmpp(points: Path) -> dict[str, dict[str, float]]:
     seed's points: {metric: {system: ratio}}."""
     rows: dict[str, dict] = {}
     runs = {run_label(system, FIG78, FIG8_CV): system for system in BARS}
-    for line in points.read_text().splitlines():
-        if line.strip():
-            entry = json.loads(line)
-            run = entry["key"].split("|")[1]
-            if run in runs:
-                rows[runs[run]] = entry["row"]
+    for key, row in read_points(points).items():
+        run = key.split("|")[1]
+        if run in runs:
+            rows[runs[run]] = row
     missing = [s for s in BARS if s not in rows]
     if missing:
         raise ValueError(f"{points}: no Fig. 8 point of {', '.join(missing)}")
     return {metric: {s: rows[s][metric] / rows[VLLMPP][metric] for s in BARS} for metric, _, _ in METRICS}
-
 
 
 def plot(points: list[Path], out: Path) -> Path:

@@ -10,10 +10,10 @@ is better): ours as the mean over the files with the range as error bars, beside
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from experiments.ecoserve import ABLATION, PAPER_ABLATION, VLLM_2023
+from experiments.points import read_points
 from experiments.report import mean_and_range, points_plot_parser, save_figure
 
 VARIANTS = tuple(s.label for s in ABLATION if s.label in PAPER_ABLATION)
@@ -22,10 +22,8 @@ VARIANTS = tuple(s.label for s in ABLATION if s.label in PAPER_ABLATION)
 def jct_changes(points: Path, rate: float) -> dict[str, float]:
     """Each variant's mean JCT over vLLM (2023)'s, minus one, at `rate` (flat pricing)."""
     jct: dict[str, float] = {}
-    for line in points.read_text().splitlines():
-        entry = json.loads(line)
-        row = entry["row"]
-        if entry["key"].endswith("|Fig. 11 flat") and row["rate"] == rate:
+    for key, row in read_points(points).items():
+        if key.endswith("|Fig. 11 flat") and row["rate"] == rate:
             jct[row["system"]] = row["jct_mean"]
     if VLLM_2023.label not in jct:
         raise ValueError(f"{points}: no Fig. 11 point of {VLLM_2023.label} at rate {rate}")

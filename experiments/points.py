@@ -20,17 +20,23 @@ import json
 from pathlib import Path
 
 
+def read_points(path: str | Path) -> dict[str, dict]:
+    """The rows a points file holds, by key (a key saved twice: its last row). The plots read
+    saved runs with this, without simulating."""
+    rows: dict[str, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            entry = json.loads(line)
+            rows[entry["key"]] = entry["row"]
+    return rows
+
+
 class SavedPoints:
     """Rows by key, read from a JSON-lines file and appended to it as points finish."""
 
     def __init__(self, path: str | Path | None):
         self.path = None if path is None else Path(path)
-        self.rows: dict[str, dict] = {}
-        if self.path is not None and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    entry = json.loads(line)
-                    self.rows[entry["key"]] = entry["row"]
+        self.rows: dict[str, dict] = read_points(self.path) if self.path is not None and self.path.exists() else {}
 
     def get(self, key: str) -> dict | None:
         return self.rows.get(key)
