@@ -35,7 +35,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
-# The documentation site on http://127.0.0.1:8000, rebuilt as pages change.
+# The documentation site on http://127.0.0.1:8001 (mkdocs.yml's dev_addr), rebuilt as pages change.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 

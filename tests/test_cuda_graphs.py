@@ -15,7 +15,6 @@ import torch
 from test_invariance import assert_close_greedy
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.model.attention import ForwardContext
 from nanoserve.model.cuda_graphs import decode_buckets, mixed_buckets
 
 MAX_TOKENS = 12
@@ -105,14 +104,15 @@ def test_mixed_batches_through_the_static_buffers_keep_greedy_output(tiny_llama_
     assert graphed.engine.stats().kv_blocks_used == 0
     # A batch of two sequences (3 new tokens, then 1), padded to 16 tokens and 8 sequences: the
     # kernels find a token's sequence by binary search, so the padded starts must not decrease.
-    runner = graphed.engine.executor
-    ctx = ForwardContext(torch.tensor([0, 1, 2, 8]), torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
-                         torch.tensor([3, 5], dtype=torch.int32), torch.tensor([0, 3, 4], dtype=torch.int32),
-                         runner.kv_caches, runner.backend)
-    logits = graphs.replay_mixed(ctx, torch.tensor([5, 6, 7, 9]), torch.tensor([0, 1, 2, 4]), torch.tensor([2, 3]))
+    layout, buffer = graphs.inputs_for("mixed", 4)
+    assert (layout.num_tokens, layout.num_seqs) == (16, 8)
+    buffer.copy_(layout.pack([5, 6, 7, 9], [0, 1, 2, 4], [0, 1, 2, 8], [2, 3], [3, 5], [0, 3, 4], pin_memory=False))
+    graphs.write_block_table(torch.tensor([[0, 1], [2, 0]], dtype=torch.int32))
+    logits = graphs.replay_mixed(4, 2)
     assert logits.shape[0] == 2 and torch.isfinite(logits).all()
-    assert graphs.mixed_query_start_loc.tolist() == [0, 3, 4] + [4] * 6
-    assert graphs.slot_mapping[4:16].tolist() == [-1] * 12 and graphs.sample_index.tolist() == [2, 3] + [0] * 6
+    views = graphs.views("mixed", 16)
+    assert views.query_start_loc.tolist() == [0, 3, 4] + [4] * 6 and views.seq_lens.tolist() == [3, 5] + [1] * 6
+    assert views.slot_mapping[4:].tolist() == [-1] * 12 and views.sample_index.tolist() == [2, 3] + [0] * 6
 
 
 def test_mixed_graphs_need_more_tokens_than_sequences(tiny_llama_dir):

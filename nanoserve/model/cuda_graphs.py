@@ -6,8 +6,8 @@ driver on the host. Measured on an H200 (benchmarks/RESULTS.md): a 1B-shaped mod
 step at batch 64 took 11-17 ms against a 0.97 ms HBM roofline. A CUDA graph records one step's
 kernels once and replays them with a single launch.
 
-A graph replays fixed addresses and fixed shapes, so each shape gets its own graph over static
-buffers, padded up to it. Two families share the buffers:
+A graph replays fixed addresses and fixed shapes, so each shape gets its own graph, recorded
+over its own static input buffer and padded up to it. Two families:
 
   decode graphs, one per batch size b (1, 2, 4, 8, then every 8 up to max_num_seqs): every
   sequence decodes one token, so tokens = sequences = b; the LM head runs on all b rows.
@@ -18,20 +18,20 @@ buffers, padded up to it. Two families share the buffers:
   empty ones, the tokens to t with tokens of no sequence; the LM head runs on S rows gathered
   by a static index (the rows that sample, then row 0 as padding).
 
-    static buffers (device), written before every replay
-      input_ids      [T]              real ids        | pad: 0
-      positions      [T]              real positions  | pad: 0
-      slot_mapping   [T]              real slots      | pad: -1 (store_kv writes nothing)
-      seq_lens       [S]              real lengths    | pad: 1 (decode: reads page 0, slot 0;
-                                                               mixed: never read, its query is empty)
-      block_tables   [S, max_blocks]  real tables     | decode pad: page 0
-      decode qsl     [S + 1]          0, 1, 2, ... (one token per sequence; never rewritten)
-      mixed qsl      [S + 1]          real starts     | pad: the real token count (empty sequences)
-      sample_index   [S]              rows that sample | pad: 0
-    T = the largest graph's token count, S = its sequence count; each graph reads a prefix.
+    each graph's static inputs (device), one buffer laid out as step_inputs.py's StepInputLayout
+      input_ids, positions, slot_mapping   [b or t]
+      sample_index, seq_lens               [b or S]
+      query_start_loc                      [b + 1 or S + 1]
+    written, padding included, by one copy from the host before every replay (the runner packs
+    the step's inputs in the layout of the graph that will run it: `inputs_for`)
 
-A padding row of a decode graph attends to one slot of page 0, which holds finite values (the
-cache starts zeroed and only ever receives K/V); in a mixed graph the attention kernel finds no
+    block_tables [S, max_blocks] (device), shared by every graph: each step copies its own
+      [s, width] table into the corner; rows and columns past it keep what earlier steps wrote
+
+A padding row of a decode graph attends to slot 0 of the page its block-table row holds: page 0
+when the buffer was made, else the first page of some earlier step's sequence. Every entry the
+table ever holds is a real page of this cache, and a page holds finite values (the cache starts
+zeroed and only ever receives K/V); in a mixed graph the attention kernel finds no
 sequence for a padding token and skips it. Padding rows' outputs are never read. The kernels
 read `seq_lens` and `query_start_loc` from the device, so one graph serves any context lengths
 and any split of its tokens into sequences; only the block table's width is fixed, at
@@ -45,6 +45,9 @@ wait for layer by layer (both run Python between layers), and any runner whose l
 
 `record=False` (a CPU, for tests) keeps every step of this path but the recording: a replay
 runs the forward over the same static buffers and padding.
+
+Before issue 47 the runner copied each input to the device on its own and a replay then copied
+each into shared static buffers and padded them there: about 17 launches a graphed step, now 2.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ import torch
 
 from nanoserve.model.attention import AttentionBackend, ForwardContext
 from nanoserve.model.causal_lm import CausalLM
+from nanoserve.model.step_inputs import StepInputLayout, StepInputViews
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # a private torch name: for the annotation only
@@ -95,28 +99,22 @@ class StepGraphs:
                              f"max_num_seqs {max_num_seqs}")
         self.record = device.type == "cuda" if record is None else record
         self.max_seqs = max_num_seqs if self.mixed_sizes else 0
-        max_tokens = max(self.buckets[-1] if self.buckets else 0, self.mixed_sizes[-1] if self.mixed_sizes else 0)
         max_seqs = max(self.buckets[-1] if self.buckets else 0, self.max_seqs)
         self.max_blocks = max_blocks
-
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids = zeros(max_tokens, dtype=torch.int64)
-        self.positions = zeros(max_tokens, dtype=torch.int64)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)
-        self.block_tables = zeros(max_seqs, max_blocks, dtype=torch.int32)
-        self.query_start_loc = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
-        self.mixed_query_start_loc = zeros(max_seqs + 1, dtype=torch.int32)
-        self.sample_index = zeros(max_seqs, dtype=torch.int64)
-        self._contexts = {b: ForwardContext(self.slot_mapping[:b], self.block_tables[:b], self.seq_lens[:b],
-                                            self.query_start_loc[:b + 1], kv_caches, backend)
-                          for b in self.buckets}
+        self.block_tables = torch.zeros((max_seqs, max_blocks), dtype=torch.int32, device=device)
         seqs = self.max_seqs
-        self._mixed_contexts = {t: ForwardContext(self.slot_mapping[:t], self.block_tables[:seqs], self.seq_lens[:seqs],
-                                                  self.mixed_query_start_loc[:seqs + 1], kv_caches, backend)
-                                for t in self.mixed_sizes}
+        self._inputs: dict[tuple[str, int], tuple[StepInputLayout, torch.Tensor]] = {}
+        self._views: dict[tuple[str, int], StepInputViews] = {}
+        self._contexts: dict[tuple[str, int], ForwardContext] = {}
+        for key, layout, rows in ([(("decode", b), StepInputLayout(b, b, padding_sequences_take_a_token=True), b)
+                                   for b in self.buckets]
+                                  + [(("mixed", t), StepInputLayout(t, seqs), seqs) for t in self.mixed_sizes]):
+            # Padding throughout until a step writes it: what the warm-up and the recording read.
+            buffer = layout.pack([], [], [], [], [], [0], pin_memory=False).to(device)
+            views = layout.views(buffer)
+            self._inputs[key], self._views[key] = (layout, buffer), views
+            self._contexts[key] = ForwardContext(views.slot_mapping, self.block_tables[:rows], views.seq_lens,
+                                                 views.query_start_loc, kv_caches, backend)
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         self._mixed_replays: dict[int, Callable[[], torch.Tensor]] = {}
         self._pool: _POOL_HANDLE | None = None
@@ -129,12 +127,14 @@ class StepGraphs:
             self._replays[b] = self._capture(partial(self._forward, b))
 
     def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self._contexts[b], None)
+        views = self._views["decode", b]
+        hidden = self.model(views.input_ids, views.positions, self._contexts["decode", b], None)
         return self.model.compute_logits(hidden)
 
     def _mixed_forward(self, t: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:t], self.positions[:t], self._mixed_contexts[t], None)
-        return self.model.compute_logits(hidden.index_select(0, self.sample_index[: self.max_seqs]))
+        views = self._views["mixed", t]
+        hidden = self.model(views.input_ids, views.positions, self._contexts["mixed", t], None)
+        return self.model.compute_logits(hidden.index_select(0, views.sample_index))
 
     @torch.inference_mode()
     def _capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -178,54 +178,40 @@ class StepGraphs:
         the forward alone this way); not counted in `num_replays`."""
         return self._replays[bucket]()
 
-    def _write_tokens(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
-                      padded: int) -> None:
-        """Copy the step's per-token inputs into the static buffers, padded to `padded` tokens."""
-        n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(ctx.slot_mapping)
-        if padded > n:  # rows an earlier, larger batch filled become padding again
-            self.input_ids[n:padded].zero_()
-            self.positions[n:padded].zero_()
-            self.slot_mapping[n:padded].fill_(-1)
+    def inputs_for(self, kind: str, num_tokens: int) -> tuple[StepInputLayout, torch.Tensor]:
+        """The layout and the static input buffer of the graph that runs a step of `num_tokens`
+        tokens: "decode" (one token per sequence) or "mixed". The runner packs the step in this
+        layout and copies it into this buffer, then calls `replay` or `replay_mixed`."""
+        size = self.bucket_for(num_tokens) if kind == "decode" else self.mixed_size_for(num_tokens)
+        assert size is not None, f"no {kind} graph holds {num_tokens} tokens"
+        return self._inputs[kind, size]
 
-    def _write_sequences(self, ctx: ForwardContext) -> int:
-        s, width = ctx.block_tables.shape
-        self.seq_lens[:s].copy_(ctx.seq_lens)
-        self.block_tables[:s, :width].copy_(ctx.block_tables)
-        return s
+    def write_block_table(self, table: torch.Tensor) -> torch.Tensor:
+        """Copy a step's [s, width] block table (on the host, page-locked on CUDA) into the
+        shared static table's corner; returns that corner."""
+        s, width = table.shape
+        corner = self.block_tables[:s, :width]
+        corner.copy_(table, non_blocking=True)
+        return corner
+
+    def views(self, kind: str, size: int) -> StepInputViews:
+        """A graph's static inputs (what tests and benchmarks read)."""
+        return self._views[kind, size]
 
     @torch.inference_mode()
-    def replay(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The logits of a decode batch whose step inputs the runner prepared (`ctx`, ids and
-        positions, one row per sequence): copied into the static buffers, padded, replayed."""
-        n = input_ids.shape[0]
-        b = self.bucket_for(n)
-        assert b is not None and ctx.directions is None
-        self._write_tokens(ctx, input_ids, positions, b)
-        self._write_sequences(ctx)
-        if b > n:  # padding sequences read one slot of page 0
-            self.seq_lens[n:b].fill_(1)
-            self.block_tables[n:b, 0].zero_()
+    def replay(self, num_tokens: int) -> torch.Tensor:
+        """The logits of a decode batch of `num_tokens` sequences whose inputs are in its graph's
+        buffer (`inputs_for`) and whose table is in the static one (`write_block_table`)."""
+        b = self.bucket_for(num_tokens)
+        assert b is not None
         self.num_replays += 1
-        return self._replays[b]()[:n]
+        return self._replays[b]()[:num_tokens]
 
     @torch.inference_mode()
-    def replay_mixed(self, ctx: ForwardContext, input_ids: torch.Tensor, positions: torch.Tensor,
-                     sample_index: torch.Tensor) -> torch.Tensor:
-        """The logits of the rows `sample_index` names (flat-batch rows, on the device) of any
-        batch a mixed graph holds: its inputs copied into the static buffers, padded, replayed."""
-        n = input_ids.shape[0]
-        t = self.mixed_size_for(n)
-        assert t is not None and ctx.directions is None
-        self._write_tokens(ctx, input_ids, positions, t)
-        s = self._write_sequences(ctx)
-        qsl = self.mixed_query_start_loc
-        qsl[: s + 1].copy_(ctx.query_start_loc)
-        qsl[s + 1:].fill_(n)  # empty sequences after the real ones: their queries start and end at n
-        k = sample_index.shape[0]
-        self.sample_index[:k].copy_(sample_index)
-        self.sample_index[k:].zero_()
+    def replay_mixed(self, num_tokens: int, num_samples: int) -> torch.Tensor:
+        """The logits of the `num_samples` rows that sample (the step's sample_index, in its
+        graph's buffer) of a batch of `num_tokens` tokens that a mixed graph holds."""
+        t = self.mixed_size_for(num_tokens)
+        assert t is not None
         self.num_mixed_replays += 1
-        return self._mixed_replays[t]()[:k]
+        return self._mixed_replays[t]()[:num_samples]

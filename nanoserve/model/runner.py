@@ -9,6 +9,10 @@ For a batch of chunks the runner builds flat tensors:
     query_start_loc        [num_seqs + 1]    where each chunk's tokens start in the flat batch
     directions             [num_seqs] or None  BROS: which sequences fill blocks right to left
 
+All but the block table and the directions share one buffer and one host-to-device copy
+(step_inputs.py); when a CUDA graph runs the step, that copy lands in the graph's own static
+buffer, padded to its shape, and the table in the graphs' static table.
+
 Before the forward pass it issues the batch's KV copies (checkpoints, swaps, restores) on the
 host store's copy stream and makes the forward wait only for the ones it reads: this step's
 blocking copies and the loads of its own requests (memory/copies.py). Saves and prefetches for
@@ -55,6 +59,7 @@ from nanoserve.model.layer_peer import LayerPeer
 from nanoserve.model.logits_processors import NO_HISTORY, RowHistory
 from nanoserve.model.parallel import SINGLE, TPGroup, local_kv_heads
 from nanoserve.model.sampler import DrawsOnDevice, sample_on_device
+from nanoserve.model.step_inputs import StepInputLayout
 from nanoserve.preemption import ForwardPreempted, PreemptionFlag
 from nanoserve.request import Request
 from nanoserve.sched.output import SchedulerOutput
@@ -214,7 +219,9 @@ class ModelRunner(Executor):
         self.kv_caches = self._arena_kv_caches()
         return change
 
-    def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
+    def prepare(self, batch: SchedulerOutput, graph: str | None = None) -> PreparedBatch:
+        """The step's inputs on the device. `graph`: "decode" or "mixed" if a CUDA graph will
+        run the step (`_replayable`): they go straight into its static buffers."""
         size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -248,23 +255,36 @@ class ModelRunner(Executor):
             if chunk.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
         tables = self.block_tables.table([(c.request.request_id, c.block_table) for c in batch.chunks])
-        tensor = self._to_device
-
+        n, s, pinned = len(input_ids), len(seq_lens), self.device.type == "cuda"
+        # One copy for the six small inputs (step_inputs.py): into a graph's static buffer when a
+        # graph runs the step, else into a fresh one (on a CPU the host buffer is the input).
+        if graph is None:
+            layout, buffer = StepInputLayout(n, s), None
+            block_tables = tables.to(self.device, non_blocking=pinned)
+        else:
+            assert self.graphs is not None  # _replayable found a graph
+            layout, buffer = self.graphs.inputs_for(graph, n)
+            block_tables = self.graphs.write_block_table(tables)
+        host = layout.pack(input_ids, positions, slots, sample_rows, seq_lens, query_start_loc, pin_memory=pinned)
+        if buffer is None:
+            buffer = host.to(self.device, non_blocking=pinned)
+        else:
+            buffer.copy_(host, non_blocking=pinned)
+        inputs = layout.views(buffer, n, s, len(sample_rows))
         ctx = ForwardContext(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tables.to(self.device, non_blocking=True),
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(query_start_loc, torch.int32),
+            slot_mapping=inputs.slot_mapping,
+            block_tables=block_tables,
+            seq_lens=inputs.seq_lens,
+            query_start_loc=inputs.query_start_loc,
             kv_caches=self.kv_caches,
             backend=self.backend,
             # Only a batch with a right-to-left sequence pays for the direction flags.
-            directions=(tensor([c.right_to_left for c in batch.chunks], torch.bool)
+            directions=(self._to_device([c.right_to_left for c in batch.chunks], torch.bool)
                         if any(c.right_to_left for c in batch.chunks) else None),
         )
-        ids = tensor(input_ids, torch.int64)
         if fed_rows:
-            self._feed(ids, fed_rows, fed_from)
-        return PreparedBatch(ids, tensor(positions, torch.int64), ctx, sample_rows, tensor(sample_rows, torch.int64))
+            self._feed(inputs.input_ids, fed_rows, fed_from)
+        return PreparedBatch(inputs.input_ids, inputs.positions, ctx, sample_rows, inputs.sample_index)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A step input on the device. On CUDA from page-locked memory, so the non-blocking
@@ -364,7 +384,6 @@ class ModelRunner(Executor):
         self.apply_kv_copies(batch.kv_copies, batch.landed_copies, (c.request.request_id for c in batch.chunks))
         if not batch.chunks:
             return LaunchedStep()
-        prepared = self.prepare(batch)
         # Only a pure-offline batch is preemptible (ConServe's offline batching mode, §4.3), and
         # not as a pipeline stage: the stages run different layers, so no barrier aligns them.
         preemptible = (self.layerwise_preemption and self.stage_layers is None
@@ -376,14 +395,14 @@ class ModelRunner(Executor):
         if self.tp.rank == 0 and self._needs_masks(sampling):  # only rank 0 samples
             masks = self._grammar_masks.submit(grammar_bitmask, sampling)
         prompt_logprobs: dict[str, PromptLogprobs] = {}  # a graph never runs a step that wants them
-        graph = self._replayable(batch, prepared, preemptible)
+        graph = self._replayable(batch, preemptible)
+        prepared = self.prepare(batch, graph)
         if graph == "decode":
             assert self.graphs is not None  # _replayable found a graph
-            logits = self.graphs.replay(prepared.ctx, prepared.input_ids, prepared.positions)
+            logits = self.graphs.replay(prepared.input_ids.shape[0])
         elif graph == "mixed":
             assert self.graphs is not None
-            logits = self.graphs.replay_mixed(prepared.ctx, prepared.input_ids, prepared.positions,
-                                              prepared.sample_index)
+            logits = self.graphs.replay_mixed(prepared.input_ids.shape[0], len(prepared.sample_rows))
             if not sampling:
                 return LaunchedStep()
         else:
@@ -441,20 +460,21 @@ class ModelRunner(Executor):
         out.prompt_logprobs = step.prompt_logprobs
         return out
 
-    def _replayable(self, batch: SchedulerOutput, prepared: PreparedBatch, preemptible: bool) -> str | None:
+    def _replayable(self, batch: SchedulerOutput, preemptible: bool) -> str | None:
         """Which CUDA graph can run this step (cuda_graphs.py): "decode" when every sequence
         decodes one token it samples, "mixed" for any other batch a mixed graph holds, None to
-        run eagerly. Only left to right, with no Python to run between layers."""
-        graphs = self.graphs
-        if graphs is None or preemptible or prepared.ctx.directions is not None:
+        run eagerly. Only left to right, with no Python to run between layers. Decided before
+        the inputs are built: they are built in the layout of the graph that runs them."""
+        graphs, chunks = self.graphs, batch.chunks
+        if graphs is None or preemptible or any(c.right_to_left for c in chunks):
             return None
-        if any(c.request.params.prompt_logprobs is not None for c in batch.chunks):
+        if any(c.request.params.prompt_logprobs is not None for c in chunks):
             return None  # the graphs keep only the sampled rows' hidden states
         if self.host_store is not None and self.host_store.has_layer_waits:
             return None
-        num_seqs, num_tokens = len(batch.chunks), prepared.input_ids.shape[0]
-        width = prepared.ctx.block_tables.shape[1]
-        if graphs.can_replay(num_seqs, num_tokens == num_seqs == len(prepared.sample_rows), width):
+        num_seqs, num_tokens = len(chunks), sum(c.num_tokens for c in chunks)
+        width = max(len(c.block_table) for c in chunks)
+        if graphs.can_replay(num_seqs, num_tokens == num_seqs == sum(c.samples for c in chunks), width):
             return "decode"
         return "mixed" if graphs.can_replay_mixed(num_tokens, num_seqs, width) else None
 
