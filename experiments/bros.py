@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -341,9 +341,10 @@ def run_fig13(setup: Setup, seed: int, runs: dict[str, SimResult], points: _Poin
             stats = (rt_stats(swept, setup.slo) if swept is not None
                      else points.get(_Points.key(setup, BROS, rate, seed)))
         if stats is None:
-            stats = points.point(_Points.key(setup, BROS, rate, seed, f"Fig. 13 {name}"), setup, runs,
-                                 f"Fig. 13 {setup.panel} BROS, {name} @ {rate:g} req/s",
-                                 lambda: simulate(_config(setup, BROS, **changes), trace, closed_loop=be))  # noqa: B023
+            stats = points.point(_Points.key(setup, BROS, rate, seed, f"Fig. 13 {name}"),
+                                 lambda: simulate(_config(setup, BROS, **changes), trace, closed_loop=be),  # noqa: B023
+                                 lambda result: rt_stats(result, setup.slo), runs,
+                                 f"Fig. 13 {setup.panel} BROS, {name} @ {rate:g} req/s")
         rows.append({"panel": setup.panel, "system": name, "rate": rate, **stats})
     return rows
 
@@ -426,7 +427,7 @@ def compare(sweep: list[dict[str, float | str]], setups: Sequence[Setup], scale:
 class _Points(SavedPoints):
     """BROS's finished runs (`experiments/points.py`), so that a paper-scale run (over an hour per
     seed) resumes where it stopped (ours). A point is keyed by panel, system, rate, seed and the
-    RT trace's length, and holds `rt_stats`' row; `point` simulates the missing ones."""
+    RT trace's length, and holds `rt_stats`' row; `SavedPoints.point` simulates the missing ones."""
 
     # Bumped when a change makes saved points stale.
     VERSION = 1
@@ -434,19 +435,6 @@ class _Points(SavedPoints):
     @classmethod
     def key(cls, setup: Setup, system: str, rate: float, seed: int, what: str = "Fig. 10") -> str:
         return f"{setup.panel}|{system}|{rate!r}|seed {seed}|{setup.duration:g} s|{what}|v{cls.VERSION}"
-
-    def point(self, key: str, setup: Setup, runs: dict[str, SimResult], name: str,
-              simulate_it: Callable[[], SimResult], progress: Progress | None = None) -> dict[str, float]:
-        """The saved row under `key`, or `simulate_it`'s (kept in `runs` under `name`, and saved)."""
-        row = self.get(key)
-        if row is None:
-            result = simulate_it()
-            runs[name] = result
-            row = rt_stats(result, setup.slo)
-            self.add(key, row)
-        if progress is not None:
-            progress.done(row["duration_s"] if name in runs else 0.0)
-        return row
 
 
 def run(scale: str = "paper", seed: int = 0, panels: Sequence[str] | None = None,
@@ -470,10 +458,10 @@ def run(scale: str = "paper", seed: int = 0, panels: Sequence[str] | None = None
         for paper_rate, rate in zip(setup.rates, run_rates(setup)):
             trace = rt_trace(setup, rate, seed)
             for label in POLICIES:
-                stats = saved.point(_Points.key(setup, label, rate, seed), setup, runs,
-                                    f"{setup.panel} {label} @ {rate:g} req/s",
+                stats = saved.point(_Points.key(setup, label, rate, seed),
                                     lambda: simulate(_config(setup, label), trace, closed_loop=be),  # noqa: B023
-                                    progress)
+                                    lambda result: rt_stats(result, setup.slo),  # noqa: B023 (called at once)
+                                    runs, f"{setup.panel} {label} @ {rate:g} req/s", progress)
                 sweep.append({"panel": setup.panel, "system": label, "rate": rate, "paper_rate": paper_rate,
                               **stats})
     progress.close()
@@ -524,9 +512,9 @@ def run_ablation(setup: Setup, seed: int, only: Sequence[str] | None = None,
     variants = {name: changes for name, changes in ablation_variants().items() if only is None or name in only}
     progress = Progress(len(variants), f"BROS §4.2 ablation seed {seed}")
     for name, changes in variants.items():
-        stats = points.point(_Points.key(setup, BROS, rate, seed, f"§4.2 {name}"), setup, {}, name,
+        stats = points.point(_Points.key(setup, BROS, rate, seed, f"§4.2 {name}"),
                              lambda: simulate(_config(setup, BROS, **changes), trace, closed_loop=be),  # noqa: B023
-                             progress)
+                             lambda result: rt_stats(result, setup.slo), progress=progress)
         rows.append({"panel": setup.panel, "variant": name, "rate": rate, **{k: stats[k] for k in ABLATION_COLUMNS}})
     progress.close()
     return rows

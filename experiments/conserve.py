@@ -56,7 +56,6 @@ the copies they read, and ConServe's runs how many preempted tokens a checkpoint
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -496,20 +495,6 @@ class _Points(SavedPoints):
     def key(cls, scale: str, run: str, rate: float, slo: SLO, seed: int) -> str:
         return f"{scale}|{run}|{rate!r} req/s|SLO {slo.ttft!r} s / {slo.tpot!r} s|seed {seed}|v{cls.VERSION}"
 
-    def point(self, key: str, runs: dict[str, SimResult], name: str, simulate_it: Callable[[], SimResult],
-              stats_of: Callable[[SimResult], dict[str, float]], progress: Progress) -> dict[str, float]:
-        """The saved row under `key`, or `stats_of(simulate_it())` (the run kept in `runs` under
-        `name`, the row saved)."""
-        row = self.get(key)
-        if row is None:
-            result = runs[name] = simulate_it()
-            row = stats_of(result)
-            self.add(key, row)
-            progress.done(result.duration)
-        else:
-            progress.done()
-        return row
-
 
 def run(scale: str = "paper", seed: int = 0, points: str | Path | None = None) -> ExperimentResult:
     """Fig. 5, Fig. 7/8 (with Fig. 8's bars at CV 1) and Fig. 6, each system on one seed's
@@ -539,9 +524,9 @@ def run(scale: str = "paper", seed: int = 0, points: str | Path | None = None) -
                 name = run_label(label, part, cv)
                 trace = online if label == ONLINE_ONLY else mixed
                 stats[label] = table[name] = saved.point(
-                    _Points.key(scale, name, rate, derived.slo, seed), runs, name,
+                    _Points.key(scale, name, rate, derived.slo, seed),
                     lambda: simulate(systems[label], trace),  # noqa: B023 (called at once)
-                    lambda result: window_stats(result, setup.duration), progress)
+                    lambda result: window_stats(result, setup.duration), runs, name, progress)
             comparisons += _comparisons(part, cv, stats)
     # Fig. 6: ON/OFF at the system's max capacity, beside a pool sized for its length.
     online6 = fig6_trace(setup, derived.fig6_rate, seed)
@@ -550,9 +535,9 @@ def run(scale: str = "paper", seed: int = 0, points: str | Path | None = None) -
     for label in FIG6_SYSTEMS:
         name = run_label(label, FIG6)
         trace6 = online6 if label == ONLINE_ONLY else mixed6
-        stats6[label] = saved.point(_Points.key(scale, name, derived.fig6_rate, derived.slo, seed), runs, name,
+        stats6[label] = saved.point(_Points.key(scale, name, derived.fig6_rate, derived.slo, seed),
                                     lambda: simulate(systems[label], trace6),  # noqa: B023 (called at once)
-                                    lambda result: fig6_stats(result, setup), progress)
+                                    lambda result: fig6_stats(result, setup), runs, name, progress)
     progress.close()
     comparisons += fig6_comparisons(stats6, derived.slo)
     parts = "; ".join(f"{p.figure}: {p.online_lengths.label}, CV {', '.join(f'{c:g}' for c in p.cvs)}"

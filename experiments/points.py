@@ -6,10 +6,7 @@ bumped when a code change makes saved rows stale); this file keeps the rows, one
 line, appended as each point finishes.
 
     saved = SavedPoints("sharegpt-seed1.jsonl")     # None: nothing read, nothing written
-    row = saved.get(key)
-    if row is None:
-        row = numbers_of(simulate(...))
-        saved.add(key, row)
+    row = saved.point(key, lambda: simulate(...), numbers_of)   # read back, or run and saved
 
 The code that simulated a saved row is whatever the checkout was when it ran, so keep the file
 with the commit that wrote it (benchmarks/results/ does).
@@ -17,7 +14,11 @@ with the commit that wrote it (benchmarks/results/ does).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+
+from experiments.progress import Progress
+from nanoserve.sim.simulation import SimResult
 
 
 def read_points(path: str | Path) -> dict[str, dict]:
@@ -49,3 +50,21 @@ class SavedPoints:
         if self.path is not None and not saved_before:
             with self.path.open("a") as f:
                 f.write(json.dumps({"key": key, "row": row}) + "\n")
+
+    def point(self, key: str, simulate_it: Callable[[], SimResult], stats_of: Callable[[SimResult], dict],
+              runs: dict[str, SimResult] | None = None, name: str = "", progress: Progress | None = None) -> dict:
+        """The row saved under `key`, or `stats_of(simulate_it())`, saved (the run kept in `runs`
+        under `name`, if given). `progress` counts the point, with its simulated seconds if it
+        ran (a row read back simulated nothing)."""
+        row = self.get(key)
+        if row is None:
+            result = simulate_it()
+            if runs is not None:
+                runs[name] = result
+            row = stats_of(result)
+            self.add(key, row)
+            if progress is not None:
+                progress.done(result.duration)
+        elif progress is not None:
+            progress.done()
+        return row
