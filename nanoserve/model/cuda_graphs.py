@@ -47,7 +47,9 @@ wait for layer by layer (both run Python between layers), and any runner whose l
 runs the forward over the same static buffers and padding.
 
 Before issue 47 the runner copied each input to the device on its own and a replay then copied
-each into shared static buffers and padded them there: about 17 launches a graphed step, now 2.
+each into shared static buffers and padded them there: about 17 launches a graphed step. Now the
+runner makes two copies, three launches: the table's corner is strided, so PyTorch stages that
+copy through a contiguous device buffer.
 """
 from __future__ import annotations
 
