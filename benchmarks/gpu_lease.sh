@@ -12,7 +12,7 @@
 # STEPS defaults to the suite's order without kernel_tests (long); what a first call did not
 # reach, a second call can name.
 set -u
-steps=${1:-env,decode,gemm,tests,serve7b,offline8b,throughput,prefix_cache,attention,sweep,fidelity,limits}
+steps=${1:-env,decode,gemm,tests,serve7b,offline8b,throughput,prefix_cache,attention,sweep,fidelity,limits,arena}
 minutes=${2:-8}
 out=${OUT:?the device tool sets OUT}
 work=$(mktemp -d /tmp/gpu-suite.XXXX)

@@ -33,6 +33,8 @@ recorded and the next step runs):
                   again with mixed-step graphs and asynchronous scheduling (the roofline's host_overlap)
     limits        issue 47's Hopper-sized defaults: offline throughput of the 1B shape under each of LIMITS
                   (token budget, max_num_seqs), from the CPU-sized default to vLLM's H100 ones and past
+    arena         benchmarks/arena.py: KunServe's drop + remap on the 1B shape (the paper: about 5 ms with
+                  CUDA VMM) and the background restore's copy stream beside a forward
     kernel_tests  every test that runs a Triton kernel, compiled (long: leave it out of a short lease)
 
 It writes suite.json (every step's numbers and log tail) and suite.md (a summary table).
@@ -53,7 +55,7 @@ MODELS = ROOT / "benchmarks" / "gpu_models"
 # The order a short lease should run them in: the decode-step goal first, then whether the new
 # paths (asynchronous scheduling, mixed-step graphs, graph memory in the KV sizing) hold on CUDA.
 STEPS = ["env", "decode", "gemm", "tests", "serve7b", "offline8b", "throughput", "prefix_cache", "attention", "sweep",
-         "fidelity", "limits", "kernel_tests"]
+         "fidelity", "limits", "arena", "kernel_tests"]
 # (max_num_batched_tokens, max_num_seqs) the `limits` step runs: ours today (CPU-sized), vLLM's on
 # H100-class GPUs (8,192-16,384 tokens, 256 sequences), and wider.
 LIMITS = ((2048, 128), (8192, 256), (16384, 256), (16384, 512))
@@ -288,6 +290,14 @@ def step_limits(out: Path, options: Options) -> dict:
              "--max-num-seqs", str(seqs), "--skip-hf", "--json", str(path)], 90, out / f"limits_{tokens}_{seqs}.log",
             path)
     return results
+
+
+def step_arena(out: Path, options: Options) -> dict:
+    """KunServe's arena on the GPU (issue 47, item 7): drop + remap, and the restore's overlap."""
+    path = out / "arena.json"
+    ckpt = build_checkpoint("llama-1b", options.cache)
+    return run([sys.executable, "benchmarks/arena.py", "--model", "llama-1b", "--checkpoint", str(ckpt),
+                "--json", str(path)], 90, out / "arena.log", path)
 
 
 def summary(results: dict) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import nn
@@ -12,7 +12,7 @@ from torch import nn
 from nanoserve.config import ModelConfig
 from nanoserve.kernels.reference import store_kv
 from nanoserve.memory.arena import ArenaConfig, BlocksInUseError, MemoryArena
-from nanoserve.memory.arena_layout import PageRuns
+from nanoserve.memory.arena_layout import PageRuns, as_pair, fingerprint, fingerprint_on_device
 from nanoserve.memory.blocks import NoFreeBlocksError
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
@@ -81,6 +81,22 @@ def test_dropping_half_the_layers_gains_the_theoretical_capacity():
     assert change.capacity_before == 8 * BLOCK
     assert arena.num_free_blocks == arena.capacity_blocks  # one contiguous stretch: no fragmentation
     assert all(p.numel() == 0 for n, p in model.named_parameters() if "layers.2." in n or "layers.3." in n)
+
+
+@given(st.binary(min_size=8, max_size=400).map(lambda b: b[: len(b) // 8 * 8]), st.data())
+def test_pages_fingerprints_add_up_to_their_regions(data, draw):
+    """A background restore fingerprints each run of pages as it fills it, on the device, and
+    adds them up (fill_restore): the sum must be the whole region's fingerprint, and any one
+    changed byte must change it."""
+    region = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    words = len(data) // 8
+    cut = draw.draw(st.integers(0, words)) * 8
+    pieces = fingerprint_on_device(region[:cut]) + fingerprint_on_device(region[cut:], first=cut // 8)
+    assert as_pair(pieces) == fingerprint(region)
+    changed = region.clone()
+    at = draw.draw(st.integers(0, len(data) - 1))
+    changed[at] ^= 1 << draw.draw(st.integers(0, 7))
+    assert fingerprint(changed) != fingerprint(region)
 
 
 def test_restore_from_host_copy_is_bit_identical():

@@ -21,6 +21,18 @@ def test_attention_benchmark_smoke():
     assert "largest difference from SDPA" in proc.stdout
 
 
+def test_arena_benchmark_smoke(tmp_path):
+    """KunServe's drop and background restore on a tiny arena (benchmarks/arena.py)."""
+    out = tmp_path / "arena.json"
+    proc = subprocess.run([sys.executable, "benchmarks/arena.py", "--smoke", "--device", "cpu", "--cache",
+                           str(tmp_path), "--json", str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["drop"]["layers"] == 2 and result["drop"]["kv_moved_mib"] > 0
+    assert result["restore"]["pulled_gib"] >= 0 and result["restore"]["fill_plus_forward_ms"] > 0
+
+
 def test_scheduler_benchmark_smoke():
     proc = subprocess.run([sys.executable, "benchmarks/scheduler.py", "--smoke", "--policies", "fcfs,priority"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

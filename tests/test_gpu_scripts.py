@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import attention, gemm, gpu_decode, gpu_suite, prefix_cache, sim_fidelity, throughput
+from benchmarks import arena, attention, gemm, gpu_decode, gpu_suite, prefix_cache, sim_fidelity, throughput
 
 ROOT = Path(__file__).resolve().parent.parent
 PARSERS = {"benchmarks.gpu_decode": gpu_decode.build_parser, "benchmarks.throughput": throughput.build_parser,
            "benchmarks.sim_fidelity": sim_fidelity.build_parser, "benchmarks.attention": attention.build_parser,
-           "benchmarks.gemm": gemm.build_parser, "benchmarks.prefix_cache": prefix_cache.build_parser}
+           "benchmarks.gemm": gemm.build_parser, "benchmarks.prefix_cache": prefix_cache.build_parser,
+           "benchmarks.arena": arena.build_parser}
 
 
 def suite_commands(monkeypatch, tmp_path: Path) -> tuple[list[list[str]], set[str]]:

@@ -34,8 +34,10 @@ KV block is owned; with none owned, the home pages are free and the weights are 
 Restore in the background (§4.4, "we overlap restoring with the normal request processing"):
 `begin_restore` reserves the dropped layers' home pages: the free ones at once, the rest as the
 blocks on them are freed; no block is carved there again. `fill_restore` copies the weights into
-reserved pages a chunk at a time between steps, and `restore_layers` then copies only the pages
-still unfilled (none if the pull is done). `cancel_restore` hands the reserved pages back.
+reserved pages a chunk at a time between steps (on a GPU on a copy stream of its own, from
+page-locked host weights, so the copies run beside the forwards), and `restore_layers` then
+copies only the pages still unfilled (none if the pull is done) and makes the forwards wait for
+the copies. `cancel_restore` hands the reserved pages back, after the copies.
 
     home of a dropped layer:  | filled | filled | to fill | KV block (still owned) |
                                  `-- reserved: neither free nor owned --'   `-- reserved when freed
@@ -60,6 +62,7 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +72,11 @@ from nanoserve.memory.arena_layout import (
     SHARED,
     ArenaConfig,
     PageRuns,
+    as_pair,
     assert_tiles,
     check_restore_source,
-    combine,
     fingerprint,
+    fingerprint_on_device,
     plan_weights,
 )
 from nanoserve.memory.blocks import NoFreeBlocksError
@@ -128,8 +132,12 @@ class MemoryArena:
         self._pull_layers: tuple[int, ...] = ()
         self._pull_source: Mapping[str, torch.Tensor] = {}
         self._pull_todo, self._pull_done = PageRuns(), PageRuns()
-        self._pull_prints: dict[int, tuple[int, int]] = {}  # layer -> fingerprint of its filled pages
+        # layer -> fingerprint of its filled pages, on the device (`fingerprint_on_device`)
+        self._pull_prints: dict[int, torch.Tensor] = {}
         self.pulled_bytes = 0  # weight bytes `fill_restore` has copied, over the arena's life
+        # On a GPU the background restore copies on a stream of its own, from page-locked host
+        # weights, beside the forwards (§4.4 puts pulls behind the pipeline's activations).
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- geometry and accounting ---------------------------------------------------------
     @property
@@ -221,7 +229,8 @@ class MemoryArena:
         if self._pull_layers:  # the pull reserved every home page once its block was freed
             assert self._pull_todo.num_pages + self._pull_done.num_pages == sum(b - a for a, b in self._pull_homes())
             copied = self._fill(self._pull_todo.num_pages)  # what the background did not reach
-            prints = self._pull_prints
+            self._wait_for_copies()  # the forwards read these layers from the next step on
+            prints = {layer: as_pair(pair) for layer, pair in self._pull_prints.items()}
             self._pull_layers, self._pull_source, self._pull_done, self._pull_prints = (), {}, PageRuns(), {}
             for layer in layers:
                 self._load(layer, source, copy=False, fingerprinted=prints.get(layer))
@@ -265,9 +274,10 @@ class MemoryArena:
 
     def fill_restore(self, max_bytes: int | None) -> int:
         """Copy the weights into up to `max_bytes` of reserved, unfilled pages (None: all of
-        them), lowest first; returns the bytes copied. Our choice: between steps from the host
-        copy, one chunk a step; on a GPU the copy would go on a copy stream (§4.4 puts pulls
-        behind the pipeline's activations)."""
+        them), lowest first; returns the bytes copied. Our choice: issued between steps from
+        the host copy, one chunk a step; on a GPU on the arena's copy stream, so the copy runs
+        beside the next forwards and the host does not wait for it (§4.4 puts pulls behind the
+        pipeline's activations)."""
         page = self.config.page_bytes
         copied = self._fill(self._pull_todo.num_pages if max_bytes is None else max(1, max_bytes // page))
         self.pulled_bytes += copied
@@ -277,24 +287,43 @@ class MemoryArena:
         """Fill up to `pages` reserved pages, lowest first, and fingerprint each as it is filled
         (nothing writes a reserved page again, so the switch need not read the layer back)."""
         copied, page = 0, self.config.page_bytes
-        while pages and self._pull_todo.num_pages:
-            start, length = next(iter(self._pull_todo))
-            length = min(length, pages)
-            self._pull_todo.take(start, length)
-            copied += self._copy_weight_bytes(start * page, (start + length) * page)
-            if page % 8 == 0:  # whole words: a page's fingerprint adds to its home's
-                for layer in self._pull_layers:
-                    home, n = self._home[layer]
-                    lo, hi = max(start, home), min(start + length, home + n)
-                    if lo < hi:
-                        piece = fingerprint(self._arena[lo * page : hi * page], first=(lo - home) * page // 8)
-                        self._pull_prints[layer] = combine(self._pull_prints.get(layer, (0, 0)), piece)
-            self._pull_done.release(start, length)
-            pages -= length
+        with self._on_copy_stream():
+            while pages and self._pull_todo.num_pages:
+                start, length = next(iter(self._pull_todo))
+                length = min(length, pages)
+                self._pull_todo.take(start, length)
+                copied += self._copy_weight_bytes(start * page, (start + length) * page)
+                if page % 8 == 0:  # whole words: a page's fingerprint adds to its home's
+                    for layer in self._pull_layers:
+                        home, n = self._home[layer]
+                        lo, hi = max(start, home), min(start + length, home + n)
+                        if lo < hi:
+                            piece = fingerprint_on_device(self._arena[lo * page : hi * page],
+                                                          first=(lo - home) * page // 8)
+                            held = self._pull_prints.get(layer)
+                            self._pull_prints[layer] = piece if held is None else held + piece
+                self._pull_done.release(start, length)
+                pages -= length
         return copied
+
+    def _on_copy_stream(self) -> AbstractContextManager[object]:
+        """Where a restore's copies run: on a GPU the arena's copy stream, which first waits for
+        the work queued so far (a reserved page may have been under a KV block that a queued
+        forward still reads); on a CPU, in order."""
+        if self._copy_stream is None:
+            return nullcontext()
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self._arena.device))
+        return torch.cuda.stream(self._copy_stream)
+
+    def _wait_for_copies(self) -> None:
+        """Work queued from now on runs after the restore's copies: before a forward reads a
+        restored layer, or a KV block is carved from a page a cancelled restore was filling."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self._arena.device).wait_stream(self._copy_stream)
 
     def cancel_restore(self) -> None:
         """Throttling came back: the reserved pages, filled or not, are free KV pages again."""
+        self._wait_for_copies()
         for runs in (self._pull_todo, self._pull_done):
             for start, length in list(runs):
                 runs.take(start, length)
@@ -321,7 +350,8 @@ class MemoryArena:
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.nbytes)
                 if a < b:
                     flat = self._pull_source[slot.name].detach().contiguous().view(-1).view(torch.uint8)
-                    self._arena[a:b].copy_(flat[a - slot.offset : b - slot.offset])
+                    # Non-blocking: from page-locked memory (move_weights_to_host) the host goes on.
+                    self._arena[a:b].copy_(flat[a - slot.offset : b - slot.offset], non_blocking=True)
                     copied += b - a
         return copied
 

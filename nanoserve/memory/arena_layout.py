@@ -120,22 +120,31 @@ def fingerprint(region: torch.Tensor, chunk: int = 1 << 22, first: int = 0) -> t
 
     `first`: the region's first word (or byte) is word `first` of a larger region. The pairs of
     consecutive pieces then add up (modulo 2^64) to the larger region's pair, so a background
-    restore fingerprints each page as it fills it (`combine`)."""
+    restore fingerprints each page as it fills it (`fingerprint_on_device`)."""
+    return as_pair(fingerprint_on_device(region, chunk, first))
+
+
+def fingerprint_on_device(region: torch.Tensor, chunk: int = 1 << 22, first: int = 0) -> torch.Tensor:
+    """`fingerprint`'s pair as a two-element int64 tensor on the region's device, computed
+    without waiting for it: a background restore fingerprints the pages it fills on its copy
+    stream, adds the pieces' tensors, and reads the sum once, when the layer comes back. int64
+    sums wrap, which is arithmetic modulo 2^64, so the sum of the pieces' tensors is the whole
+    region's."""
     words = region
     if region.numel() % 8 == 0 and region.storage_offset() % 8 == 0:
         words = region.view(torch.int64)
-    total = weighted = 0
+    pair = torch.zeros(2, dtype=torch.int64, device=region.device)
     for start in range(0, words.numel(), chunk):
         piece = words[start : start + chunk].to(torch.int64)
         position = torch.arange(first + start + 1, first + start + 1 + piece.numel(), device=piece.device)
-        total += int(piece.sum())
-        weighted += int((piece * position).sum())
+        pair += torch.stack([piece.sum(), (piece * position).sum()])
+    return pair
+
+
+def as_pair(pair: torch.Tensor) -> tuple[int, int]:
+    """A `fingerprint_on_device` tensor as `fingerprint`'s pair (this waits for it)."""
+    total, weighted = pair.tolist()
     return total % FINGERPRINT_MOD, weighted % FINGERPRINT_MOD
-
-
-def combine(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-    """The fingerprint of two pieces of one region, from theirs (`fingerprint`'s `first`)."""
-    return (a[0] + b[0]) % FINGERPRINT_MOD, (a[1] + b[1]) % FINGERPRINT_MOD
 
 
 class PageRuns:

@@ -52,12 +52,22 @@ def move_weights_to_host(model: nn.Module) -> dict[str, torch.Tensor]:
 
     The arena then copies them into its own device buffer, so the device never holds two
     copies; what stays on the host is the replica a drop's peer loads from and a restore
-    reads back (§4.4). On a CPU device this moves nothing and costs nothing.
+    reads back (§4.4). From a GPU into page-locked memory, so that a background restore's
+    copies (MemoryArena.fill_restore, on its copy stream) and the peer's loads do not hold the
+    host up. On a CPU device this moves nothing and costs nothing.
     """
-    host = {name: param.detach().to("cpu") for name, param in model.named_parameters()}
+    host = {name: host_copy(param.detach()) for name, param in model.named_parameters()}
     for name, param in model.named_parameters():
         param.data = host[name]
     return host
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the host: page-locked if it comes from a GPU, itself if it is there already."""
+    if tensor.device.type != "cuda":
+        return tensor.to("cpu")
+    pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return pinned.copy_(tensor)
 
 
 class PeerRoomError(MemoryError):
