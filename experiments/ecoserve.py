@@ -337,17 +337,11 @@ def _sweep(dataset: Dataset, scale: str, seed: int, n: int, saved: _Points) -> _
     progress = Progress(len(SYSTEMS) * len(rates), f"EcoServe {dataset.label} seed {seed}")
 
     def point(system: System, rate: float, trace: list[TraceRequest]) -> None:
-        key = _Points.key(dataset, system, rate, seed, n)
-        row = saved.get(key) if rate != table_rate else None
-        if row is None:
-            result = simulate(system.config(dataset, trace), trace)
-            row = _row(dataset, system.label, rate, result)
-            saved.add(key, row)
-            progress.done(result.duration)
-            if rate == table_rate:
-                runs[system.label] = result
-        else:
-            progress.done()
+        table = rate == table_rate  # its runs fill the per-request tables: simulated even if saved
+        row = saved.point(_Points.key(dataset, system, rate, seed, n),
+                          lambda: simulate(system.config(dataset, trace), trace),
+                          lambda result: _row(dataset, system.label, rate, result),
+                          runs if table else None, system.label, progress, rerun=table)
         points[system.label].append((rate, row["norm_latency"]))
         rows.append(row)
 
@@ -381,17 +375,13 @@ def _ablation(dataset: Dataset, scale: str, seed: int, n: int, saved: _Points) -
         trace = make_trace(poisson_arrivals(rate, n=n, seed=seed), dataset.lengths, seed=seed)
         for pricing, scale_factor in (("flat", None), ("measured", SCHEDULING_TIME_SCALE)):
             for system in ABLATION:
-                key = _Points.key(dataset, system, rate, seed, n) + f"|Fig. 11 {pricing}"
-                row = saved.get(key)
-                if row is None:
-                    config = SimConfig(**{**system.config(dataset, trace).__dict__,
-                                          "scheduling_time_scale": scale_factor})
-                    result = simulate(config, trace)
-                    row = {**_row(dataset, system.label, rate, result), "scheduling": pricing}
-                    saved.add(key, row)
-                    progress.done(result.duration)
-                else:
-                    progress.done()
+                # The lambdas run at once, inside this iteration, so they read this iteration's values.
+                row = saved.point(
+                    _Points.key(dataset, system, rate, seed, n) + f"|Fig. 11 {pricing}",
+                    lambda: simulate(SimConfig(**{**system.config(dataset, trace).__dict__,
+                                                  "scheduling_time_scale": scale_factor}), trace),
+                    lambda result: {**_row(dataset, system.label, rate, result), "scheduling": pricing},
+                    progress=progress)
                 rows.append(dict(row))
     progress.close()
     vllm = {(row["rate"], row["scheduling"]): row for row in rows if row["system"] == VLLM_2023.label}

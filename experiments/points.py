@@ -52,11 +52,13 @@ class SavedPoints:
                 f.write(json.dumps({"key": key, "row": row}) + "\n")
 
     def point(self, key: str, simulate_it: Callable[[], SimResult], stats_of: Callable[[SimResult], dict],
-              runs: dict[str, SimResult] | None = None, name: str = "", progress: Progress | None = None) -> dict:
+              runs: dict[str, SimResult] | None = None, name: str = "", progress: Progress | None = None,
+              rerun: bool = False) -> dict:
         """The row saved under `key`, or `stats_of(simulate_it())`, saved (the run kept in `runs`
-        under `name`, if given). `progress` counts the point, with its simulated seconds if it
-        ran (a row read back simulated nothing)."""
-        row = self.get(key)
+        under `name`, if given). `rerun`: simulate even if saved (the caller needs the run, not
+        just its row). `progress` counts the point, with its simulated seconds if it ran (a row
+        read back simulated nothing)."""
+        row = None if rerun else self.get(key)
         if row is None:
             result = simulate_it()
             if runs is not None:
