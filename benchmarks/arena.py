@@ -17,24 +17,24 @@ restore's copies run beside the forwards.
    10 ms) alone and with one fill issued just before it: overlapped, the pair takes about
    max(forward, copy), not their sum.
 
-    python benchmarks/arena.py --model llama-1b --json out.json     # on a GPU
-    python benchmarks/arena.py --smoke                               # a CPU: the script runs
+    PYTHONPATH=. python benchmarks/arena.py --model llama-1b --json out.json    # on a GPU
+    PYTHONPATH=. python benchmarks/arena.py --smoke --checkpoint TINY_MODEL       # a CPU: it runs
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_suite import build_checkpoint
 from nanoserve.memory.arena import ArenaConfig, MemoryArena
 from nanoserve.model.layer_peer import move_weights_to_host
 from nanoserve.model.loader import load_model
-
-MODELS = Path(__file__).parent / "gpu_models"
 
 
 def synced(device: torch.device) -> Callable[[], None]:
@@ -47,20 +47,6 @@ def timed_ms(fn: Callable[[], object], sync: Callable[[], None]) -> float:
     fn()
     sync()
     return (time.perf_counter() - start) * 1e3
-
-
-def random_checkpoint(name: str, out: Path, smoke: bool) -> Path:
-    """A random-weight checkpoint of gpu_models/<name> (with --smoke: two layers, hidden 64)."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(MODELS / name)
-    if smoke:
-        config.update(dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def stand_in_forward(device: torch.device, smoke: bool) -> Callable[[], torch.Tensor]:
@@ -81,25 +67,24 @@ def stand_in_forward(device: torch.device, smoke: bool) -> Callable[[], torch.Te
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     sync = synced(device)
-    work = Path(args.checkpoint or Path(args.cache) / (f"{args.model}-smoke" if args.smoke else args.model))
-    if not (work / "config.json").exists():
-        random_checkpoint(args.model, work, args.smoke)
+    # The GPU suite's random-weight checkpoint of --model (built on the GPU), unless one is given.
+    work = Path(args.checkpoint) if args.checkpoint else build_checkpoint(args.model, Path(args.cache))
     model, cfg = load_model(work, device, torch.bfloat16)
     host = move_weights_to_host(model)
     page_tokens = args.block_size
     weight_bytes = sum(t.numel() * t.element_size() for t in host.values())
-    kv_per_block = 2 * cfg.num_layers * page_tokens * cfg.num_kv_heads * cfg.head_dim * 2
-    kv_blocks = max(8, int(args.kv_gib * 2**30) // kv_per_block)
+    page_bytes = ArenaConfig.from_model_config(cfg, page_tokens, torch.bfloat16, 0).page_bytes
+    kv_blocks = max(8, int(args.kv_gib * 2**30) // (2 * cfg.num_layers * page_bytes))  # K and V of every layer
     arena = MemoryArena(model, ArenaConfig.from_model_config(cfg, page_tokens, torch.bfloat16, kv_blocks), device)
     live = int(arena.num_free_blocks * args.kv_fill)
     for i in range(live):
         arena.allocate(("seq", i), page_tokens)
     dropped = list(range(1, cfg.num_layers, 2))  # every other layer: a peer holds them (§3)
     # Surviving layer 2k moves from rank 2k to rank k: every one but layer 0, K and V, per live block.
-    moved = live * 2 * arena.config.page_bytes * (cfg.num_layers - len(dropped) - 1)
+    moved = live * 2 * page_bytes * (cfg.num_layers - len(dropped) - 1)
     drop_ms = timed_ms(lambda: arena.drop_layers(dropped), sync)
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "model": args.model + (" (smoke)" if args.smoke else ""), "layers": cfg.num_layers,
+                    "model": str(work) if args.checkpoint else args.model, "layers": cfg.num_layers,
                     "weight_gib": round(weight_bytes / 2**30, 3), "kv_blocks": kv_blocks, "live_blocks": live,
                     "drop": {"layers": len(dropped), "ms": round(drop_ms, 3),
                              "kv_moved_mib": round(moved / 2**20, 1), "paper_ms_with_vmm": 5}}
@@ -112,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     while arena.pull_pages_left and len(pair_ms) < args.fills:
         sync()
         start = time.perf_counter()
-        copied = arena.fill_restore(chunk)
+        arena.fill_restore(chunk)
         host_ms.append((time.perf_counter() - start) * 1e3)
         sync()
         copy_ms.append((time.perf_counter() - start) * 1e3)
@@ -124,11 +109,12 @@ def run(args: argparse.Namespace) -> dict:
         forward()
         sync()
         pair_ms.append((time.perf_counter() - start) * 1e3)
-        if not copied:
-            break
     restore_ms = timed_ms(lambda: arena.restore_layers(dropped, host), sync)
     arena.check_invariants()
-    median = lambda xs: round(sorted(xs)[len(xs) // 2], 3) if xs else None  # noqa: E731
+
+    def median(xs: list[float]) -> float | None:
+        return round(statistics.median_low(xs), 3) if xs else None
+
     result["restore"] = {"chunk_mib": args.chunk_mb, "fill_host_ms": median(host_ms),
                          "fill_device_ms": median(copy_ms), "forward_ms": round(forward_ms, 3),
                          "fill_plus_forward_ms": median(pair_ms),
@@ -143,21 +129,26 @@ def run(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-1b", help="a config under benchmarks/gpu_models/")
-    parser.add_argument("--checkpoint", help="a checkpoint of --model's shape already built (gpu_suite's)")
+    parser.add_argument("--checkpoint", help="a checkpoint to load (default: the GPU suite's random-weight "
+                        "checkpoint of --model, built on the GPU under --cache)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kv-gib", type=float, default=8.0, help="the arena's KV bytes besides the weights")
     parser.add_argument("--kv-fill", type=float, default=0.5, help="the share of KV blocks live at the drop")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--chunk-mb", type=float, default=64.0, help="bytes one fill_restore call copies")
     parser.add_argument("--fills", type=int, default=5, help="fill + forward pairs timed")
-    parser.add_argument("--cache", default="/tmp/nanoserve-arena-bench", help="where the random checkpoint goes")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model and arena: the script runs on a CPU")
+    parser.add_argument("--cache", default="/tmp/nanoserve-gpu-models", help="where a built checkpoint goes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny arena, chunk and stand-in forward (with --checkpoint of a tiny model): a CPU run")
     parser.add_argument("--json")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.smoke and not args.checkpoint:
+        parser.error("--smoke needs --checkpoint: a tiny model (the tests build one)")
     if args.smoke:
         args.kv_gib, args.chunk_mb = 0.001, 0.01
     result = run(args)

@@ -28,10 +28,10 @@ def backend_device(backend: str) -> str:
     return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
-def _tiny_config(arch: str, vocab_size: int = TINY_VOCAB):
+def _tiny_config(arch: str, vocab_size: int = TINY_VOCAB, num_layers: int = 2):
     import transformers
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
                   max_position_embeddings=512, initializer_range=0.1)
     if arch == "llama":
         # Llama-3 style RoPE scaling, untied head, GQA.
@@ -57,11 +57,11 @@ def _tiny_config(arch: str, vocab_size: int = TINY_VOCAB):
 TINY_ARCHS = ["llama", "qwen2", "qwen3", "opt", "opt-prenorm"]
 
 
-def build_tiny_model(arch: str, directory: Path, vocab_size: int = TINY_VOCAB, **save_kwargs):
+def build_tiny_model(arch: str, directory: Path, vocab_size: int = TINY_VOCAB, num_layers: int = 2, **save_kwargs):
     """A random-weight HF model saved to `directory`; norms and biases perturbed so that a
     wrongly loaded norm or bias cannot hide behind an initial value of 1 or 0. `vocab_size`:
     259 makes every id the model can draw one of `write_byte_tokenizer`'s tokens."""
-    model_cls, config = _tiny_config(arch, vocab_size)
+    model_cls, config = _tiny_config(arch, vocab_size, num_layers)
     torch.manual_seed(1234)
     model = model_cls(config)
     with torch.no_grad():

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,11 +23,13 @@ def test_attention_benchmark_smoke():
 
 
 def test_arena_benchmark_smoke(tmp_path):
-    """KunServe's drop and background restore on a tiny arena (benchmarks/arena.py)."""
+    """KunServe's drop and background restore on a tiny arena (benchmarks/arena.py): four layers,
+    so that the drop of layers 1 and 3 moves layer 2's KV."""
+    build_tiny_model("llama", tmp_path / "model", num_layers=4)
     out = tmp_path / "arena.json"
-    proc = subprocess.run([sys.executable, "benchmarks/arena.py", "--smoke", "--device", "cpu", "--cache",
-                           str(tmp_path), "--json", str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "benchmarks/arena.py", "--smoke", "--device", "cpu", "--checkpoint",
+                           str(tmp_path / "model"), "--json", str(out)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["drop"]["layers"] == 2 and result["drop"]["kv_moved_mib"] > 0
