@@ -63,8 +63,8 @@ class StepInputLayout:
     padding_sequences_take_a_token: bool = False  # a decode graph's layout (see the padding table)
 
     def _offsets(self) -> tuple[int, int, int, int]:
-        """In int64 slots: where positions (= slot_mapping's distance from it), sample_index,
-        seq_lens and query_start_loc start, and where the buffer ends."""
+        """In int64 slots: t, each token field's length (positions start at t, slot_mapping at
+        2t, sample_index at 3t); where seq_lens and query_start_loc start; where the buffer ends."""
         t = _even(self.num_tokens)
         lens = 3 * t + _even(self.num_seqs)
         starts = lens + _even((self.num_seqs + 1) // 2)
